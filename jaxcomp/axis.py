@@ -65,6 +65,12 @@ def psum(x, axis_name: AxisName):
   return x if name is None else lax.psum(x, name)
 
 
+def pmax(x, axis_name: AxisName):
+  """Maximum over the axis (identity at world size 1)."""
+  name = bound_axis(axis_name)
+  return x if name is None else lax.pmax(x, name)
+
+
 def mean(x, axis_name: AxisName, wire_dtype=None):
   """Mean over the axis in torch's order: cast to ``wire_dtype`` → ÷W → sum → cast back.
 

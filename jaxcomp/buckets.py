@@ -4,12 +4,13 @@
 of the gradient pytree are packed into flat, single-dtype buckets by DDP's rule, a user hook reduces
 each bucket, and the results are unpacked into the pytree again.
 
-DDP's bucket rule (torch 2.13, after its first-iteration rebuild, checked against torch): parameters are
-taken in reverse order (the order their gradients become ready); each dtype fills its own open bucket,
-and a bucket closes as soon as its size reaches the cap (so it may exceed it by one tensor); the first
-bucket of each dtype is capped by ``first_bucket_cap_mb``; buckets are numbered by the earliest tensor
-(in reverse order) they hold. Bucket 0 therefore holds the last parameters and the bucket with the
-highest index holds the first ones; ``is_last`` is true for that one, the last to be reduced.
+DDP's bucket rule (torch 2.13 after its first-iteration rebuild, recorded from torch in
+``tests/golden/ddp_buckets.json``): parameters are taken in reverse order (the order their gradients
+become ready); each dtype fills its own open bucket, and a bucket closes as soon as its size reaches the
+cap (so it may exceed it by one tensor); the first bucket of each dtype is capped by
+``first_bucket_cap_mb``. Buckets are numbered in the order they close; the buckets still open at the end
+follow, the dtype seen last first. Bucket 0 therefore holds the last parameters; ``is_last`` is true for
+the bucket with the highest index, the last to be reduced.
 """
 
 from __future__ import annotations
@@ -29,9 +30,17 @@ from jaxcomp import axis
 _MIB = 1024 * 1024
 
 
+def _shape(x) -> tuple:
+  return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
+def _dtype(x) -> np.dtype:
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
+
+
 def is_float(x) -> bool:
   """True for the leaves jaxcomp reduces: floating-point arrays. Others pass through untouched."""
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+  return jnp.issubdtype(_dtype(x), jnp.floating)
 
 
 @jax.tree_util.register_static
@@ -48,12 +57,12 @@ class TreeSignature:
 
   @classmethod
   def of(cls, tree) -> "TreeSignature":
+    """The signature of ``tree``, whose leaves may be arrays or ``jax.ShapeDtypeStruct``s."""
     leaves, treedef = jax.tree.flatten(tree)
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-      if jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):
+      if jnp.issubdtype(_dtype(leaf), jnp.complexfloating):
         raise TypeError(f"params: complex leaf at {jax.tree_util.keystr(path)} is not supported")
-    return cls(treedef, tuple(tuple(np.shape(x)) for x in leaves),
-               tuple(jnp.result_type(x).name for x in leaves))
+    return cls(treedef, tuple(_shape(x) for x in leaves), tuple(_dtype(x).name for x in leaves))
 
   def check(self, tree, name: str = "updates") -> list:
     """Returns ``tree``'s leaves, or raises ValueError saying how ``tree`` differs from this one."""
@@ -63,10 +72,9 @@ class TreeSignature:
                        f"init saw {self.treedef}, update got {treedef}")
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
     for path, leaf, shape, dtype in zip(paths, leaves, self.shapes, self.dtypes):
-      if tuple(np.shape(leaf)) != shape or jnp.result_type(leaf).name != dtype:
+      if _shape(leaf) != shape or _dtype(leaf).name != dtype:
         raise ValueError(f"{name}: leaf {path} changed between init and update: init saw "
-                         f"{dtype}{list(shape)}, update got "
-                         f"{jnp.result_type(leaf).name}{list(np.shape(leaf))}")
+                         f"{dtype}{list(shape)}, update got {_dtype(leaf).name}{list(_shape(leaf))}")
     return leaves
 
   @property
@@ -130,8 +138,8 @@ def bucket_assignment(signature: TreeSignature, bucket_cap_bytes: float,
     if bucket[1] >= (first_bucket_cap_bytes if bucket[2] == 0 else bucket_cap_bytes):
       closed.append(tuple(bucket[0]))
       open_buckets[dtype] = [[], 0, bucket[2] + 1]
-  closed += [tuple(b[0]) for b in open_buckets.values() if b[0]]
-  return tuple(sorted(closed, key=lambda b: -b[0]))  # earliest in reverse order first
+  closed += [tuple(b[0]) for b in reversed(open_buckets.values()) if b[0]]
+  return tuple(closed)
 
 
 def _positive_mb(value, name: str) -> float:

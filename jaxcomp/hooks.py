@@ -5,7 +5,7 @@ gradient bucket (a ``jaxcomp.GradBucket``) and returns the buffer every device u
 few lines; this one sends the bucket as int8 with a shared per-bucket scale::
 
     def int8_hook(state, bucket):
-      scale = jaxcomp.axis.psum(jnp.abs(bucket.buffer).max(), bucket.axis_name) / 127
+      scale = jaxcomp.axis.pmax(jnp.abs(bucket.buffer).max(), bucket.axis_name) / 127
       q = jnp.round(bucket.buffer / jnp.maximum(scale, 1e-30)).astype(jnp.int32)
       total = jaxcomp.axis.psum(q, bucket.axis_name)  # W * 127 fits easily in int32
       n = jaxcomp.axis.axis_size(bucket.axis_name)

@@ -1,0 +1,163 @@
+"""Small real-data tasks for ``python -m jaxcomp.train``: data that needs no download, and a Flax model.
+
+* ``chars``: a character-level transformer trained on the Python standard library's own source text
+  (``argparse.py``, ``dataclasses.py``, ...), predicting the next character.
+* ``digits``: an MLP on the 8×8 handwritten digits that scikit-learn bundles (``pip install
+  jaxcomp[examples]``).
+
+A task hands out the same batches, in the same order, to every compressor (they depend only on the seed
+and the step), and evaluates on held-out data: the last tenth of the text, or a fifth of the digits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+TASKS = ("chars", "digits")
+
+# Standard-library modules whose source is the text corpus (about 250 kB of Python).
+STDLIB_FILES = ("argparse.py", "dataclasses.py", "functools.py", "fractions.py", "heapq.py",
+                "textwrap.py", "string.py", "bisect.py")
+
+
+class CharTransformer(nn.Module):
+  """A small pre-LayerNorm causal transformer over byte-valued characters."""
+  vocab: int = 128
+  context: int = 64
+  width: int = 64
+  depth: int = 2
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, tokens):
+    position = self.param("position", nn.initializers.normal(0.02), (self.context, self.width))
+    x = nn.Embed(self.vocab, self.width)(tokens) + position[:tokens.shape[-1]]
+    mask = nn.make_causal_mask(tokens)
+    for _ in range(self.depth):
+      h = nn.LayerNorm()(x)
+      x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+      h = nn.LayerNorm()(x)
+      x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+class DigitsMLP(nn.Module):
+  """A two-hidden-layer MLP on flattened 8×8 images."""
+  hidden: int = 128
+
+  @nn.compact
+  def __call__(self, images):
+    x = nn.relu(nn.Dense(self.hidden)(images))
+    x = nn.relu(nn.Dense(self.hidden)(x))
+    return nn.Dense(10)(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A dataset, a model and its loss.
+
+  Attributes:
+    name: ``"chars"`` or ``"digits"``.
+    model: the Flax Linen module.
+    inputs, targets: the training set (for ``chars``, windows are cut from one token array).
+    test_inputs, test_targets: the held-out set, evaluated as one batch.
+    learning_rate: the SGD learning rate every compressor trains with.
+    sample: ``sample(rng, n) -> (inputs, targets)``, a batch of ``n`` training examples.
+  """
+  name: str
+  model: nn.Module
+  test_inputs: np.ndarray
+  test_targets: np.ndarray
+  learning_rate: float
+  sample: Callable
+
+  def init(self, seed: int):
+    """The model's parameters, drawn from ``seed``."""
+    return self.model.init(jax.random.key(seed), self.test_inputs[:1])["params"]
+
+  def batch(self, seed: int, step: int, size: int):
+    """The training batch of ``step``: the same for every compressor and every device count."""
+    return self.sample(np.random.default_rng([seed, step]), size)
+
+  def loss(self, params, inputs, targets):
+    """Mean cross-entropy of the model's predictions."""
+    logits = self.model.apply({"params": params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  def evaluate(self, params):
+    """(loss, accuracy) on the held-out set."""
+    logits = self.model.apply({"params": params}, self.test_inputs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, self.test_targets).mean()
+    accuracy = (logits.argmax(-1) == self.test_targets).mean()
+    return float(loss), float(accuracy)
+
+
+def stdlib_text() -> bytes:
+  """The source text of ``STDLIB_FILES``, from this Python's standard library."""
+  folder = sysconfig.get_paths()["stdlib"]
+  parts = []
+  for name in STDLIB_FILES:
+    with open(os.path.join(folder, name), "rb") as f:
+      parts.append(f.read())
+  return b"\n".join(parts)
+
+
+def chars(quick: bool = False) -> Task:
+  """Next-character prediction on standard-library source; non-ASCII bytes become ``?``."""
+  context = 32 if quick else 64
+  tokens = np.frombuffer(stdlib_text(), np.uint8).astype(np.int32)
+  tokens = np.where(tokens < 128, tokens, ord("?"))
+  split = len(tokens) * 9 // 10
+  train, test = tokens[:split], tokens[split:]
+
+  def windows(text, starts):
+    idx = starts[:, None] + np.arange(context + 1)
+    return text[idx[:, :-1]], text[idx[:, 1:]]
+
+  num_test = 64 if quick else 256
+  test_inputs, test_targets = windows(test, np.linspace(0, len(test) - context - 1, num_test,
+                                                        dtype=np.int64))
+  return Task(
+      name="chars",
+      model=CharTransformer(context=context, width=32 if quick else 64, depth=1 if quick else 2),
+      test_inputs=test_inputs, test_targets=test_targets, learning_rate=0.3,
+      sample=lambda rng, n: windows(train, rng.integers(0, len(train) - context - 1, n)))
+
+
+def digits(quick: bool = False) -> Task:
+  """Classification of scikit-learn's 1,797 8×8 digits (pixels scaled to [0, 1])."""
+  try:
+    from sklearn.datasets import load_digits
+  except ImportError as e:
+    raise ImportError("the digits task needs scikit-learn: pip install 'jaxcomp[examples]'") from e
+  data = load_digits()
+  images = (data.data / 16.0).astype(np.float32)
+  labels = data.target.astype(np.int32)
+  order = np.random.default_rng(0).permutation(len(labels))
+  images, labels = images[order], labels[order]
+  split = len(labels) * 4 // 5
+  train_x, train_y = images[:split], labels[:split]
+
+  def sample(rng, n):
+    idx = rng.integers(0, split, n)
+    return train_x[idx], train_y[idx]
+
+  return Task(name="digits", model=DigitsMLP(hidden=32 if quick else 128),
+              test_inputs=images[split:], test_targets=labels[split:], learning_rate=0.1,
+              sample=sample)
+
+
+def get(name: str, quick: bool = False) -> Task:
+  """The task called ``name`` (one of ``TASKS``)."""
+  if name not in TASKS:
+    raise ValueError(f"task must be one of {', '.join(TASKS)}; got {name!r}")
+  return {"chars": chars, "digits": digits}[name](quick)
