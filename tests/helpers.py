@@ -34,3 +34,8 @@ def assert_identical_across_devices(tree):
     x = np.asarray(x)
     for d in range(1, x.shape[0]):
       np.testing.assert_array_equal(x[d:d + 1].view(np.uint8), x[:1].view(np.uint8))
+
+
+def replicate(tree, n_devices=8):
+  """Stacks ``tree`` n_devices times along a new leading axis (pmap's per-device layout)."""
+  return jax.tree.map(lambda x: np.stack([np.asarray(x)] * n_devices), tree)
