@@ -1,0 +1,320 @@
+"""Train a Flax model on real data once per compressor and compare them: ``python -m jaxcomp.train``.
+
+Every compressor trains the same model from the same initial parameters on the same batches, on N
+data-parallel devices (simulated CPU devices unless the host has accelerators), with
+``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum
+itself, so it is followed by plain SGD). The compressors advance side by side — step t of every
+compressor before step t + 1 of any — so their step times are measured under the same load.
+
+Outputs: a table on stdout (also ``OUT/results.md``; raw numbers in ``OUT/results.json``) with, per
+compressor, the bytes each device sends per step (``jaxcomp.comm_report`` of the step, ring algorithm),
+the compression ratio and step-time ratio against ``allreduce``, and the final held-out loss and
+accuracy; and ``OUT/loss.png``, the training loss against step and against cumulative bytes sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+AXIS = "batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+  """One entry of the registry.
+
+  Attributes:
+    make: ``make(steps) -> GradientTransformation``, the compressor for a run of ``steps`` steps.
+    has_momentum: the compressor applies momentum itself (DGC's momentum correction), so the optimizer
+      after it is plain SGD.
+    about: one line for ``--help``.
+  """
+  make: Callable
+  about: str
+  has_momentum: bool = False
+
+
+def _registry() -> dict:
+  import jaxcomp
+  return {
+      "allreduce": Compressor(lambda steps: jaxcomp.allreduce(axis_name=AXIS),
+                              "plain f32 mean, the baseline"),
+      "fp16": Compressor(lambda steps: jaxcomp.fp16_compress(axis_name=AXIS),
+                         "mean sent as float16"),
+      "bf16": Compressor(lambda steps: jaxcomp.bf16_compress(axis_name=AXIS),
+                         "mean sent as bfloat16 (XLA:CPU widens it to f32 on the wire)"),
+  }
+
+
+COMPRESSORS = ("allreduce", "fp16", "bf16")
+
+
+class _Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line on stderr and exit status 2."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  """Parses and checks the command line; bad values exit with one line and status 2."""
+  from jaxcomp import tasks
+  parser = _Parser(
+      prog="python -m jaxcomp.train",
+      description="Train a Flax model once per gradient compressor on N data-parallel devices and "
+                  "print a table: bytes sent per step per device, compression and step-time ratios "
+                  "against allreduce, final held-out loss and accuracy. Also writes OUT/results.md, "
+                  "OUT/results.json and OUT/loss.png.",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument(
+      "--task", choices=tasks.TASKS, default="chars",
+      help="chars: a 2-layer character-level transformer on the Python standard library's own "
+           "source text; digits: an MLP on scikit-learn's bundled 8x8 digits (needs scikit-learn)")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="training steps per compressor (default 300, or 20 with --quick)")
+  parser.add_argument(
+      "--devices", type=int, default=8,
+      help="data-parallel devices; on CPU this many devices are simulated "
+           "(jax_num_cpu_devices), on a GPU/TPU host at most the devices it has")
+  parser.add_argument(
+      "--compressors", default=",".join(COMPRESSORS),
+      help="comma-separated compressors to compare, allreduce first if present; choose from: "
+           + "; ".join(f"{k} ({v.about})" for k, v in _registry().items()))
+  parser.add_argument("--out", default="jaxcomp_train_out",
+                      help="folder for results.md, results.json and loss.png (created if missing)")
+  parser.add_argument(
+      "--batch-size", type=int, default=None,
+      help="global batch per step, split evenly over the devices (default: 32 sequences of 64 "
+           "characters for chars, 128 images for digits)")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the initial parameters and of the batch order")
+  parser.add_argument("--quick", action="store_true",
+                      help="a tiny run for CI: smaller model and eval set, 20 steps unless --steps")
+  args = parser.parse_args(argv)
+
+  if args.steps is None:
+    args.steps = 20 if args.quick else 300
+  if args.steps <= 0:
+    parser.error(f"--steps must be a positive number of steps; got {args.steps}")
+  if args.devices <= 0:
+    parser.error(f"--devices must be a positive number of devices; got {args.devices}")
+  if args.batch_size is None:
+    args.batch_size = {"chars": 32, "digits": 128}[args.task]
+  if args.batch_size <= 0 or args.batch_size % args.devices:
+    parser.error(f"--batch-size must be a positive multiple of --devices {args.devices} (each "
+                 f"device gets an equal share); got {args.batch_size}")
+  names = [n.strip() for n in args.compressors.split(",") if n.strip()]
+  registry = _registry()
+  unknown = [n for n in names if n not in registry]
+  if unknown or not names:
+    parser.error(f"--compressors: unknown compressor {', '.join(map(repr, unknown)) or '(none)'}; "
+                 f"choose from {', '.join(registry)}")
+  if len(set(names)) != len(names):
+    parser.error(f"--compressors lists a compressor twice: {args.compressors}")
+  args.compressors = names
+  return args
+
+
+def setup_devices(count: int) -> list:
+  """Asks JAX for ``count`` CPU devices (before it starts) and returns the first ``count`` devices.
+
+  Raises:
+    RuntimeError: when fewer than ``count`` devices are available.
+  """
+  import jax
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:
+    pass  # JAX has already started (a notebook, a test): use the devices it has.
+  devices = jax.devices()
+  if len(devices) < count:
+    raise RuntimeError(f"--devices {count}: only {len(devices)} {devices[0].platform} devices are "
+                       "available")
+  return devices[:count]
+
+
+@dataclasses.dataclass
+class Run:
+  """What one compressor's training produced."""
+  name: str
+  bytes_per_step: float
+  wire_note: str
+  losses: list
+  step_seconds: list
+  eval_loss: float = float("nan")
+  accuracy: float = float("nan")
+
+  @property
+  def median_step_seconds(self) -> float:
+    timed = self.step_seconds[2:] or self.step_seconds  # the first steps include compilation
+    return float(np.median(timed))
+
+
+def _replicate(tree, n):
+  import jax
+  return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + np.shape(x)), tree)
+
+
+def make_step(task, tx):
+  """The data-parallel training step: per-device loss and gradient, then the optax chain."""
+  import jax
+  import optax
+
+  def step(params, opt_state, inputs, targets):
+    loss, grads = jax.value_and_grad(task.loss)(params, inputs, targets)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: int, seed: int,
+          progress: bool = True) -> list:
+  """Trains ``task`` once per compressor in ``names``, side by side, and returns a ``Run`` each."""
+  import jax
+  import optax
+  import tqdm
+
+  from jaxcomp.report import comm_report
+
+  registry = _registry()
+  n = len(devices)
+  params0 = task.init(seed)
+  runs, states = [], []
+  x0, y0 = task.batch(seed, 0, batch_size)
+  shard = lambda a: a.reshape((n, -1) + a.shape[1:])
+  for name in names:
+    entry = registry[name]
+    tx = optax.chain(entry.make(steps), optax.clip_by_global_norm(1.0),
+                     optax.sgd(task.learning_rate, momentum=None if entry.has_momentum else 0.9))
+    step = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
+    params = _replicate(params0, n)
+    opt_state = jax.pmap(tx.init, devices=devices)(params)
+    lowered = comm_report(step, params, opt_state, shard(x0), shard(y0), stage="lowered",
+                          num_devices=n)
+    compiled = comm_report(step, params, opt_state, shard(x0), shard(y0), num_devices=n)
+    note = "" if compiled.ring_bytes == lowered.ring_bytes else (
+        f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(compiled.ring_bytes)} after "
+        "compiling (it widens the wire dtype)")
+    runs.append(Run(name, lowered.ring_bytes, note, [], []))
+    states.append([step, params, opt_state])
+
+  bar = tqdm.tqdm(total=steps * len(names), desc=f"{task.name} x{len(names)}", unit="step",
+                  disable=not progress, file=sys.stderr, mininterval=0.5)
+  for t in range(steps):
+    inputs, targets = (shard(a) for a in task.batch(seed, t, batch_size))
+    for run, state in zip(runs, states):
+      start = time.perf_counter()
+      state[1], state[2], loss = state[0](state[1], state[2], inputs, targets)
+      loss = float(np.mean(jax.device_get(loss)))  # blocks every step (XLA:CPU needs it)
+      run.step_seconds.append(time.perf_counter() - start)
+      run.losses.append(loss)
+      bar.set_postfix_str(f"{run.name} loss {loss:.3f}", refresh=False)
+      bar.update()
+  bar.close()
+  for run, state in zip(runs, states):
+    run.eval_loss, run.accuracy = task.evaluate(jax.tree.map(lambda x: x[0], state[1]))
+  return runs
+
+
+def _bytes(b: float) -> str:
+  for unit, size in (("MB", 1e6), ("kB", 1e3)):
+    if b >= size:
+      return f"{b / size:.1f} {unit}"
+  return f"{b:.0f} B"
+
+
+def table(runs: Sequence[Run]) -> str:
+  """The results as a Markdown table; ratios are against ``allreduce`` (or the first run)."""
+  base = next((r for r in runs if r.name == "allreduce"), runs[0])
+  rows = ["| compressor | sent/step/device | compression | step time | loss | accuracy |",
+          "|---|---:|---:|---:|---:|---:|"]
+  for r in runs:
+    ratio = base.bytes_per_step / r.bytes_per_step if r.bytes_per_step else float("inf")
+    rows.append(f"| {r.name} | {_bytes(r.bytes_per_step)} | {ratio:.1f}x | "
+                f"{r.median_step_seconds / base.median_step_seconds:.2f}x | {r.eval_loss:.3f} | "
+                f"{100 * r.accuracy:.1f}% |")
+  notes = [r.wire_note for r in runs if r.wire_note]
+  return "\n".join(rows + ([""] + notes if notes else []))
+
+
+def plot(runs: Sequence[Run], path: str, title: str) -> None:
+  """Saves the training loss (smoothed) against step and against cumulative bytes sent."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for r in runs:
+    smooth = _ema(r.losses, 0.9)
+    steps = np.arange(1, len(r.losses) + 1)
+    by_step.plot(steps, smooth, label=r.name)
+    by_bytes.plot(steps * r.bytes_per_step / 1e6, smooth, label=r.name)
+  by_step.set(xlabel="step", ylabel="training loss (EMA 0.9)", title=title)
+  by_bytes.set(xlabel="cumulative MB sent per device", xscale="log", title="loss against bytes")
+  by_step.legend()
+  for ax in (by_step, by_bytes):
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _ema(values, decay):
+  out, avg = [], values[0]
+  for v in values:
+    avg = decay * avg + (1 - decay) * v
+    out.append(avg)
+  return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = parse_args(argv)
+  try:
+    devices = setup_devices(args.devices)
+  except RuntimeError as e:
+    print(f"python -m jaxcomp.train: error: {e}", file=sys.stderr)
+    return 2
+  from jaxcomp import tasks
+  try:
+    task = tasks.get(args.task, quick=args.quick)
+  except ImportError as e:
+    print(f"python -m jaxcomp.train: error: {e}", file=sys.stderr)
+    return 2
+
+  import jax
+  num_params = sum(x.size for x in jax.tree.leaves(task.init(args.seed)))
+  header = (f"task {args.task} ({num_params:,} parameters), {args.steps} steps, {len(devices)} "
+            f"{devices[0].platform} devices, global batch {args.batch_size}, seed {args.seed}")
+  print(header, flush=True)
+  start = time.perf_counter()
+  runs = train(task, args.compressors, steps=args.steps, devices=devices,
+               batch_size=args.batch_size, seed=args.seed)
+  result = table(runs)
+  print(result)
+  print(f"({time.perf_counter() - start:.0f} s; loss and accuracy on held-out data; step time is "
+        "the median, as a ratio to allreduce's)")
+
+  os.makedirs(args.out, exist_ok=True)
+  command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if argv is None else argv)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write(f"`{command.strip()}`\n\n{header}\n\n{result}\n")
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump({"command": command.strip(), "task": args.task, "steps": args.steps,
+               "devices": len(devices), "batch_size": args.batch_size, "seed": args.seed,
+               "runs": [dataclasses.asdict(r) for r in runs]}, f, indent=1)
+  plot(runs, os.path.join(args.out, "loss.png"), f"{args.task}, {len(devices)} devices")
+  print(f"wrote {args.out}/results.md, results.json, loss.png")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
