@@ -149,9 +149,14 @@ def _positive_mb(value, name: str) -> float:
 
 
 class CommHookState(NamedTuple):
-  """State of ``comm_hook``: the hook's state for each bucket, and the gradient signature."""
+  """State of ``comm_hook``: the hook's state for each bucket, and the gradient signature.
+
+  A hook state's per-device fields are declared by its own NamedTuple (see ``jaxcomp.sharding``).
+  """
   hook_states: tuple
   signature: TreeSignature
+
+  PER_DEVICE_FIELDS = ()
 
 
 Hook = Callable[[Any, GradBucket], tuple]

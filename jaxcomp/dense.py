@@ -22,6 +22,8 @@ class DenseState(NamedTuple):
   """State of the dense means: only the gradient signature, to catch a changed pytree."""
   signature: TreeSignature
 
+  PER_DEVICE_FIELDS = ()  # no per-device leaves (see jaxcomp.sharding)
+
 
 def _dense_mean(wire_dtype, axis_name) -> optax.GradientTransformation:
   axis_name = axis.check_axis_name(axis_name)

@@ -1,0 +1,102 @@
+"""Communicate every k micro-batches: DDP's ``no_sync`` for any optax chain that holds a compressor.
+
+``optax.MultiSteps`` accumulates the *updates* of its inner transformation, so a jaxcomp compressor inside
+it averages — and communicates — on every micro-step. ``accumulate`` instead sums this device's raw
+gradients for k − 1 micro-steps without any collective, and on the k-th runs the inner transformation,
+its collectives included, once, on the mean of the k local gradients. The inner update sits in the
+branch of a ``lax.cond`` that runs once per k steps: ``jaxcomp.comm_report`` lists its collectives with
+``in_conditional=True``.
+
+With micro-batches of equal size, k micro-steps give the update of one step on the k-times-larger batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomp.buckets import TreeSignature, is_float
+
+
+class AccumulateState(NamedTuple):
+  """State of ``accumulate``.
+
+  Attributes:
+    micro_step: how many micro-batches have been summed since the inner update last ran (0..k−1);
+      the same on every device.
+    acc: this device's running sum of gradients, one entry per gradient leaf (``optax.MaskedNode()``
+      for leaves that are not accumulated: integer, boolean and zero-size ones). PER DEVICE: each
+      device sums its own gradients, so under ``shard_map`` it is sharded, not replicated.
+    inner_state: the inner transformation's state.
+    signature: the gradient pytree's signature.
+  """
+  micro_step: jax.Array
+  acc: tuple
+  inner_state: Any
+  signature: TreeSignature
+
+  PER_DEVICE_FIELDS = ("acc",)
+
+
+def _accumulates(leaf) -> bool:
+  return is_float(leaf) and jnp.size(leaf) > 0
+
+
+def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.GradientTransformation:
+  """Runs ``inner`` (and so its collectives) once every ``every_k`` calls, on the mean local gradient.
+
+  On micro-steps 1..k−1 the local gradient is added to a per-device sum and the update is zero (so
+  ``optax.apply_updates`` leaves the parameters as they are) — no communication. On the k-th the inner
+  transformation receives the mean of the k local gradients and its update is returned. Leaves that are
+  not accumulated (integers, booleans) reach ``inner`` as they were on the k-th micro-step.
+
+  Example::
+
+    tx = jaxcomp.accumulate(optax.chain(jaxcomp.powersgd(rank=2), optax.sgd(0.1)), every_k=4)
+
+  Args:
+    inner: the transformation to run once per ``every_k`` micro-steps, normally a chain that starts
+      with a jaxcomp compressor. Its updates must have the gradients' structure and dtypes.
+    every_k: the number of micro-batches per communication; 1 runs ``inner`` on every call.
+
+  Returns:
+    A ``GradientTransformation`` whose state is an ``AccumulateState``.
+
+  References:
+    PyTorch ``DistributedDataParallel.no_sync``.
+  """
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(f"inner must be an optax.GradientTransformation; got {inner!r}")
+  if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+    raise ValueError(f"every_k must be a positive int; got {every_k!r}")
+
+  def init_fn(params):
+    signature = TreeSignature.of(params)
+    acc = tuple(jnp.zeros_like(p) if _accumulates(p) else optax.MaskedNode()
+                for p in jax.tree.leaves(params))
+    return AccumulateState(jnp.zeros([], jnp.int32), acc, inner.init(params), signature)
+
+  def update_fn(updates, state: AccumulateState, params=None):
+    leaves = state.signature.check(updates)
+    acc = tuple(a if isinstance(a, optax.MaskedNode) else a + g for a, g in zip(state.acc, leaves))
+
+    def communicate():
+      mean = [g if isinstance(a, optax.MaskedNode) else a / jnp.asarray(every_k, a.dtype)
+              for a, g in zip(acc, leaves)]
+      new_updates, inner_state = inner.update(
+          jax.tree.unflatten(state.signature.treedef, mean), state.inner_state, params)
+      return new_updates, inner_state, jax.tree.map(jnp.zeros_like, acc)
+
+    def hold():
+      zeros = jax.tree.map(lambda g: jnp.zeros(jnp.shape(g), jnp.result_type(g)), updates)
+      return zeros, state.inner_state, acc
+
+    new_updates, inner_state, acc = lax.cond(state.micro_step == every_k - 1, communicate, hold)
+    return new_updates, AccumulateState((state.micro_step + 1) % every_k, acc, inner_state,
+                                        state.signature)
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,152 @@
+"""``jaxcomp.accumulate``: k micro-steps equal one step on the k-times-larger batch, and the
+collectives run once per k, in a conditional branch."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+
+W = 8
+K = 4
+
+
+def loss_fn(params, x, y):
+  hidden = jnp.tanh(x @ params["w1"] + params["b1"])
+  return jnp.mean((hidden @ params["w2"] - y) ** 2)
+
+
+def init_params():
+  rng = np.random.default_rng(0)
+  return {"w1": rng.normal(size=(5, 6)).astype(np.float32), "b1": np.zeros(6, np.float32),
+          "w2": rng.normal(size=(6, 2)).astype(np.float32)}
+
+
+def data(steps, per_device):
+  rng = np.random.default_rng(1)
+  return (rng.normal(size=(steps, W, per_device, 5)).astype(np.float32),
+          rng.normal(size=(steps, W, per_device, 2)).astype(np.float32))
+
+
+def pmapped_step(tx):
+
+  def step(params, opt_state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, updates
+
+  return jax.pmap(step, axis_name="batch")
+
+
+def replicate(tree):
+  return jax.tree.map(lambda x: np.broadcast_to(x, (W,) + np.shape(x)), tree)
+
+
+def run(tx, xs, ys):
+  step = pmapped_step(tx)
+  params = replicate(init_params())
+  opt_state = jax.pmap(tx.init)(params)
+  all_updates = []
+  for x, y in zip(xs, ys):
+    params, opt_state, updates = step(params, opt_state, x, y)
+    jax.block_until_ready(params)
+    all_updates.append(updates)
+  return params, opt_state, all_updates
+
+
+INNERS = {
+    "allreduce+momentum": lambda: optax.chain(jaxcomp.allreduce(), optax.sgd(0.1, momentum=0.9)),
+    "fp16+adam": lambda: optax.chain(jaxcomp.fp16_compress(), optax.adam(0.01)),
+}
+
+
+@pytest.mark.parametrize("inner", list(INNERS))
+def test_k_micro_steps_equal_one_step_on_the_k_times_larger_batch(inner):
+  big_steps, per_device = 3, 2
+  xs, ys = data(big_steps * K, per_device)
+  params, _, updates = run(jaxcomp.accumulate(INNERS[inner](), every_k=K), xs, ys)
+
+  # The reference: each device sees its K micro-batches at once, one step per K micro-steps.
+  big = lambda a: a.reshape(big_steps, K, W, per_device, -1).transpose(0, 2, 1, 3, 4).reshape(
+      big_steps, W, K * per_device, -1)
+  ref_params, _, _ = run(INNERS[inner](), big(xs), big(ys))
+  chex.assert_trees_all_close(params, ref_params, rtol=2e-6, atol=2e-6)
+  for i, u in enumerate(updates):  # the update is zero except on every K-th micro-step
+    if i % K != K - 1:
+      chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, u))
+    else:
+      assert max(float(jnp.abs(v).max()) for v in jax.tree.leaves(u)) > 0
+
+
+def test_the_accumulator_is_per_device_and_resets_after_communicating():
+  xs, ys = data(K, 2)
+  tx = jaxcomp.accumulate(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)), every_k=K)
+  _, state, _ = run(tx, xs[:1], ys[:1])
+  assert isinstance(state, jaxcomp.AccumulateState)
+  np.testing.assert_array_equal(state.micro_step, np.ones(W))
+  grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(init_params(), xs[0], ys[0])
+  chex.assert_trees_all_close(state.acc, tuple(jax.tree.leaves(grads)), rtol=1e-5, atol=1e-7)
+  assert not np.allclose(state.acc[0][0], state.acc[0][1])  # devices hold their own sums
+  _, state, _ = run(tx, xs, ys)
+  np.testing.assert_array_equal(state.micro_step, np.zeros(W))
+  chex.assert_trees_all_equal(state.acc, jax.tree.map(jnp.zeros_like, state.acc))
+
+
+def _step_report(tx):
+  params = replicate(init_params())
+  opt_state = jax.pmap(tx.init)(params)
+  x, y = (a[0] for a in data(1, 2))
+  return jaxcomp.comm_report(pmapped_step(tx), params, opt_state, x, y)
+
+
+def test_collectives_sit_in_the_branch_that_runs_once_per_k():
+  inner = lambda: optax.chain(jaxcomp.fp16_compress(), optax.sgd(0.1))
+  plain = _step_report(inner())
+  accumulated = _step_report(jaxcomp.accumulate(inner(), every_k=K))
+  assert plain.collectives and not any(c.in_conditional for c in plain.collectives)
+  assert accumulated.collectives and all(c.in_conditional for c in accumulated.collectives)
+  assert accumulated.payload_bytes == plain.payload_bytes
+  assert set(accumulated.bytes_by_dtype()) == {"f16"}
+  # optax.MultiSteps, by contrast, communicates on every micro-step: its collectives are unconditional.
+  multi = _step_report(optax.MultiSteps(inner(), every_k_schedule=K).gradient_transformation())
+  assert multi.collectives and not any(c.in_conditional for c in multi.collectives)
+
+
+def test_integer_leaves_pass_through_and_are_not_accumulated():
+  tx = jaxcomp.accumulate(jaxcomp.allreduce(axis_name=None), every_k=2)
+  params = {"w": jnp.ones(3), "n": jnp.array(5, jnp.int32)}
+  state = tx.init(params)
+  assert isinstance(state.acc[0], optax.MaskedNode)  # "n" sorts before "w"
+  grads = {"w": jnp.full(3, 2.0), "n": jnp.array(7, jnp.int32)}
+  updates, state = tx.update(grads, state)
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros(3), "n": jnp.array(0, jnp.int32)})
+  updates, state = tx.update({"w": jnp.full(3, 4.0), "n": jnp.array(9, jnp.int32)}, state)
+  chex.assert_trees_all_equal(updates, {"w": jnp.full(3, 3.0), "n": jnp.array(9, jnp.int32)})
+
+
+def test_every_k_one_is_the_inner_transformation():
+  xs, ys = data(3, 2)
+  inner = lambda: optax.chain(jaxcomp.allreduce(), optax.sgd(0.1, momentum=0.9))
+  chex.assert_trees_all_close(run(jaxcomp.accumulate(inner(), every_k=1), xs, ys)[0],
+                              run(inner(), xs, ys)[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("every_k", [0, -2, 1.5, True, "4"])
+def test_every_k_is_validated(every_k):
+  with pytest.raises(ValueError, match=r"every_k must be a positive int; got"):
+    jaxcomp.accumulate(optax.sgd(0.1), every_k=every_k)
+
+
+def test_inner_is_validated():
+  with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
+    jaxcomp.accumulate(lambda g: g, every_k=2)
+
+
+def test_changed_gradient_structure_is_reported():
+  tx = jaxcomp.accumulate(optax.sgd(0.1), every_k=2)
+  state = tx.init({"w": jnp.ones(3)})
+  with pytest.raises(ValueError, match="changed between init and update"):
+    tx.update({"w": jnp.ones(4)}, state)
