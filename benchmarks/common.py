@@ -1,0 +1,316 @@
+"""What every benchmark script shares: model-shaped pytrees, the compressors, timing, BENCHMARKS.md.
+
+* Shape pytrees (``jax.ShapeDtypeStruct`` leaves, nothing allocated) of ResNet-18, ResNet-50 and GPT-2
+  small, built from their published layer shapes in Flax layout: Conv kernels ``(kh, kw, in, out)``,
+  Dense kernels ``(in, out)``, BatchNorm / LayerNorm ``scale`` and ``bias``; ``torch_layout`` gives the
+  same parameters in torch's layout (Conv ``(out, in, kh, kw)``, Linear ``(out, in)``).
+* ``COMPRESSORS``: every jaxcomp compressor the benchmarks compare, by name, with its settings.
+* ``interleaved``: timings of several functions taken side by side (round-robin), so that a shared,
+  busy machine slows them alike; ratios are taken per round, then the median.
+* ``write_section``: replaces one script's section of BENCHMARKS.md (between markers), so the scripts
+  do not overwrite each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS_MD = os.path.join(ROOT, "BENCHMARKS.md")
+AXIS = "batch"
+F32 = jnp.float32
+
+# -------------------------------------------------------------------------------- shape pytrees
+
+
+def _leaf(*shape):
+  return jax.ShapeDtypeStruct(tuple(shape), F32)
+
+
+def _conv(kh, kw, cin, cout):
+  return {"kernel": _leaf(kh, kw, cin, cout)}
+
+
+def _norm(width):
+  return {"scale": _leaf(width), "bias": _leaf(width)}
+
+
+def _dense(cin, cout, bias=True):
+  out = {"kernel": _leaf(cin, cout)}
+  if bias:
+    out["bias"] = _leaf(cout)
+  return out
+
+
+def resnet18(num_classes: int = 1000, width: int = 64) -> dict:
+  """ResNet-18 (He et al. 2016; torchvision's 11,689,512 parameters at the defaults)."""
+  params = {"conv_init": _conv(7, 7, 3, width), "bn_init": _norm(width)}
+  cin = width
+  for stage, blocks in enumerate((2, 2, 2, 2)):
+    cout = width * 2**stage
+    for b in range(blocks):
+      block = {"conv1": _conv(3, 3, cin, cout), "bn1": _norm(cout),
+               "conv2": _conv(3, 3, cout, cout), "bn2": _norm(cout)}
+      if cin != cout:
+        block["proj_conv"], block["proj_bn"] = _conv(1, 1, cin, cout), _norm(cout)
+      params[f"stage{stage + 1}_block{b}"] = block
+      cin = cout
+  params["fc"] = _dense(cin, num_classes)
+  return params
+
+
+def resnet50(num_classes: int = 1000, width: int = 64) -> dict:
+  """ResNet-50 with bottleneck blocks (torchvision's 25,557,032 parameters at the defaults)."""
+  params = {"conv_init": _conv(7, 7, 3, width), "bn_init": _norm(width)}
+  cin = width
+  for stage, blocks in enumerate((3, 4, 6, 3)):
+    mid = width * 2**stage
+    cout = 4 * mid
+    for b in range(blocks):
+      block = {"conv1": _conv(1, 1, cin, mid), "bn1": _norm(mid),
+               "conv2": _conv(3, 3, mid, mid), "bn2": _norm(mid),
+               "conv3": _conv(1, 1, mid, cout), "bn3": _norm(cout)}
+      if cin != cout:
+        block["proj_conv"], block["proj_bn"] = _conv(1, 1, cin, cout), _norm(cout)
+      params[f"stage{stage + 1}_block{b}"] = block
+      cin = cout
+  params["fc"] = _dense(cin, num_classes)
+  return params
+
+
+def gpt2_small(vocab: int = 50257, context: int = 1024, width: int = 768, depth: int = 12) -> dict:
+  """GPT-2 small (124,439,808 parameters at the defaults; the output head is tied to ``wte``)."""
+  params = {"wte": {"embedding": _leaf(vocab, width)}, "wpe": {"embedding": _leaf(context, width)}}
+  for i in range(depth):
+    params[f"h{i}"] = {"ln_1": _norm(width), "attn_qkv": _dense(width, 3 * width),
+                       "attn_proj": _dense(width, width), "ln_2": _norm(width),
+                       "mlp_fc": _dense(width, 4 * width), "mlp_proj": _dense(4 * width, width)}
+  params["ln_f"] = _norm(width)
+  return params
+
+
+def tiny() -> dict:
+  """A few-thousand-parameter pytree with every kind of leaf the models have (quick mode)."""
+  return {"conv": _conv(3, 3, 4, 8), "bn": _norm(8), "embed": {"embedding": _leaf(100, 16)},
+          "dense": _dense(72, 32), "head": _dense(32, 10)}
+
+
+def models(quick: bool) -> dict:
+  """The shape pytrees a benchmark runs over, by name: the real ones, or small stand-ins."""
+  if quick:
+    return {"tiny": tiny()}
+  return {"ResNet-18": resnet18(), "ResNet-50": resnet50(), "GPT-2 small": gpt2_small()}
+
+
+def num_params(tree) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def torch_layout(tree) -> dict:
+  """The same parameters in torch's layout: Conv (out, in, kh, kw), Linear (out, in)."""
+  def flip(path, x):
+    if x.ndim == 4:
+      return _leaf(x.shape[3], x.shape[2], x.shape[0], x.shape[1])
+    if x.ndim == 2 and "embedding" not in jax.tree_util.keystr(path):  # Embedding: same layout
+      return _leaf(x.shape[1], x.shape[0])
+    return x
+  return jax.tree_util.tree_map_with_path(flip, tree)
+
+
+def stacked(tree, n: int):
+  """``tree``'s abstract leaves with a leading device axis of size ``n`` (pmap's layout)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n,) + tuple(x.shape), x.dtype), tree)
+
+
+def random_like(tree, seed: int = 0):
+  """Concrete float32 normal values for an abstract pytree."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+# ---------------------------------------------------------------------------------- compressors
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+  """A benchmarked compressor: ``make(axis_name)`` calls ``jaxcomp.<api>`` with ``kwargs``."""
+  name: str
+  api: str
+  kwargs: dict
+  settings: str
+  has_momentum: bool = False
+
+  def make(self, axis_name):
+    import jaxcomp
+    return getattr(jaxcomp, self.api)(axis_name=axis_name, **self.kwargs)
+
+
+_ALL = (
+    Compressor("allreduce", "allreduce", {}, "f32 mean"),
+    Compressor("fp16", "fp16_compress", {}, "f16 wire"),
+    Compressor("bf16", "bf16_compress", {}, "bf16 wire"),
+    Compressor("powersgd_r1", "powersgd", {"rank": 1, "start_iter": 0},
+               "rank 1, error feedback, warm start"),
+    Compressor("powersgd_r4", "powersgd", {"rank": 4, "start_iter": 0},
+               "rank 4, error feedback, warm start"),
+    Compressor("batched_powersgd_r1", "batched_powersgd", {"rank": 1, "start_iter": 0},
+               "rank 1, one padded square"),
+    Compressor("dgc", "dgc", {"ratio": 0.001}, "density 0.001, sampled threshold",
+               has_momentum=True),
+    Compressor("coarse_dgc", "coarse_dgc", {"ratio": 0.01, "chunk_size": 256},
+               "1% of 256-element chunks", has_momentum=True),
+)
+
+
+_warned: list = []
+
+
+def compressors(names: Optional[str] = None) -> list:
+  """The compressors to compare (allreduce first), filtered by a comma-separated ``names``."""
+  import jaxcomp
+  out = list(_ALL)
+  missing = [c.name for c in out if not hasattr(jaxcomp, c.api)]
+  if missing and not _warned:
+    _warned.append(True)
+    print(f"(not in this jaxcomp yet, skipped: {', '.join(missing)})", file=sys.stderr)
+  if names:
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - {c.name for c in out})
+    if unknown:
+      raise SystemExit(f"--compressors: unknown {', '.join(unknown)}; choose from "
+                       f"{', '.join(c.name for c in out)}")
+    out = [c for c in out if c.name in wanted]
+  return [c for c in out if c.name not in missing]
+
+
+# ------------------------------------------------------------------------------------- timing
+
+
+def block(x):
+  """Waits for every array in ``x`` (JAX or torch) and returns it."""
+  return jax.block_until_ready(x)
+
+
+def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict:
+  """Times each ``fns[name]()`` (which must block until its result is ready) round-robin.
+
+  Returns:
+    ``{name: list of seconds}``, one entry per round; every round runs every function once, in an
+    order that rotates from round to round.
+  """
+  names = list(fns)
+  for _ in range(warmup):
+    for name in names:
+      fns[name]()
+  times = {name: [] for name in names}
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      start = time.perf_counter()
+      fns[name]()
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def ratio(times: dict, name: str, base: str) -> float:
+  """Median over rounds of ``time(name) / time(base)``, both from the same round."""
+  return float(np.median(np.asarray(times[name]) / np.asarray(times[base])))
+
+
+def median(seconds) -> float:
+  return float(np.median(seconds))
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=description)
+  p.add_argument("--quick", action="store_true",
+                 help="small shapes and few repeats (CI); never rewrites BENCHMARKS.md")
+  p.add_argument("--write", action="store_true",
+                 help="replace this script's section of BENCHMARKS.md with the table")
+  p.add_argument("--compressors", default=None,
+                 help="comma-separated subset of the compressors (default: all)")
+  return p
+
+
+def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+  args = p.parse_args(argv)
+  if args.quick and args.write:
+    p.error("--quick runs are for CI: they do not write BENCHMARKS.md (drop --write)")
+  return args
+
+
+def command(script: str, argv=None) -> str:
+  argv = sys.argv[1:] if argv is None else argv
+  return " ".join(["PYTHONPATH=. python", f"benchmarks/{script}"] + [shlex.quote(a) for a in argv])
+
+
+def machine() -> str:
+  import jaxlib
+  return (f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs), "
+          f"jax {jax.__version__} / jaxlib {jaxlib.__version__}")
+
+
+def markdown_table(header: list, rows: list, align: Optional[str] = None) -> str:
+  """A Markdown table; ``align`` has one of 'l'/'r' per column (default: first left, rest right)."""
+  align = align or "l" + "r" * (len(header) - 1)
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "scaling", "network_model")
+
+_HEADER = """# jaxcomp benchmarks
+
+Each section below is written by one script in `benchmarks/` (the command is given with it) and
+replaced when that script runs again with `--write`. CI runs every script with `--quick` (small
+shapes, no timing assertions; `tests/test_benchmarks.py`). Timings come from a CPU shared with other
+jobs, so only ratios measured side by side (interleaved repeats, median of per-round ratios) are
+reported as results; absolute times are shown for scale only.
+"""
+
+
+def write_section(key: str, title: str, cmd: str, body: str, path: str = BENCHMARKS_MD) -> None:
+  """Replaces the section ``key`` of BENCHMARKS.md (created with every section if missing)."""
+  if key not in SECTIONS:
+    raise ValueError(f"key must be one of {SECTIONS}; got {key!r}")
+  begin, end = f"<!-- BEGIN {key} -->", f"<!-- END {key} -->"
+  if os.path.exists(path):
+    with open(path) as f:
+      text = f.read()
+  else:
+    text = _HEADER + "".join(f"\n<!-- BEGIN {k} -->\n<!-- END {k} -->\n" for k in SECTIONS)
+  section = (f"{begin}\n## {title}\n\n`{cmd}`\n\n{machine()}; "
+             f"{time.strftime('%Y-%m-%d')}.\n\n{body.strip()}\n{end}")
+  pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+  if pattern.search(text):
+    text = pattern.sub(lambda _: section, text)
+  else:
+    text = text.rstrip() + "\n\n" + section + "\n"
+  with open(path, "w") as f:
+    f.write(text)
+  print(f"wrote section {key!r} of {os.path.relpath(path, ROOT)}")
+
+
+def emit(args, key: str, title: str, script: str, body: str) -> None:
+  """Prints the section, and writes it to BENCHMARKS.md when ``--write`` was given."""
+  print(f"## {title}\n\n{body.strip()}\n", flush=True)
+  if args.write:
+    write_section(key, title, command(script), body)
