@@ -9,6 +9,8 @@ from jaxcomp.accumulate import AccumulateState, accumulate
 from jaxcomp.buckets import CommHookState, GradBucket, TreeSignature, comm_hook
 from jaxcomp.dense import DenseState, allreduce, bf16_compress, fp16_compress
 from jaxcomp.hooks import bf16_compress_wrapper, fp16_compress_wrapper
+from jaxcomp.powersgd import (BatchedPowerSGDState, PowerSGDState, batched_powersgd, powersgd,
+                              powersgd_stats)
 from jaxcomp.report import Collective, CommReport, comm_report
 from jaxcomp.sharding import state_partition_specs
 
@@ -19,4 +21,5 @@ __all__ = [
     "allreduce", "axis", "bf16_compress", "bf16_compress_wrapper", "comm_hook", "comm_report",
     "fp16_compress", "fp16_compress_wrapper", "hooks",
     "AccumulateState", "accumulate", "state_partition_specs",
+    "BatchedPowerSGDState", "PowerSGDState", "batched_powersgd", "powersgd", "powersgd_stats",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomp import axis
+from jaxcomp import axis, powersgd
 from jaxcomp.buckets import GradBucket, Hook
 
 
@@ -63,3 +63,62 @@ def fp16_compress_wrapper(hook: Hook) -> Hook:
 def bf16_compress_wrapper(hook: Hook) -> Hook:
   """Runs ``hook`` on the bucket cast to bfloat16 and casts its result back (torch's wrapper)."""
   return _cast_wrapper(hook, jnp.bfloat16, "bf16_compress_wrapper")
+
+
+def powersgd_state(rank: int = 1, *, start_iter: int = 1000, min_compression_rate: float = 2.0,
+                   error_feedback: bool = True, warm_start: bool = True, epsilon: float = 0.0,
+                   seed: int = 0, matrix_view: str = "flax"):
+  """The per-bucket state of ``powersgd_hook``: pass it as ``comm_hook``'s ``state``.
+
+  Arguments as ``jaxcomp.powersgd``. ``comm_hook`` calls the returned function once per bucket at
+  ``init``; each bucket gets a ``jaxcomp.PowerSGDState`` for its parameters, which carries these
+  settings (torch keeps one ``PowerSGDState`` with per-bucket dictionaries instead)::
+
+    tx = jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, jaxcomp.hooks.powersgd_state(rank=2))
+    tx = jaxcomp.comm_hook(jaxcomp.fp16_compress_wrapper(jaxcomp.hooks.powersgd_hook),
+                           jaxcomp.hooks.powersgd_state(rank=2))
+
+  Under ``fp16_compress_wrapper`` the hook computes in float16 while the state keeps the bucket's
+  own dtype; it stores only float16 values there, so it runs as torch's float16 state does.
+
+  Returns:
+    A function ``bucket -> PowerSGDState``.
+  """
+  config = powersgd.make_config(
+      rank, start_iter=start_iter, min_compression_rate=min_compression_rate,
+      error_feedback=error_feedback, warm_start=warm_start, epsilon=epsilon, seed=seed,
+      matrix_view=matrix_view)
+  return lambda bucket: powersgd.init_state(config, bucket.gradients())
+
+
+def powersgd_hook(state, bucket: GradBucket):
+  """Layer-wise PowerSGD on one bucket (torch's ``powerSGD_hook``); state from ``powersgd_state``.
+
+  The same code as ``jaxcomp.powersgd``, run on the bucket's parameters. ``comm_hook`` keeps the
+  state on a step whose gradient is non-finite.
+  """
+  grads, state = powersgd.update(state, bucket.gradients(), bucket.axis_name)
+  return jnp.concatenate([jnp.ravel(g) for g in grads]), state
+
+
+def batched_powersgd_state(rank: int = 1, *, start_iter: int = 1000, error_feedback: bool = True,
+                           warm_start: bool = True, seed: int = 0):
+  """The per-bucket state of ``batched_powersgd_hook``: pass it as ``comm_hook``'s ``state``.
+
+  Arguments as ``jaxcomp.batched_powersgd``; each bucket is one zero-padded square matrix.
+
+  Returns:
+    A function ``bucket -> BatchedPowerSGDState``.
+  """
+  config = powersgd.make_config(rank, start_iter=start_iter, error_feedback=error_feedback,
+                                warm_start=warm_start, seed=seed)
+  return lambda bucket: powersgd.init_batched_state(config, [bucket.buffer])
+
+
+def batched_powersgd_hook(state, bucket: GradBucket):
+  """Batched PowerSGD on one bucket (torch's ``batched_powerSGD_hook``, which raises in torch 2.13).
+
+  The state comes from ``batched_powersgd_state``; the code is ``jaxcomp.batched_powersgd``'s.
+  """
+  (buffer,), state = powersgd.update_batched(state, [bucket.buffer], bucket.axis_name)
+  return buffer, state
