@@ -1,0 +1,70 @@
+"""A small pmap training loop shared by the reliability tests: replicated params, blocked every step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from helpers import replicate
+
+W = 8
+IN, HIDDEN, OUT = 12, 24, 6
+
+
+def init_params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"hidden": {"kernel": rng.normal(0, 0.3, (IN, HIDDEN)).astype(np.float32),
+                     "bias": np.zeros(HIDDEN, np.float32)},
+          "out": {"kernel": rng.normal(0, 0.3, (HIDDEN, OUT)).astype(np.float32),
+                  "bias": np.zeros(OUT, np.float32)}}
+
+
+TEACHER = init_params(seed=99)
+
+
+def batch(step, n_devices=W, per_device=8):
+  """Per-device regression batches from a fixed teacher network, different on every step."""
+  rng = np.random.default_rng(1000 + step)
+  x = rng.normal(size=(n_devices, per_device, IN)).astype(np.float32)
+  return x, np.asarray(jax.vmap(lambda x: forward(TEACHER, x))(x))
+
+
+def forward(params, x):
+  h = jnp.tanh(x @ params["hidden"]["kernel"] + params["hidden"]["bias"])
+  return h @ params["out"]["kernel"] + params["out"]["bias"]
+
+
+def loss_fn(params, x, y):
+  return jnp.mean((forward(params, x) - y) ** 2)
+
+
+def make_step(compressor, lr=0.05, n_devices=W):
+  """A pmapped step; ``poison`` (per device, 0 or non-finite) is added to that device's gradient."""
+  tx = optax.chain(compressor, optax.apply_if_finite(optax.sgd(lr), max_consecutive_errors=10**6))
+
+  def step(params, opt_state, x, y, poison):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    grads = jax.tree.map(lambda g: g + poison, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
+
+  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:n_devices])
+  return tx, pstep
+
+
+def start(tx, seed=0, n_devices=W):
+  params = init_params(seed)
+  return replicate(params, n_devices), replicate(tx.init(params), n_devices)
+
+
+def run(pstep, params, opt_state, steps, first_step=0, poison_at=(), n_devices=W):
+  """Runs ``steps`` steps, blocking on the loss each step; returns params, state and the losses."""
+  losses = []
+  for step in range(first_step, first_step + steps):
+    poison = np.zeros(n_devices, np.float32)
+    for at, device, value in poison_at:
+      if at == step:
+        poison[device] = value
+    params, opt_state, loss = pstep(params, opt_state, *batch(step, n_devices), poison)
+    losses.append(float(loss[0]))  # reading the loss blocks: unblocked loops deadlock XLA:CPU
+  return params, opt_state, losses
