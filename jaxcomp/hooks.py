@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomp import axis, powersgd
+from jaxcomp import axis, dgc, powersgd
 from jaxcomp.buckets import GradBucket, Hook
 
 
@@ -122,3 +122,23 @@ def batched_powersgd_hook(state, bucket: GradBucket):
   """
   (buffer,), state = powersgd.update_batched(state, [bucket.buffer], bucket.axis_name)
   return buffer, state
+
+
+def dgc_hook(ratio: float = 0.001, **kwargs):
+  """Deep Gradient Compression per bucket: ``comm_hook(*dgc_hook(0.001))``.
+
+  Each parameter of a bucket is treated as ``jaxcomp.dgc`` treats a leaf (sparsified if ``ndim > 1``,
+  else dense mean with momentum after averaging); the code is ``jaxcomp.dgc``'s. The axis is
+  ``comm_hook``'s, and ``comm_hook`` keeps the state on a non-finite step. Local gradient clipping
+  needs the whole gradient's norm, which a bucket does not see: use ``jaxcomp.dgc`` for it.
+
+  Args:
+    ratio: density after warm-up.
+    **kwargs: ``jaxcomp.dgc``'s other keyword arguments except ``axis_name``, ``clip_norm`` and
+      ``clip_exponent``; ``sparsify`` receives the parameter's path in the pytree.
+
+  Returns:
+    ``(hook, state)``: the hook, and the function ``bucket -> DGCState`` to pass as ``comm_hook``'s
+    ``state``.
+  """
+  return dgc.bucket_hook(dgc.topk_spec(ratio, **kwargs))
