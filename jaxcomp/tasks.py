@@ -133,27 +133,31 @@ def chars(quick: bool = False) -> Task:
       sample=lambda rng, n: windows(train, rng.integers(0, len(train) - context - 1, n)))
 
 
-def digits(quick: bool = False) -> Task:
-  """Classification of scikit-learn's 1,797 8×8 digits (pixels scaled to [0, 1])."""
+def digits_data() -> tuple:
+  """scikit-learn's 1,797 8×8 digits, shuffled, pixels scaled to [0, 1], as
+  ``(train_images, train_labels, test_images, test_labels)`` with a fifth held out."""
   try:
     from sklearn.datasets import load_digits
   except ImportError as e:
     raise ImportError("the digits task needs scikit-learn: pip install 'jaxcomp[examples]'") from e
   data = load_digits()
-  images = (data.data / 16.0).astype(np.float32)
-  labels = data.target.astype(np.int32)
-  order = np.random.default_rng(0).permutation(len(labels))
-  images, labels = images[order], labels[order]
+  order = np.random.default_rng(0).permutation(len(data.target))
+  images = (data.data[order] / 16.0).astype(np.float32)
+  labels = data.target[order].astype(np.int32)
   split = len(labels) * 4 // 5
-  train_x, train_y = images[:split], labels[:split]
+  return images[:split], labels[:split], images[split:], labels[split:]
+
+
+def digits(quick: bool = False) -> Task:
+  """Classification of scikit-learn's 8×8 digits with an MLP."""
+  train_x, train_y, test_x, test_y = digits_data()
 
   def sample(rng, n):
-    idx = rng.integers(0, split, n)
+    idx = rng.integers(0, len(train_y), n)
     return train_x[idx], train_y[idx]
 
-  return Task(name="digits", model=DigitsMLP(hidden=32 if quick else 128),
-              test_inputs=images[split:], test_targets=labels[split:], learning_rate=0.1,
-              sample=sample)
+  return Task(name="digits", model=DigitsMLP(hidden=32 if quick else 128), test_inputs=test_x,
+              test_targets=test_y, learning_rate=0.1, sample=sample)
 
 
 def get(name: str, quick: bool = False) -> Task:

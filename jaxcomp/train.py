@@ -51,10 +51,17 @@ def _registry() -> dict:
                          "mean sent as float16"),
       "bf16": Compressor(lambda steps: jaxcomp.bf16_compress(axis_name=AXIS),
                          "mean sent as bfloat16 (XLA:CPU widens it to f32 on the wire)"),
+      "powersgd1": Compressor(lambda steps: jaxcomp.powersgd(1, axis_name=AXIS, start_iter=0),
+                              "layer-wise PowerSGD, rank 1, compressing from the first step"),
+      "powersgd2": Compressor(lambda steps: jaxcomp.powersgd(2, axis_name=AXIS, start_iter=0),
+                              "layer-wise PowerSGD, rank 2"),
+      "batched_powersgd": Compressor(
+          lambda steps: jaxcomp.batched_powersgd(1, axis_name=AXIS, start_iter=0),
+          "PowerSGD of the whole gradient as one square matrix, rank 1"),
   }
 
 
-COMPRESSORS = ("allreduce", "fp16", "bf16")
+COMPRESSORS = ("allreduce", "fp16", "bf16", "powersgd1", "powersgd2", "batched_powersgd")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -183,7 +190,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   import optax
   import tqdm
 
-  from jaxcomp.report import comm_report
+  from jaxcomp.report import parse_hlo
 
   registry = _registry()
   n = len(devices)
@@ -191,20 +198,22 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   runs, states = [], []
   x0, y0 = task.batch(seed, 0, batch_size)
   shard = lambda a: a.reshape((n, -1) + a.shape[1:])
-  for name in names:
+  for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry[name]
     tx = optax.chain(entry.make(steps), optax.clip_by_global_norm(1.0),
                      optax.sgd(task.learning_rate, momentum=None if entry.has_momentum else 0.9))
     step = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
     params = _replicate(params0, n)
     opt_state = jax.pmap(tx.init, devices=devices)(params)
-    lowered = comm_report(step, params, opt_state, shard(x0), shard(y0), stage="lowered",
-                          num_devices=n)
-    compiled = comm_report(step, params, opt_state, shard(x0), shard(y0), num_devices=n)
-    note = "" if compiled.ring_bytes == lowered.ring_bytes else (
-        f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(compiled.ring_bytes)} after "
+    # comm_report's reading of the step, from the one compilation that also runs it.
+    lowered = step.lower(params, opt_state, shard(x0), shard(y0))
+    step = lowered.compile()
+    requested = parse_hlo(lowered.as_text(dialect="hlo"), n)  # the wire dtypes jaxcomp asks for
+    sent = parse_hlo(step.as_text(), n)
+    note = "" if sent.ring_bytes == requested.ring_bytes else (
+        f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent.ring_bytes)} after "
         "compiling (it widens the wire dtype)")
-    runs.append(Run(name, lowered.ring_bytes, note, [], []))
+    runs.append(Run(name, requested.ring_bytes, note, [], []))
     states.append([step, params, opt_state])
 
   bar = tqdm.tqdm(total=steps * len(names), desc=f"{task.name} x{len(names)}", unit="step",
