@@ -58,10 +58,17 @@ def _registry() -> dict:
       "batched_powersgd": Compressor(
           lambda steps: jaxcomp.batched_powersgd(1, axis_name=AXIS, start_iter=0),
           "PowerSGD of the whole gradient as one square matrix, rank 1"),
+      "dgc": Compressor(lambda steps: jaxcomp.dgc(0.01, axis_name=AXIS),
+                        "Deep Gradient Compression, top 1%% of each matrix, momentum 0.9",
+                        has_momentum=True),
+      "coarse_dgc": Compressor(lambda steps: jaxcomp.coarse_dgc(0.01, axis_name=AXIS),
+                               "coarse-grained DGC, the top 1%% of 256-element chunks",
+                               has_momentum=True),
   }
 
 
-COMPRESSORS = ("allreduce", "fp16", "bf16", "powersgd1", "powersgd2", "batched_powersgd")
+COMPRESSORS = ("allreduce", "fp16", "bf16", "powersgd1", "powersgd2", "batched_powersgd", "dgc",
+               "coarse_dgc")
 
 
 class _Parser(argparse.ArgumentParser):
