@@ -430,3 +430,9 @@ def test_bad_arguments_name_the_argument():
     jaxcomp.coarse_dgc(chunk_size=0)
   with pytest.raises(TypeError, match="axis_name"):
     jaxcomp.dgc(axis_name=3)
+
+
+def test_selection_benchmark_runs_quick(capsys):
+  benchmark = importlib.import_module("benchmarks.dgc_selection")
+  assert benchmark.main(["--quick"]) == 0
+  assert "speed-up of sampled over exact" in capsys.readouterr().out
