@@ -333,7 +333,7 @@ class _Spec:
     """One warm-up stage (static density) over the sparsified leaves."""
     outs, new_u, new_v = [], [], []
     for g, u, v, key in zip(leaves, us, vs, keys):
-      u, step = self.momentum_step(u, g)
+      u, step = self.momentum_step(u, g)  # 2. momentum correction
       v = v + step
       value_dtype = g.dtype if self.value_dtype is None else self.value_dtype
       value_bytes = _itemsize(value_dtype)
@@ -341,8 +341,8 @@ class _Spec:
         # Dense stage: everything is sent, nothing delayed, so nothing to mask.
         out, v = axis.mean(v, self.axis_name, self.value_dtype), jnp.zeros_like(v)
       else:
-        out, clear = self.exchange(v, density, key, value_dtype, self.axis_name)
-        v = clear(v)
+        out, clear = self.exchange(v, density, key, value_dtype, self.axis_name)  # 3., 4.
+        v = clear(v)  # 5. sent coordinates restart, momentum too with momentum factor masking
         if self.momentum_masking:
           u = clear(u)
       outs.append(out)
@@ -393,7 +393,7 @@ def _transformation(spec: _Spec, clip_norm: Optional[float],
     finite = axis.all_finite(updates, spec.axis_name)
     grads = leaves
     if clip_norm is not None:
-      # Local gradient clipping (paper §3.3), before accumulation, threshold scaled by W^exponent.
+      # 1. Local gradient clipping (paper §3.3), before accumulation, threshold scaled by W^exponent.
       floats = [g for g in leaves if is_float(g)]
       norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in floats))
       limit = clip_norm * axis.axis_size(spec.axis_name) ** clip_exponent
@@ -420,8 +420,9 @@ def bucket_hook(spec: _Spec) -> tuple:
 
   def hook(state: DGCState, bucket: GradBucket):
     grads = state.signature.check(bucket.gradients(), "bucket")
-    outs, u, v, dense_u = dataclasses.replace(spec, axis_name=bucket.axis_name).update(state.count, grads, bucket.paths, state.u, state.v,
-                                      state.dense_u)
+    bucket_spec = dataclasses.replace(spec, axis_name=bucket.axis_name)
+    outs, u, v, dense_u = bucket_spec.update(state.count, grads, bucket.paths, state.u, state.v,
+                                             state.dense_u)
     return (jnp.concatenate([o.ravel() for o in outs]),
             state._replace(count=state.count + 1, u=tuple(u), v=tuple(v), dense_u=tuple(dense_u)))
 
