@@ -1,0 +1,542 @@
+"""PowerSGD (jaxcomp.powersgd, jaxcomp.batched_powersgd and their hooks) on simulated devices.
+
+The numbers are checked against a NumPy reference written here from REFERENCE.md §1 (torch's step
+order); parity with torch's own hook is in test_powersgd_torch.py.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxcomp
+from helpers import assert_identical_across_devices, replicate
+from jaxcomp.buckets import bucket_assignment
+from jaxcomp.powersgd import orthogonalize
+
+W = 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# NumPy reference, float64, from REFERENCE.md §1.
+
+
+def np_orthogonalize(x, eps=0.0):
+  """torch's orthogonalization: MGS for r ≤ 2 (col /= norm + eps, then remove it from later ones)."""
+  x = np.array(x, np.float64)
+  if x.shape[1] > 2:
+    return np.linalg.qr(x)[0]
+  for i in range(x.shape[1]):
+    denom = np.linalg.norm(x[:, i]) + eps
+    x[:, i] /= denom if denom else 1.0
+    for j in range(i + 1, x.shape[1]):
+      x[:, j] -= np.sum(x[:, i] * x[:, j]) * x[:, i]
+  return x
+
+
+def matrix_shape(shape, view):
+  if not shape:
+    return 1, 1
+  if view == "torch":
+    return shape[0], int(np.prod(shape[1:]))
+  return int(np.prod(shape[:-1])), shape[-1]
+
+
+def np_step(grads, errors, qs, *, rank, rate=2.0, eps=0.0, view="flax", ef=True):
+  """One compressed step. grads/errors: per device, name -> array; qs: name -> Q (compressed only)."""
+  n_dev = len(grads)
+  ms = [{k: g[k].astype(np.float64) + (errors[d][k] if ef else 0) for k in g}
+        for d, g in enumerate(grads)]
+  out, new_q = {}, {}
+  for k in grads[0]:
+    n, m = matrix_shape(grads[0][k].shape, view)
+    r = min(n, m, rank)
+    if not (n + m) * r * rate < n * m:
+      out[k] = sum(mm[k] for mm in ms) / n_dev
+      continue
+    mats = [mm[k].reshape(n, m) for mm in ms]
+    q = np_orthogonalize(qs[k], eps)
+    p = np_orthogonalize(sum(mat @ q for mat in mats), eps)  # P summed, not divided
+    q = sum(mat.T @ p for mat in mats) / n_dev
+    out[k] = (p @ q.T).reshape(grads[0][k].shape)
+    new_q[k] = q
+  new_errors = [{k: mm[k] - out[k] for k in mm} for mm in ms]
+  return out, new_errors, new_q
+
+
+def np_batched_step(grads, errors, q, *, rank, ef=True):
+  """One compressed batched step on flat per-device vectors (length L)."""
+  n_dev, length = len(grads), grads[0].size
+  side = int(np.ceil(np.sqrt(length)))
+  ms = [np.pad(g.astype(np.float64), (0, side * side - length)) + (errors[d] if ef else 0)
+        for d, g in enumerate(grads)]
+  mats = [mm.reshape(side, side) for mm in ms]
+  p = np_orthogonalize(sum(mat @ np_orthogonalize(q) for mat in mats))
+  q = sum(mat.T @ p for mat in mats) / n_dev
+  out = (p @ q.T).reshape(-1)
+  return out[:length], [mm - out for mm in ms], q
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def params_mixed():
+  """Flax-layout leaves: conv kernel, dense kernels, biases, a 0-d scale and an int counter."""
+  return {"conv": {"kernel": np.zeros((3, 3, 2, 8), np.float32), "bias": np.zeros(8, np.float32)},
+          "dense": {"kernel": np.zeros((20, 12), np.float32), "bias": np.zeros(12, np.float32)},
+          "head": {"kernel": np.zeros((12, 5), np.float32)},
+          "scale": np.zeros((), np.float32), "steps": np.zeros(3, np.int32)}
+
+
+def grads_for(params, rng, n_dev=W):
+  def leaf(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return np.stack([rng.standard_normal(x.shape) for _ in range(n_dev)]).astype(x.dtype)
+    return np.stack([np.asarray(x) + 7] * n_dev)
+  return jax.tree.map(leaf, params)
+
+
+def device(tree, d):
+  return jax.tree.map(lambda x: np.asarray(x)[d], tree)
+
+
+def named(tree):
+  """Flattens a pytree to {path: leaf}, leaving out MaskedNode and non-array leaves."""
+  return {jax.tree_util.keystr(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def pmapped(tx, n_dev=W):
+  return jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:n_dev])
+
+
+def run(step, grads, state):
+  out, state = step(grads, state)
+  return jax.block_until_ready(out), state
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arguments.
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rank=0), "rank must be a positive int; got 0"),
+    (dict(rank=1.5), "rank must be a positive int; got 1.5"),
+    (dict(rank=True), "rank must be a positive int; got True"),
+    (dict(start_iter=-1), "start_iter must be a non-negative int; got -1"),
+    (dict(min_compression_rate=-1.0), "min_compression_rate must be a finite number >= 0"),
+    (dict(epsilon=float("nan")), "epsilon must be a finite number >= 0; got nan"),
+    (dict(seed=-3), "seed must be a non-negative int; got -3"),
+    (dict(matrix_view="numpy"), "matrix_view must be 'torch' or 'flax'; got 'numpy'"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jaxcomp.powersgd(**kwargs)
+
+
+def test_bad_types_are_named():
+  with pytest.raises(TypeError, match="error_feedback must be a bool; got 'yes'"):
+    jaxcomp.powersgd(error_feedback="yes")
+  with pytest.raises(TypeError, match="axis_name must be"):
+    jaxcomp.batched_powersgd(axis_name=3)
+  with pytest.raises(ValueError, match="rank must be a positive int"):
+    jaxcomp.hooks.powersgd_state(rank=-1)
+  with pytest.raises(TypeError, match=r"powersgd_hook needs the per-bucket state made by "
+                     r"jaxcomp.hooks.powersgd_state"):
+    jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, axis_name=None).update(
+        {"w": jnp.ones((4, 4))}, jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook).init(
+            {"w": jnp.ones((4, 4))}))
+
+
+def test_changed_gradient_pytree_is_refused():
+  tx = jaxcomp.powersgd(axis_name=None)
+  state = tx.init({"w": jnp.zeros((4, 4))})
+  with pytest.raises(ValueError, match=r"leaf \['w'\] changed between init and update"):
+    tx.update({"w": jnp.zeros((4, 5))}, state)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The algorithm against the NumPy reference.
+
+
+def test_state_layout():
+  state = jaxcomp.powersgd(rank=2).init(params_mixed())
+  q, error = named(state.q), named(state.error)
+  # conv kernel (3,3,2,8) is (18, 8) in the flax view, dense (20, 12): compressed at rank 2. Head
+  # (12, 5) is not worth it ((12 + 5)·2·2 ≥ 60), nor are vectors.
+  assert {k: v.shape for k, v in q.items()} == {
+      "['conv']['kernel']": (8, 2), "['dense']['kernel']": (12, 2)}
+  assert isinstance(state.q["conv"]["bias"], optax.MaskedNode)
+  assert isinstance(state.error["steps"], optax.MaskedNode)  # int leaf: no error, passes through
+  assert error["['scale']"].shape == () and not error["['scale']"].any()
+  torch_view = jaxcomp.powersgd(rank=1, matrix_view="torch").init(params_mixed())
+  assert torch_view.q["conv"]["kernel"].shape == (48, 1)  # torch's (3, 48) view of the same array
+  no_ef = jaxcomp.powersgd(error_feedback=False).init(params_mixed())
+  assert not jax.tree.leaves(no_ef.error)
+  # Q comes from the seed: the same for the same seed, different for another.
+  chex.assert_trees_all_equal(jaxcomp.powersgd(rank=2).init(params_mixed()).q, state.q)
+  assert not np.array_equal(jaxcomp.powersgd(rank=2, seed=1).init(params_mixed()).q["dense"]["kernel"],
+                            q["['dense']['kernel']"])
+
+
+@pytest.mark.parametrize("rank, warm_start", [(1, True), (2, False), (3, True)])
+def test_matches_numpy_reference(rank, warm_start):
+  """Mixed leaves on 4 devices across the start iteration; rank 3 takes the QR path."""
+  params = params_mixed()
+  tx = jaxcomp.powersgd(rank, start_iter=2, warm_start=warm_start, epsilon=1e-8)
+  state = replicate(tx.init(params), W)
+  step = pmapped(tx)
+  rng = np.random.default_rng(rank)
+  float_keys = [k for k, v in named(params).items() if v.dtype == np.float32]
+  errors = [{k: 0.0 for k in float_keys} for _ in range(W)]
+  for t in range(5):
+    grads = grads_for(params, rng)
+    qs = {k: v[0] for k, v in named(state.q).items()}  # the Q this step starts from
+    out, state = run(step, grads, state)
+    assert_identical_across_devices(out)
+    assert_identical_across_devices((state.q, state.count))
+    per_device = [{k: v for k, v in named(device(grads, d)).items() if k in float_keys}
+                  for d in range(W)]
+    if t < 2:  # plain mean, error untouched
+      expected = {k: np.mean([g[k] for g in per_device], axis=0) for k in float_keys}
+    else:
+      expected, errors, new_q = np_step(per_device, errors, qs, rank=rank, eps=1e-8)
+      for k, q in named(state.q).items():
+        if warm_start:
+          np.testing.assert_allclose(q[0], new_q[k], rtol=1e-4, atol=1e-5, err_msg=k)
+        else:  # a fresh draw each step
+          assert not np.allclose(q[0], qs[k])
+    got = named(out)
+    for k in float_keys:
+      np.testing.assert_allclose(got[k][0], expected[k], rtol=1e-4, atol=1e-5, err_msg=(t, k))
+    np.testing.assert_array_equal(got["['steps']"], np.asarray(grads["steps"]))  # passed through
+    for d in range(W):
+      for k, e in named(device(state.error, d)).items():
+        np.testing.assert_allclose(e, errors[d][k], rtol=1e-4, atol=1e-5, err_msg=(t, d, k))
+  assert int(state.count[0]) == 5
+
+
+def test_no_error_feedback_and_uncompressed_error_is_local_minus_mean():
+  params = {"w": np.zeros((16, 16), np.float32), "b": np.zeros(16, np.float32)}
+  rng = np.random.default_rng(0)
+  grads = grads_for(params, rng)
+  tx = jaxcomp.powersgd(1, start_iter=0)
+  out, state = run(pmapped(tx), grads, replicate(tx.init(params), W))
+  np.testing.assert_allclose(state.error["b"], grads["b"] - grads["b"].mean(0), atol=1e-6)
+  np.testing.assert_allclose(state.error["w"] + out["w"], grads["w"], atol=1e-6)
+  tx = jaxcomp.powersgd(1, start_iter=0, error_feedback=False)
+  out2, state2 = run(pmapped(tx), grads, replicate(tx.init(params), W))
+  chex.assert_trees_all_close(out2, out, atol=1e-6)  # first step: no error to add yet
+  assert not jax.tree.leaves(state2.error)
+
+
+def test_rank_is_clamped_and_full_rank_gives_the_mean():
+  params = {"w": np.zeros((4, 6), np.float32), "s": np.zeros((), np.float32),
+            "v": np.zeros(5, np.float32)}
+  tx = jaxcomp.powersgd(50, start_iter=0, min_compression_rate=0.0)  # compress everything
+  state = tx.init(params)
+  assert state.q["w"].shape == (6, 4) and state.q["s"].shape == (1, 1)
+  assert state.q["v"].shape == (5, 1)  # a vector is (1, 5) in the flax view
+  grads = grads_for(params, np.random.default_rng(1))
+  out, _ = run(pmapped(tx), grads, replicate(state, W))
+  # r = n: P̂ is a full orthonormal basis, so P̂·Qᵀ is the mean (QR path, r = 4).
+  np.testing.assert_allclose(out["w"][0], grads["w"].mean(0), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out["s"][0], grads["s"].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_orthogonalize():
+  rng = np.random.default_rng(0)
+  for shape in [(7, 1), (7, 2), (7, 4)]:
+    x = rng.standard_normal(shape).astype(np.float32)
+    np.testing.assert_allclose(orthogonalize(jnp.asarray(x)), np_orthogonalize(x), atol=1e-5)
+  zero = orthogonalize(jnp.zeros((5, 2)))
+  np.testing.assert_array_equal(zero, 0)  # torch gives NaN here
+  for dtype, tol in [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)]:  # rank-deficient: still orthonormal
+    for _ in range(20):
+      p = rng.standard_normal((20, 1)) @ rng.standard_normal((1, 2))
+      p_hat = np.asarray(orthogonalize(jnp.asarray(p, dtype)), np.float32)
+      np.testing.assert_allclose(p_hat.T @ p_hat, np.eye(2), atol=tol)
+  half = orthogonalize(jnp.asarray(rng.standard_normal((6, 3)) * 300, jnp.float16))
+  assert half.dtype == jnp.float16 and jnp.isfinite(half).all()  # 300² overflows float16 norms
+  np.testing.assert_allclose(np.asarray(half, np.float32).T @ np.asarray(half, np.float32),
+                             np.eye(3), atol=1e-2)
+
+
+def test_stats_match_torch_example():
+  """REFERENCE.md: Linear(8,16)–ReLU–Linear(16,4), rank 1 → (3.3125, 212, 64) per compressed step."""
+  params = {"Dense_0": {"kernel": np.zeros((8, 16), np.float32), "bias": np.zeros(16, np.float32)},
+            "Dense_1": {"kernel": np.zeros((16, 4), np.float32), "bias": np.zeros(4, np.float32)}}
+  tx = jaxcomp.powersgd(1, start_iter=1, axis_name=None)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  grads = jax.tree.map(jnp.ones_like, params)
+  assert state.compression_stats() == (0, 0, 0)
+  _, state = step(grads, state)
+  assert state.compression_stats() == (0, 0, 0)  # plain steps are not counted
+  _, state = step(grads, state)
+  assert state.compression_stats() == (3.3125, 212, 64)
+  _, state = step(grads, state)
+  assert jaxcomp.powersgd_stats((state, optax.EmptyState())) == (3.3125, 424, 128)
+  torch_view = jaxcomp.powersgd(1, start_iter=0, matrix_view="torch", axis_name=None)
+  torch_params = jax.tree.map(lambda x: x.T, params)
+  _, torch_state = torch_view.update(torch_params, torch_view.init(torch_params))
+  assert torch_state.compression_stats() == (3.3125, 212, 64)
+
+
+def test_collectives_and_bytes():
+  """One all-reduce each for the dense leaves, the Ps and the Qs: 4·r·(n+m) B per compressed leaf."""
+  params = {"conv": np.zeros((3, 3, 4, 16), np.float32), "dense": np.zeros((64, 32), np.float32),
+            "bias": np.zeros(32, np.float32), "small": np.zeros((3, 3), np.float32)}
+  rank, n_dev = 2, 8
+  tx = jaxcomp.powersgd(rank, start_iter=0)
+  state = replicate(tx.init(params), n_dev)
+  grads = grads_for(params, np.random.default_rng(0), n_dev)
+  report = jaxcomp.comm_report(pmapped(tx, n_dev), grads, state)
+  compressed = 4 * rank * ((36 + 16) + (64 + 32))
+  dense = 4 * (32 + 9)
+  finite_flag = 4
+  assert all(c.op == "all-reduce" and c.group_size == n_dev for c in report.collectives)
+  assert report.payload_bytes == compressed + dense + finite_flag
+  assert len(report.collectives) <= 4  # dense, P, Q, the flag (XLA may combine independent ones)
+  full = 4 * sum(x.size for x in params.values())
+  ar_report = jaxcomp.comm_report(pmapped(jaxcomp.allreduce(), n_dev), grads,
+                                  replicate(jaxcomp.allreduce().init(params), n_dev))
+  assert ar_report.payload_bytes == full
+  assert full / report.payload_bytes > 7.8  # 10,660 B dense against 1,352 B
+  # Before start_iter the dense mean and the compressed step are the two branches of one cond.
+  tx = jaxcomp.powersgd(rank, start_iter=10)
+  report = jaxcomp.comm_report(pmapped(tx, n_dev), grads, replicate(tx.init(params), n_dev))
+  branches = [c for c in report.collectives if c.in_conditional]
+  assert sum(c.payload_bytes for c in branches) == full + compressed + dense
+
+
+# ---------------------------------------------------------------------------------------------------
+# Robustness torch lacks.
+
+
+@pytest.mark.parametrize("make", [
+    functools.partial(jaxcomp.powersgd, 2, start_iter=1),
+    functools.partial(jaxcomp.batched_powersgd, 2, start_iter=1),
+], ids=["layerwise", "batched"])
+def test_non_finite_gradient_keeps_the_state(make):
+  params = {"w": np.zeros((12, 10), np.float32), "b": np.zeros(10, np.float32)}
+  tx = make()
+  step = pmapped(tx)
+  rng = np.random.default_rng(0)
+  state = replicate(tx.init(params), W)
+  for _ in range(2):
+    _, state = run(step, grads_for(params, rng), state)
+  bad = grads_for(params, rng)
+  bad["w"][2, 3, 4] = np.nan
+  out, kept = run(step, bad, state)
+  assert not np.isfinite(out["w"]).all()  # the non-finite mean flows out ...
+  chex.assert_trees_all_equal(kept, state)  # ... and the state is untouched, count included
+  out, state = run(step, grads_for(params, rng), kept)
+  assert np.isfinite(out["w"]).all() and np.isfinite(jax.tree.leaves(state)[1]).all()
+  chex.assert_tree_all_finite(state)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_zero_gradient_gives_zeros_and_does_not_stall(rank):
+  params = {"w": np.zeros((12, 10), np.float32)}
+  tx = jaxcomp.powersgd(rank, start_iter=0)
+  step = pmapped(tx)
+  state = replicate(tx.init(params), W)
+  out, after_zero = run(step, {"w": np.zeros((W, 12, 10), np.float32)}, state)
+  np.testing.assert_array_equal(out["w"], 0)
+  chex.assert_trees_all_equal(after_zero.q, state.q)  # an all-zero Q would stall warm start
+  grads = grads_for(params, np.random.default_rng(0))
+  chex.assert_trees_all_close(run(step, grads, after_zero)[0], run(step, grads, state)[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_params(dtype):
+  params = {"w": np.zeros((24, 16), dtype), "b": np.zeros(16, dtype)}
+  tx = jaxcomp.powersgd(4, start_iter=0)  # rank 4 in half precision: Gram–Schmidt, as torch
+  ref = jaxcomp.powersgd(4, start_iter=0)
+  state = replicate(tx.init(params), W)
+  ref_state = jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == dtype else x, state)
+  ref_state = ref_state._replace(signature=jaxcomp.TreeSignature.of(
+      jax.tree.map(lambda x: x.astype(np.float32), params)))
+  step, ref_step = pmapped(tx), pmapped(ref)
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    grads = grads_for(params, rng)
+    out, state = run(step, grads, state)
+    ref_out, ref_state = run(ref_step, jax.tree.map(lambda x: x.astype(np.float32), grads),
+                             ref_state)
+    assert out["w"].dtype == dtype and state.error["w"].dtype == dtype
+    assert state.q["w"].dtype == dtype
+    chex.assert_tree_all_finite(out)
+    np.testing.assert_allclose(np.asarray(out["w"], np.float32), ref_out["w"], atol=0.1)
+
+
+def test_unbound_axis_is_world_size_one():
+  params = {"w": np.zeros((10, 8), np.float32)}
+  tx = jaxcomp.powersgd(8, start_iter=0, min_compression_rate=0.0, axis_name="nope")
+  grads = {"w": np.random.default_rng(0).standard_normal((10, 8)).astype(np.float32)}
+  with pytest.warns(UserWarning, match="not bound"):
+    out, state = jax.jit(tx.update)(grads, tx.init(params))
+  np.testing.assert_allclose(out["w"], grads["w"], atol=1e-5)  # full rank on one device: exact
+  np.testing.assert_allclose(state.error["w"], 0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batched PowerSGD.
+
+
+@pytest.mark.parametrize("rank, warm_start", [(1, True), (3, False)])
+def test_batched_matches_numpy_reference(rank, warm_start):
+  params = {"a": np.zeros((7, 5), np.float32), "b": np.zeros(9, np.float32),
+            "c": np.zeros((), np.float32), "i": np.zeros(2, np.int32)}
+  tx = jaxcomp.batched_powersgd(rank, start_iter=1, warm_start=warm_start)
+  state = replicate(tx.init(params), W)
+  assert state.error[0].shape == (W, 49) and state.q[0].shape == (W, 7, rank)  # L = 45, side 7
+  step = pmapped(tx)
+  rng = np.random.default_rng(0)
+  errors = [0.0] * W
+  for t in range(4):
+    grads = grads_for(params, rng)
+    q = np.asarray(state.q[0][0])
+    out, state = run(step, grads, state)
+    flat = [np.concatenate([np.ravel(grads[k][d]) for k in "abc"]) for d in range(W)]
+    if t == 0:
+      expected = np.mean(flat, axis=0)
+    else:
+      expected, errors, new_q = np_batched_step(flat, errors, q, rank=rank)
+      if warm_start:
+        np.testing.assert_allclose(state.q[0][0], new_q, rtol=1e-4, atol=1e-5)
+      for d in range(W):
+        np.testing.assert_allclose(state.error[0][d], errors[d], rtol=1e-4, atol=1e-5)
+    got = np.concatenate([np.ravel(out[k][0]) for k in "abc"])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=t)
+    np.testing.assert_array_equal(out["i"], grads["i"])
+  assert state.compression_stats()[1:] == (3 * 45, 3 * 2 * 7 * rank)
+
+
+def test_batched_one_square_per_dtype():
+  params = {"a": np.zeros((6, 6), np.float32), "h": np.zeros((5, 5), jnp.bfloat16)}
+  state = jaxcomp.batched_powersgd(2).init(params)
+  assert [e.shape for e in state.error] == [(36,), (25,)]
+  assert [q.dtype for q in state.q] == [np.float32, jnp.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hooks: the same code on comm_hook buckets.
+
+
+def _with_qs_of(tx_state, hook_state, cap_bytes):
+  """Puts the transformation's Qs into each bucket's state (matched by parameter path)."""
+  qs = named(tx_state.q)
+  paths = hook_state.signature.paths
+  buckets = bucket_assignment(hook_state.signature, cap_bytes, cap_bytes)
+  return hook_state._replace(hook_states=tuple(
+      bucket_state._replace(q=[qs.get(paths[i], optax.MaskedNode()) for i in members])
+      for bucket_state, members in zip(hook_state.hook_states, buckets)))
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.0005])
+def test_powersgd_hook_equals_the_transformation(bucket_cap_mb):
+  params = params_mixed()
+  kwargs = dict(start_iter=1, epsilon=1e-8)
+  tx = jaxcomp.powersgd(2, **kwargs)
+  hook_tx = jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, jaxcomp.hooks.powersgd_state(2, **kwargs),
+                              bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=bucket_cap_mb)
+  state = tx.init(params)
+  hook_state = _with_qs_of(state, hook_tx.init(params), bucket_cap_mb * 1024 * 1024)
+  assert (len(hook_state.hook_states) > 1) == (bucket_cap_mb < 1)
+  state, hook_state = replicate(state, W), replicate(hook_state, W)
+  step, hook_step = pmapped(tx), pmapped(hook_tx)
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    grads = grads_for(params, rng)
+    out, state = run(step, grads, state)
+    hook_out, hook_state = run(hook_step, grads, hook_state)
+    chex.assert_trees_all_close(hook_out, out, rtol=1e-5, atol=1e-6)
+  assert jaxcomp.powersgd_stats(hook_state) == state.compression_stats()
+
+
+def test_fp16_wrapped_powersgd_hook_runs_in_float16_as_torch():
+  """fp16_compress_wrapper(powersgd_hook) = PowerSGD on the float16 gradient, state in float16 values."""
+  params = {"w": np.zeros((16, 12), np.float32), "b": np.zeros(12, np.float32)}
+  hook_tx = jaxcomp.comm_hook(jaxcomp.fp16_compress_wrapper(jaxcomp.hooks.powersgd_hook),
+                              jaxcomp.hooks.powersgd_state(1, start_iter=1))
+  half = jax.tree.map(lambda x: x.astype(np.float16), params)
+  tx = jaxcomp.powersgd(1, start_iter=1)
+  hook_state = hook_tx.init(params)
+  (bucket,) = hook_state.hook_states
+  w = [isinstance(q, optax.MaskedNode) for q in bucket.q].index(False)  # w's place in the bucket
+  state = tx.init(half)
+  state = state._replace(q={"w": bucket.q[w].astype(np.float16), "b": optax.MaskedNode()})
+  state, hook_state = replicate(state, W), replicate(hook_state, W)
+  step, hook_step = pmapped(tx), pmapped(hook_tx)
+  rng = np.random.default_rng(0)
+  for _ in range(4):
+    grads = grads_for(params, rng)
+    hook_out, hook_state = run(hook_step, grads, hook_state)
+    out, state = run(step, jax.tree.map(lambda x: x.astype(np.float16), grads), state)
+    chex.assert_trees_all_equal(hook_out, jax.tree.map(lambda x: x.astype(np.float32), out))
+  (bucket,) = hook_state.hook_states
+  assert bucket.error[w].dtype == np.float32  # kept in the bucket's dtype, holding float16 values
+  np.testing.assert_array_equal(bucket.error[w], state.error["w"].astype(np.float32))
+  np.testing.assert_array_equal(bucket.q[w], state.q["w"].astype(np.float32))
+
+
+def test_batched_hook_equals_the_transformation():
+  params = {"a": np.zeros((9, 7), np.float32), "b": np.zeros(7, np.float32)}
+  tx = jaxcomp.batched_powersgd(1, start_iter=1)
+  hook_tx = jaxcomp.comm_hook(jaxcomp.hooks.batched_powersgd_hook,
+                              jaxcomp.hooks.batched_powersgd_state(1, start_iter=1))
+  state, hook_state = tx.init(params), hook_tx.init(params)
+  # The bucket holds b then a (DDP's reverse order); the transformation a then b. Same length.
+  hook_state = hook_state._replace(hook_states=(hook_state.hook_states[0]._replace(q=state.q),))
+  state, hook_state = replicate(state, W), replicate(hook_state, W)
+  step, hook_step = pmapped(tx), pmapped(hook_tx)
+  rng = np.random.default_rng(0)
+  for t in range(3):
+    grads = grads_for(params, rng)
+    out, state = run(step, grads, state)
+    hook_out, hook_state = run(hook_step, grads, hook_state)
+    if t == 0:
+      chex.assert_trees_all_close(hook_out, out, rtol=1e-6, atol=1e-6)
+    else:  # another order in the square: another compression, same shapes and finiteness
+      chex.assert_tree_all_finite(hook_out)
+  assert jaxcomp.powersgd_stats(hook_state) == state.compression_stats()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpointing.
+
+
+@pytest.mark.parametrize("make", [
+    functools.partial(jaxcomp.powersgd, 2, start_iter=1),
+    functools.partial(jaxcomp.powersgd, 3, start_iter=1, warm_start=False),
+    functools.partial(jaxcomp.batched_powersgd, 2, start_iter=1),
+], ids=["layerwise", "fresh-q", "batched"])
+def test_checkpoint_resume_is_bit_identical(make, tmp_path):
+  params = params_mixed()
+  tx = make()
+  step = pmapped(tx)
+  rng = np.random.default_rng(0)
+  grads = [grads_for(params, rng) for _ in range(6)]
+  state = replicate(tx.init(params), W)
+  for g in grads[:3]:
+    _, state = run(step, g, state)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", state)
+  checkpointer.wait_until_finished()
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  restored = checkpointer.restore(tmp_path / "ckpt", target)
+  chex.assert_trees_all_equal(restored, state)
+  assert restored.config == state.config and restored.signature == state.signature
+  for g in grads[3:]:
+    out, state = run(step, g, state)
+    resumed_out, restored = run(step, g, restored)
+    chex.assert_trees_all_equal(resumed_out, out)
+  chex.assert_trees_all_equal(restored, state)
