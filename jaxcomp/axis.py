@@ -89,8 +89,10 @@ def all_gather(x, axis_name: AxisName):
 
 def all_finite(tree, axis_name: AxisName):
   """A boolean scalar, the same on every device: is every leaf finite on every device?"""
-  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  local_bad = sum((~jnp.isfinite(x)).any().astype(jnp.int32) for x in leaves) if leaves else 0
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+  # max |x| is finite iff every element is (max propagates NaN): one fused reduction per leaf, about
+  # half the time of isfinite(x).all(), which XLA:CPU runs as a boolean array and then a reduction.
+  local_bad = sum((~jnp.isfinite(jnp.max(jnp.abs(x)))).astype(jnp.int32) for x in leaves)
   return psum(jnp.asarray(local_bad, jnp.int32), axis_name) == 0
 
 
