@@ -1,22 +1,25 @@
 """Property-based tests over random pytrees of shapes and dtypes, for every compressor."""
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from compressors import COMPRESSORS, WIRE_DTYPE
-from helpers import assert_identical_across_devices, pmap_update
+from compressors import COMPRESSORS, ERROR_FEEDBACK, MEAN_COMPRESSORS, WIRE_DTYPE
+from helpers import assert_identical_across_devices, replicate
 
 W = 8
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
           "int32": np.int32, "bool": np.bool_}
+FLOATS = ("float32", "float16", "bfloat16")
 
 shapes = st.lists(st.integers(1, 7), min_size=0, max_size=3).map(tuple)
 leaf_specs = st.tuples(shapes, st.sampled_from(list(DTYPES)))
 tree_specs = st.dictionaries(st.sampled_from("abcdefgh"), leaf_specs, min_size=1, max_size=5)
+common = settings(max_examples=6, deadline=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 def make_grads(spec, seed, scale):
@@ -24,50 +27,123 @@ def make_grads(spec, seed, scale):
   grads = {}
   for name, (shape, dtype) in spec.items():
     if dtype == "bool":
-      value = rng.integers(0, 2, size=(W,) + shape).astype(bool)
+      grads[name] = rng.integers(0, 2, size=(W,) + shape).astype(bool)
     elif dtype == "int32":
-      value = rng.integers(-5, 5, size=(W,) + shape).astype(np.int32)
+      grads[name] = rng.integers(-5, 5, size=(W,) + shape).astype(np.int32)
     else:
-      value = (rng.standard_normal((W,) + shape) * scale).astype(DTYPES[dtype])
-    grads[name] = value
+      grads[name] = (rng.standard_normal((W,) + shape) * scale).astype(DTYPES[dtype])
   return grads
 
 
-common = settings(max_examples=12, deadline=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def run_steps(tx, grads, steps):
+  """``steps`` pmapped updates on the same per-device gradients; returns every (output, state)."""
+  state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads)))
+  step = jax.pmap(tx.update, axis_name="batch")
+  history = []
+  for _ in range(steps):
+    out, new_state = jax.block_until_ready(step(grads, state))
+    history.append((out, state, new_state))
+    state = new_state
+  return history
+
+
+def is_float_dtype(dtype):
+  return dtype in (np.float32, np.float16, ml_dtypes.bfloat16)
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 @common
 @given(spec=tree_specs, seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 1.0, 100.0]))
-def test_identical_finite_dtype_preserving_and_close_to_the_mean(name, spec, seed, scale):
+def test_identical_finite_and_dtype_preserving(name, spec, seed, scale):
   grads = make_grads(spec, seed, scale)
-  out, _ = pmap_update(COMPRESSORS[name](), grads)
-  assert_identical_across_devices(out)
+  for out, _, _ in run_steps(COMPRESSORS[name](), grads, 4):  # PowerSGD compresses from step 3
+    assert_identical_across_devices(out)
+    for key, g in grads.items():
+      o = np.asarray(out[key])
+      assert o.dtype == g.dtype and o.shape == g.shape
+      if is_float_dtype(g.dtype):
+        assert np.isfinite(o.astype(np.float32)).all()
+      else:
+        np.testing.assert_array_equal(o, g)  # integers and booleans pass through untouched
+
+
+@pytest.mark.parametrize("name", MEAN_COMPRESSORS)
+@common
+@given(spec=tree_specs, seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 1.0, 100.0]))
+def test_dense_compressors_give_the_mean(name, spec, seed, scale):
+  grads = make_grads(spec, seed, scale)
+  ((out, _, _),) = run_steps(COMPRESSORS[name](), grads, 1)
   for key, g in grads.items():
-    o = np.asarray(out[key])
-    assert o.dtype == g.dtype and o.shape == g.shape
-    if not np.issubdtype(g.dtype, np.floating) and g.dtype != ml_dtypes.bfloat16:
-      np.testing.assert_array_equal(o, g)  # integers and booleans pass through untouched
+    if not is_float_dtype(g.dtype):
       continue
-    assert np.isfinite(o.astype(np.float32)).all()
-    mean = g.astype(np.float64).mean(0)
     wire = WIRE_DTYPE.get(name)
-    eps = float(ml_dtypes.finfo(DTYPES[wire] if wire else g.dtype).eps)
-    eps = max(eps, float(ml_dtypes.finfo(g.dtype).eps))
+    eps = max(float(ml_dtypes.finfo(DTYPES[wire] if wire else g.dtype).eps),
+              float(ml_dtypes.finfo(g.dtype).eps))
     bound = 4 * W * eps * (np.abs(g.astype(np.float64)).max() + 1e-30)
-    np.testing.assert_allclose(o[0].astype(np.float64), mean, rtol=0, atol=bound)
+    np.testing.assert_allclose(np.asarray(out[key][0], np.float64), g.astype(np.float64).mean(0),
+                               rtol=0, atol=bound)
 
 
 @common
 @given(spec=tree_specs, seed=st.integers(0, 2**31 - 1))
 def test_allreduce_equals_the_mean_of_dyadic_values_exactly(spec, seed):
-  grads = make_grads(spec, seed, 1.0)
   grads = {k: (np.round(g.astype(np.float32) * 8) / 8).astype(g.dtype)
-           if np.issubdtype(g.dtype, np.floating) or g.dtype == ml_dtypes.bfloat16 else g
-           for k, g in grads.items()}
-  out, _ = pmap_update(COMPRESSORS["allreduce"](), grads)
+           if is_float_dtype(g.dtype) else g for k, g in make_grads(spec, seed, 1.0).items()}
+  ((out, _, _),) = run_steps(COMPRESSORS["allreduce"](), grads, 1)
   for key, g in grads.items():
-    if np.issubdtype(g.dtype, np.floating) or g.dtype == ml_dtypes.bfloat16:
-      expected = (g.astype(np.float64).mean(0)).astype(g.dtype)
+    if is_float_dtype(g.dtype):
+      expected = g.astype(np.float64).mean(0).astype(g.dtype)
       np.testing.assert_array_equal(np.asarray(out[key][0]), expected)
+
+
+def per_dtype_flat(tree, keys_by_dtype):
+  """The batched PowerSGD layout: per dtype (first appearance order), the leaves' flat concatenation."""
+  return [np.concatenate([np.asarray(tree[k], np.float64).reshape(W, -1) for k in keys], axis=1)
+          for keys in keys_by_dtype]
+
+
+@pytest.mark.parametrize("name", ERROR_FEEDBACK)
+@common
+@given(spec=tree_specs, seed=st.integers(0, 2**31 - 1))
+def test_error_feedback_output_plus_new_error_is_gradient_plus_old_error(name, spec, seed):
+  grads = make_grads(spec, seed, 1.0)
+  out, old, new = run_steps(COMPRESSORS[name](), grads, 5)[-1]  # compressing since step 3
+  float_keys = [k for k in sorted(grads) if is_float_dtype(grads[k].dtype) and grads[k][0].size]
+  if not float_keys:
+    return
+  if name == "batched_powersgd":
+    dtypes = list(dict.fromkeys(grads[k].dtype for k in float_keys))
+    keys_by_dtype = [[k for k in float_keys if grads[k].dtype == d] for d in dtypes]
+    pairs = []
+    for o, g, e_old, e_new in zip(per_dtype_flat(out, keys_by_dtype),
+                                  per_dtype_flat(grads, keys_by_dtype), old.error, new.error):
+      length = o.shape[1]
+      e_old = np.asarray(e_old, np.float64)[:, :length]
+      e_new = np.asarray(e_new, np.float64)[:, :length]
+      pairs.append((o + e_new, g + e_old, e_old))
+  else:
+    pairs = [(np.asarray(out[k], np.float64) + np.asarray(new.error[k], np.float64),
+              grads[k].astype(np.float64) + np.asarray(old.error[k], np.float64),
+              np.asarray(old.error[k], np.float64)) for k in float_keys]
+  assert any(np.abs(e).max() > 0 for _, _, e in pairs), "error feedback never engaged"
+  for (left, right, _), dtype in zip(pairs, [grads[k].dtype for k in float_keys]):
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    np.testing.assert_allclose(left, right, rtol=0, atol=8 * eps * (np.abs(right).max() + 1))
+
+
+@pytest.mark.parametrize("name", ["dgc", "dgc_exact_fp16", "coarse_dgc"])
+@common
+@given(spec=tree_specs, seed=st.integers(0, 2**31 - 1))
+def test_dgc_sent_plus_kept_velocity_is_the_mean_gradient(name, spec, seed):
+  """First step from a fresh state: u = g, v = g; what is not sent stays in v, on average exactly."""
+  grads = make_grads(spec, seed, 1.0)
+  ((out, _, new),) = run_steps(COMPRESSORS[name](), grads, 1)
+  for key, g in grads.items():
+    if not is_float_dtype(g.dtype):
+      continue
+    kept = new.v[key]
+    kept = 0.0 if isinstance(kept, optax.MaskedNode) else np.asarray(kept, np.float64).mean(0)
+    eps = float(ml_dtypes.finfo(np.float16 if "fp16" in name else g.dtype).eps)
+    np.testing.assert_allclose(np.asarray(out[key][0], np.float64) + kept,
+                               g.astype(np.float64).mean(0), rtol=0,
+                               atol=4 * eps * (np.abs(g.astype(np.float64)).max() + 1e-30))
