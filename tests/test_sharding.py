@@ -116,3 +116,19 @@ def test_shard_map_step_with_these_specs_matches_pmap():
   np.testing.assert_allclose(opt_state.acc[1], np.concatenate(list(ref_state.acc[1])), rtol=1e-6)
   # Only the compressor's fp16 mean goes over the wire: no hidden f32 all-reduce of the gradient.
   assert set(report.bytes_by_dtype()) == {"f16"}
+
+
+def test_dgc_momenta_are_per_device_and_its_shard_map_step_matches_pmap():
+  params = init_params()
+  make = lambda: optax.chain(jaxcomp.dgc(0.2, axis_name="batch"), optax.sgd(0.1))
+  specs = jaxcomp.state_partition_specs(make(), params)
+  assert specs[0].u["w"] == specs[0].v["w"] == P("batch")  # momentum correction: local
+  assert specs[0].dense_u["b"] == specs[0].count == P()  # dense leaves: momentum of the mean
+  rng = np.random.default_rng(2)
+  xs = rng.normal(size=(3, W, 2, 5)).astype(np.float32)
+  ys = rng.normal(size=(3, W, 2, 3)).astype(np.float32)
+  params, opt_state, _ = _shard_map_run(make(), xs, ys)
+  ref_params, ref_state = _pmap_run(make(), xs, ys)
+  chex.assert_trees_all_close(params, jax.tree.map(lambda a: a[0], ref_params), rtol=1e-6)
+  np.testing.assert_allclose(opt_state[0].u["w"], np.concatenate(list(ref_state[0].u["w"])),
+                             rtol=1e-6)
