@@ -2,8 +2,8 @@
 
 Two things differ from ``pmap``:
 
-* The state mixes per-device leaves (here the accumulator of ``jaxcomp.accumulate``; with PowerSGD the
-  error feedback) and replicated ones. ``jaxcomp.state_partition_specs`` gives each its spec.
+* The state mixes per-device leaves (here PowerSGD's error feedback) and replicated ones (its Q, the
+  step count, the momentum). ``jaxcomp.state_partition_specs`` gives each its spec.
 * With replicated parameters and ``check_vma=True``, ``jax.grad`` all-reduces the gradient in full
   precision before the compressor sees it. Taking the gradient of ``lax.pcast(params, "batch",
   to="varying")`` keeps it local; ``jaxcomp.comm_report`` checks that no such all-reduce remains::
@@ -41,15 +41,15 @@ class MLP(nn.Module):
 
 
 model = MLP()
-# Communicate every 2 micro-batches; the fp16 mean runs once per 2 steps.
-tx = jaxcomp.accumulate(optax.chain(jaxcomp.fp16_compress(axis_name="batch"),
-                                    optax.sgd(0.1, momentum=0.9)), every_k=2)
+tx = optax.chain(jaxcomp.powersgd(1, axis_name="batch", start_iter=0), optax.sgd(0.1, momentum=0.9))
 mesh = jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(AxisType.Auto,))
 train_x, train_y, test_x, test_y = digits_data()
 params = model.init(jax.random.key(0), train_x[:1])["params"]
 
 specs = jaxcomp.state_partition_specs(tx, params, axis_name="batch")
-print("optimizer-state specs:", jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+print("optimizer-state specs:")
+for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)):
+  print(f"  state{jax.tree_util.keystr(path)}: {spec}")
 opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
 
 

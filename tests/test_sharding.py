@@ -132,3 +132,22 @@ def test_dgc_momenta_are_per_device_and_its_shard_map_step_matches_pmap():
   chex.assert_trees_all_close(params, jax.tree.map(lambda a: a[0], ref_params), rtol=1e-6)
   np.testing.assert_allclose(opt_state[0].u["w"], np.concatenate(list(ref_state[0].u["w"])),
                              rtol=1e-6)
+
+
+def test_powersgd_error_is_per_device_and_its_shard_map_step_matches_pmap():
+  params = init_params()
+  make = lambda: optax.chain(jaxcomp.powersgd(1, start_iter=0, min_compression_rate=1.0),
+                             optax.sgd(0.1))
+  specs = jaxcomp.state_partition_specs(make(), params)
+  assert specs[0].error == {"w": P("batch"), "b": P("batch")}  # error feedback: local
+  assert specs[0].q["w"] == specs[0].count == P()  # Q: from all-reduced factors, the same everywhere
+  rng = np.random.default_rng(3)
+  xs = rng.normal(size=(3, W, 2, 5)).astype(np.float32)
+  ys = rng.normal(size=(3, W, 2, 3)).astype(np.float32)
+  params, opt_state, report = _shard_map_run(make(), xs, ys)
+  ref_params, ref_state = _pmap_run(make(), xs, ys)
+  chex.assert_trees_all_close(params, jax.tree.map(lambda a: a[0], ref_params), rtol=1e-5)
+  np.testing.assert_allclose(opt_state[0].error["w"],
+                             np.concatenate(list(ref_state[0].error["w"])), rtol=1e-5, atol=1e-6)
+  # P (5x1) and Q (3x1) and the uncompressed bias, never the full 5x3 kernel: nothing hidden.
+  assert report.payload_bytes < 4 * (5 * 3 + 3)
