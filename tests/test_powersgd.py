@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
 from helpers import assert_identical_across_devices, replicate
@@ -314,6 +315,33 @@ def test_collectives_and_bytes():
   report = jaxcomp.comm_report(pmapped(tx, n_dev), grads, replicate(tx.init(params), n_dev))
   branches = [c for c in report.collectives if c.in_conditional]
   assert sum(c.payload_bytes for c in branches) == full + compressed + dense
+
+
+def test_shard_map_with_state_partition_specs_matches_pmap():
+  """check_vma=True: the error is varying (sharded), count and Q invariant (replicated)."""
+  params = {"w": np.zeros((12, 10), np.float32), "b": np.zeros(10, np.float32)}
+  tx = jaxcomp.powersgd(2, start_iter=1)
+  mesh = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices()[:W])
+  specs = jaxcomp.state_partition_specs(tx, params)
+  assert specs.error == {"w": P("batch"), "b": P("batch")} and specs.q["w"] == P()
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("batch"), specs),
+                     out_specs=(P(), specs), check_vma=True)
+  def step(grads, state):
+    return tx.update(jax.tree.map(lambda g: g[0], grads), state)
+
+  ref_step, ref_state = pmapped(tx), replicate(tx.init(params), W)
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    grads = grads_for(params, rng)
+    out, state = run(step, grads, state)
+    ref_out, ref_state = run(ref_step, grads, ref_state)
+    chex.assert_trees_all_close(out, device(ref_out, 0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(state.error["w"], np.concatenate(list(ref_state.error["w"])),
+                             rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(state.q, device(ref_state.q, 0), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------
