@@ -60,6 +60,9 @@ def run(tx, xs, ys):
 INNERS = {
     "allreduce+momentum": lambda: optax.chain(jaxcomp.allreduce(), optax.sgd(0.1, momentum=0.9)),
     "fp16+adam": lambda: optax.chain(jaxcomp.fp16_compress(), optax.adam(0.01)),
+    "powersgd+momentum": lambda: optax.chain(
+        jaxcomp.powersgd(1, start_iter=1, min_compression_rate=1.0), optax.sgd(0.1, momentum=0.9)),
+    "dgc": lambda: optax.chain(jaxcomp.dgc(0.2), optax.sgd(0.1)),
 }
 
 
