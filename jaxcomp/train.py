@@ -3,13 +3,16 @@
 Every compressor trains the same model from the same initial parameters on the same batches, on N
 data-parallel devices (simulated CPU devices unless the host has accelerators), with
 ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum
-itself, so it is followed by plain SGD). The compressors advance side by side — step t of every
-compressor before step t + 1 of any — so their step times are measured under the same load.
+itself, so it is followed by plain SGD). PowerSGD compresses from the first step (``start_iter=0``) and
+DGC runs without warm-up, so every step of a compressor sends the same bytes. The compressors advance
+side by side — step t of every compressor before step t + 1 of any — so their step times are measured
+under the same load.
 
 Outputs: a table on stdout (also ``OUT/results.md``; raw numbers in ``OUT/results.json``) with, per
-compressor, the bytes each device sends per step (``jaxcomp.comm_report`` of the step, ring algorithm),
-the compression ratio and step-time ratio against ``allreduce``, and the final held-out loss and
-accuracy; and ``OUT/loss.png``, the training loss against step and against cumulative bytes sent.
+compressor, the bytes each device sends per step (``jaxcomp.report`` reading the step's HLO: the ring
+algorithm's bytes in the wire dtypes jaxcomp asks for; a note says where XLA widens them), the
+compression ratio and step-time ratio against ``allreduce``, and the final held-out loss and accuracy;
+and ``OUT/loss.png``, the training loss against step and against cumulative bytes sent.
 """
 
 from __future__ import annotations
