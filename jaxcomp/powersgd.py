@@ -10,8 +10,9 @@ per-bucket hooks ``jaxcomp.hooks.powersgd_hook`` / ``batched_powersgd_hook`` run
 Where torch breaks, jaxcomp does not: a step whose gradient is non-finite on any device leaves the
 state (error, Q and count) untouched; 0-d and 1-D leaves work; an all-zero gradient gives zeros with
 ``epsilon=0`` (a zero column is left at zero instead of divided by its zero norm, and a Q column that
-comes out all-zero keeps its previous value instead of stalling the power iteration); a rank above
-``min(n, m)`` is clamped; float16 / bfloat16 leaves work.
+comes out all-zero keeps its previous value instead of stalling the power iteration); Gram–Schmidt
+removes each finished column twice, so a rank-deficient P still gives orthonormal columns; a rank
+above ``min(n, m)`` is clamped; float16 / bfloat16 leaves work.
 
 Under ``jax.pmap`` the state's ``error`` differs per device: build the state per device (for example
 ``jax.pmap(tx.init)(replicated_params)``, or stack ``tx.init(params)`` W times) and map it with
@@ -30,7 +31,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -394,24 +395,26 @@ def _batched(state: BatchedPowerSGDState, leaves: list, reduced: list, world: in
   squares = _squares(config, state.signature)
   ms, new_errors, new_qs = [], list(state.error), list(state.q)
   for k, square in enumerate(squares):
+    # torch's batched step 1: the flat gradient as a square, zero-padded; then M ← g + e over it.
     flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in square.leaves])
-    m = jnp.pad(flat, (0, square.side**2 - square.length))  # 1 (torch): view as a padded square
-    if config.error_feedback:  # 2: M ← g + e over the padded square
+    m = jnp.pad(flat, (0, square.side**2 - square.length))
+    if config.error_feedback:
       m = m + state.error[k].astype(m.dtype)
     ms.append(m)
-  low_rank, qs = _power_step(  # 5–7, torch's batched hook passes no epsilon
+  # Steps 2–8: one P and Q per square, as layer-wise (torch's batched hook passes no epsilon).
+  low_rank, qs = _power_step(
       [m.reshape(s.side, s.side) for m, s in zip(ms, squares)],
       [q.astype(m.dtype) for q, m in zip(state.q, ms)], 0.0, world, axis_name)
   outputs = []
   for k, (square, m, out, new) in enumerate(zip(squares, ms, low_rank, qs)):
     out = out.reshape(-1)
-    if config.error_feedback:  # 8: e ← M − output, padding included
+    if config.error_feedback:  # e ← M − output, the padding included
       new_errors[k] = (m - out).astype(state.error[k].dtype)
     new_qs[k] = (_next_q(new.astype(state.q[k].dtype), state.q[k]) if config.warm_start
                  else _draw(config, state.count + 1, k, state.q[k].shape, state.q[k].dtype))
     offsets = np.cumsum([0] + [math.prod(state.signature.shapes[i]) for i in square.leaves])
     outputs += [out[offsets[j]:offsets[j + 1]].reshape(state.signature.shapes[i])
-                for j, i in enumerate(square.leaves)]  # 9 (torch): truncate to the length
+                for j, i in enumerate(square.leaves)]  # step 9: truncate to the length
   return outputs, tuple(new_errors), tuple(new_qs)
 
 
@@ -495,7 +498,9 @@ def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: i
   ``M − output`` for every leaf (for an uncompressed leaf: local minus mean). Three all-reduces per
   step, plus the 4-byte check that the gradient is finite everywhere.
 
-  Orthogonalization is Gram–Schmidt for r ≤ 2 and half precision, QR otherwise. On a step whose
+  Orthogonalization is Gram–Schmidt for r ≤ 2 and half precision, QR otherwise (``orthogonalize``
+  lists its rounding-level departures from torch, which keep rank-deficient and all-zero matrices
+  safe). On a step whose
   gradient is non-finite on any device the state is kept (error, Q and count); the non-finite mean
   still flows out, for ``optax.apply_if_finite`` or a loss scaler to skip.
 

@@ -491,7 +491,7 @@ def test_powersgd_hook_equals_the_transformation(bucket_cap_mb):
 
 
 def test_fp16_wrapped_powersgd_hook_runs_in_float16_as_torch():
-  """fp16_compress_wrapper(powersgd_hook) = PowerSGD on the float16 gradient, state in float16 values."""
+  """fp16_compress_wrapper(powersgd_hook) = PowerSGD on the float16 gradient; float16 state values."""
   params = {"w": np.zeros((16, 12), np.float32), "b": np.zeros(12, np.float32)}
   hook_tx = jaxcomp.comm_hook(jaxcomp.fp16_compress_wrapper(jaxcomp.hooks.powersgd_hook),
                               jaxcomp.hooks.powersgd_state(1, start_iter=1))

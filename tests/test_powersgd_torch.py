@@ -23,7 +23,7 @@ _SPEC = importlib.util.spec_from_file_location(
 golden = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(golden)
 
-RTOL, ATOL = 1e-5, 1e-5  # float32 rounding of unit-scale data (measured: ≤ 1.7e-6 of the largest value)
+RTOL, ATOL = 1e-5, 1e-5  # float32 rounding of unit-scale data (measured: ≤ 1.7e-6 of the largest)
 
 
 def _stacked(trees):
