@@ -48,7 +48,7 @@ def _norm(width):
   return {"scale": _leaf(width), "bias": _leaf(width)}
 
 
-def _dense(cin, cout, bias=True):
+def dense(cin, cout, bias=True):
   out = {"kernel": _leaf(cin, cout)}
   if bias:
     out["bias"] = _leaf(cout)
@@ -68,7 +68,7 @@ def resnet18(num_classes: int = 1000, width: int = 64) -> dict:
         block["proj_conv"], block["proj_bn"] = _conv(1, 1, cin, cout), _norm(cout)
       params[f"stage{stage + 1}_block{b}"] = block
       cin = cout
-  params["fc"] = _dense(cin, num_classes)
+  params["fc"] = dense(cin, num_classes)
   return params
 
 
@@ -87,7 +87,7 @@ def resnet50(num_classes: int = 1000, width: int = 64) -> dict:
         block["proj_conv"], block["proj_bn"] = _conv(1, 1, cin, cout), _norm(cout)
       params[f"stage{stage + 1}_block{b}"] = block
       cin = cout
-  params["fc"] = _dense(cin, num_classes)
+  params["fc"] = dense(cin, num_classes)
   return params
 
 
@@ -95,9 +95,9 @@ def gpt2_small(vocab: int = 50257, context: int = 1024, width: int = 768, depth:
   """GPT-2 small (124,439,808 parameters at the defaults; the output head is tied to ``wte``)."""
   params = {"wte": {"embedding": _leaf(vocab, width)}, "wpe": {"embedding": _leaf(context, width)}}
   for i in range(depth):
-    params[f"h{i}"] = {"ln_1": _norm(width), "attn_qkv": _dense(width, 3 * width),
-                       "attn_proj": _dense(width, width), "ln_2": _norm(width),
-                       "mlp_fc": _dense(width, 4 * width), "mlp_proj": _dense(4 * width, width)}
+    params[f"h{i}"] = {"ln_1": _norm(width), "attn_qkv": dense(width, 3 * width),
+                       "attn_proj": dense(width, width), "ln_2": _norm(width),
+                       "mlp_fc": dense(width, 4 * width), "mlp_proj": dense(4 * width, width)}
   params["ln_f"] = _norm(width)
   return params
 
@@ -105,7 +105,7 @@ def gpt2_small(vocab: int = 50257, context: int = 1024, width: int = 768, depth:
 def tiny() -> dict:
   """A few-thousand-parameter pytree with every kind of leaf the models have (quick mode)."""
   return {"conv": _conv(3, 3, 4, 8), "bn": _norm(8), "embed": {"embedding": _leaf(100, 16)},
-          "dense": _dense(72, 32), "head": _dense(32, 10)}
+          "dense": dense(72, 32), "head": dense(32, 10)}
 
 
 def models(quick: bool) -> dict:
@@ -264,6 +264,14 @@ def machine() -> str:
   import jaxlib
   return (f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs), "
           f"jax {jax.__version__} / jaxlib {jaxlib.__version__}")
+
+
+def human(num_bytes: float) -> str:
+  """Bytes as B / kB / MB / GB (powers of 10)."""
+  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(num_bytes) >= size:
+      return f"{num_bytes / size:.1f} {unit}"
+  return f"{num_bytes:.0f} B"
 
 
 def markdown_table(header: list, rows: list, align: Optional[str] = None) -> str:

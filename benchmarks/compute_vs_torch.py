@@ -1,13 +1,14 @@
 """Compression compute against torch's DDP hooks, on the same gradients, in the same run.
 
 jaxcomp: one jitted ``update`` of the compressor on one device (``axis_name=None``, world size 1), its
-state threaded from call to call and donated. torch 2.13: the hook on one bucket holding the whole
-gradient (the same values, in torch's layout: Conv ``(out, in, kh, kw)``, Linear ``(out, in)``), on a
-1-process gloo group, waited on (``fut.wait()``), decompression callback included. Settings are the
-same on both sides: ``fp16_compress_hook`` against ``jaxcomp.fp16_compress``; ``powerSGD_hook`` (rank r,
-min_compression_rate 2, error feedback, warm start, compressing from the timed steps on) against
-``jaxcomp.powersgd(r, start_iter=0)``, whose default Flax matrix view of a Flax kernel is the transpose
-of torch's view of the torch kernel, so both compress the same matrices.
+state threaded from call to call (not donated: XLA:CPU then copies the donated error buffer). torch
+2.13: the hook on one bucket holding the whole gradient (the same values, in torch's layout: Conv
+``(out, in, kh, kw)``, Linear ``(out, in)``), on a 1-process gloo group, waited on (``fut.wait()``),
+decompression callback included. Settings are the same on both sides: ``fp16_compress_hook`` against
+``jaxcomp.fp16_compress``; ``powerSGD_hook`` (rank r, min_compression_rate 2, error feedback, warm
+start, compressing from the timed steps on) against ``jaxcomp.powersgd(r, start_iter=0)``, whose
+default Flax matrix view of a Flax kernel is the transpose of torch's view of the torch kernel, so both
+compress the same matrices.
 
 DGC selection: for every leaf with ndim > 1, the k = ceil(numel·0.001) largest |v|, jaxcomp's sampled
 threshold selection (``jaxcomp.dgc``'s, the one the compressor runs) and ``lax.top_k`` against
@@ -97,7 +98,7 @@ def jax_runner(tx, grads):
   """A function running one jitted, state-threaded ``tx.update`` and blocking on it."""
   grads = jax.device_put(grads)
   holder = [jax.jit(tx.init)(grads)]
-  update = jax.jit(lambda g, s: tx.update(g, s), donate_argnums=1)
+  update = jax.jit(lambda g, s: tx.update(g, s))  # donating the state makes XLA:CPU copy it
 
   def run():
     out, holder[0] = update(grads, holder[0])

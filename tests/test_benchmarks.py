@@ -1,0 +1,141 @@
+"""The benchmark scripts in quick mode (so they cannot rot), and the pieces they are built from.
+
+Each script runs in its own process with ``--quick`` (small shapes, few repeats); the tests check that
+it prints its table with a row per compressor, that the wire bytes equal the algorithm's minimum
+exactly, and that a quick run leaves BENCHMARKS.md alone. No timing is asserted.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL = [c.name for c in common.compressors()]
+
+
+def run_script(name, *args):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  before = _read(common.BENCHMARKS_MD)
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), "--quick", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert _read(common.BENCHMARKS_MD) == before, f"{name} --quick changed BENCHMARKS.md"
+  return result.stdout
+
+
+def _read(path):
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return f.read()
+
+
+def table_rows(text):
+  """The data rows of the first Markdown table in ``text``, as lists of cells."""
+  rows = [line.strip().strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
+  return [[c.strip() for c in r] for r in rows[2:]]
+
+
+def test_every_compressor_is_benchmarked():
+  assert ALL == ["allreduce", "fp16", "bf16", "powersgd_r1", "powersgd_r4", "batched_powersgd_r1",
+                 "dgc", "coarse_dgc"]
+
+
+def test_bytes_equal_the_algorithms_minimum():
+  rows = table_rows(run_script("bytes.py"))
+  assert sorted(r[2] for r in rows) == sorted(ALL)
+  for row in rows:
+    assert row[6] == "1.00", row
+    assert row[4] == row[5], row  # exactly the minimum, not just to two decimals
+
+
+def test_compute_against_torch():
+  pytest.importorskip("torch")
+  rows = table_rows(run_script("compute_vs_torch.py"))
+  assert [r[1] for r in rows] == ["fp16", "powersgd_r1", "powersgd_r4",
+                                  "dgc selection (sampled)", "lax.top_k"]
+  assert all(float(r[5]) > 0 for r in rows)
+
+
+def test_step_time():
+  rows = table_rows(run_script("step_time.py"))
+  assert [r[1] for r in rows] == ALL
+  assert rows[0][4] == "1.00"
+
+
+def test_memory():
+  rows = table_rows(run_script("memory.py"))
+  assert [r[1] for r in rows] == ALL
+  by_name = {r[1]: r for r in rows}
+  assert by_name["allreduce"][4] == "0.00" and by_name["allreduce"][6] == "0.00"
+  # Error feedback keeps one gradient-sized buffer per device; DGC keeps u and v.
+  assert float(by_name["powersgd_r1"][4]) >= 1.0
+  assert float(by_name["dgc"][4]) >= 1.9
+
+
+def test_scaling():
+  rows = table_rows(run_script("scaling.py"))
+  assert len(rows) == 2 and all(len(r) == 1 + len(ALL) for r in rows)
+
+
+def test_network_model():
+  names = ["allreduce", "powersgd_r1", "dgc", "coarse_dgc"]
+  out = run_script("network_model.py", "--compressors", ",".join(names))
+  rows = table_rows(out.split("Estimated step time")[1])
+  assert len(rows) == 3 * 8  # 1, 10, 100 Gbit/s × W = 8 … 1024
+
+
+def test_alpha_beta_formulas():
+  model = pytest.importorskip("benchmarks.network_model")
+  beta, n = 1e9, 1e8
+  # Bandwidth-bound all-reduce: the ring's 2(W−1)/W·N/β.
+  assert model.allreduce_time(n, 8, 0.0, beta) == pytest.approx(2 * 7 / 8 * n / beta)
+  # Latency-bound: recursive doubling's log2(W)·α beats the ring's 2(W−1)·α.
+  assert model.allreduce_time(4, 1024, 1e-5, beta) == pytest.approx(10 * (1e-5 + 4 / beta))
+  assert model.allgather_time(100, 4, 0.0, beta) == pytest.approx(3 * 100 / beta)
+  assert model.allreduce_time(n, 1, 1.0, beta) == 0.0
+  # DGC sends the dense mean once W·density·2 >= 1, as jaxcomp.dgc does.
+  measured = {"allreduce": [("all-reduce", 40)], "dgc": [("all-gather", 8), ("all-reduce", 4)]}
+  assert model.collectives_at("dgc", measured, 256) == measured["dgc"]
+  assert model.collectives_at("dgc", measured, 512) == [("all-reduce", 40), ("all-reduce", 4)]
+
+
+def test_shape_pytrees_have_the_published_sizes():
+  assert common.num_params(common.resnet18()) == 11_689_512
+  assert common.num_params(common.resnet50()) == 25_557_032
+  assert common.num_params(common.gpt2_small()) == 124_439_808
+  resnet = common.resnet18()
+  assert resnet["conv_init"]["kernel"].shape == (7, 7, 3, 64)  # Flax (kh, kw, in, out)
+  assert resnet["fc"]["kernel"].shape == (512, 1000)  # Flax Dense (in, out)
+  torch_resnet = common.torch_layout(resnet)
+  assert torch_resnet["conv_init"]["kernel"].shape == (64, 3, 7, 7)
+  assert torch_resnet["fc"]["kernel"].shape == (1000, 512)
+  gpt = common.torch_layout(common.gpt2_small())
+  assert gpt["wte"]["embedding"].shape == (50257, 768)  # embeddings keep their layout
+
+
+def test_write_section_replaces_only_its_own_section(tmp_path):
+  path = str(tmp_path / "BENCHMARKS.md")
+  common.write_section("bytes", "Bytes", "cmd one", "first body", path)
+  common.write_section("memory", "Memory", "cmd two", "memory body", path)
+  common.write_section("bytes", "Bytes", "cmd three", "second body", path)
+  text = _read(path)
+  assert "second body" in text and "first body" not in text and "cmd three" in text
+  assert "memory body" in text and text.count("<!-- BEGIN bytes -->") == 1
+  assert text.index("BEGIN bytes") < text.index("BEGIN memory")  # the sections keep their order
+  with pytest.raises(ValueError, match="key must be one of"):
+    common.write_section("nope", "x", "y", "z", path)
+
+
+def test_interleaved_ratio_is_per_round():
+  calls = []
+  times = common.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                             repeats=4, warmup=1)
+  assert len(times["a"]) == len(times["b"]) == 4 and calls.count("a") == 5
+  assert calls[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # the order rotates
+  assert common.ratio({"x": [2.0, 9.0, 4.0], "y": [1.0, 3.0, 1.0]}, "x", "y") == 3.0
