@@ -518,23 +518,24 @@ def test_fp16_wrapped_powersgd_hook_runs_in_float16_as_torch():
 
 def test_batched_hook_equals_the_transformation():
   params = {"a": np.zeros((9, 7), np.float32), "b": np.zeros(7, np.float32)}
-  tx = jaxcomp.batched_powersgd(1, start_iter=1)
   hook_tx = jaxcomp.comm_hook(jaxcomp.hooks.batched_powersgd_hook,
                               jaxcomp.hooks.batched_powersgd_state(1, start_iter=1))
-  state, hook_state = tx.init(params), hook_tx.init(params)
-  # The bucket holds b then a (DDP's reverse order); the transformation a then b. Same length.
-  hook_state = hook_state._replace(hook_states=(hook_state.hook_states[0]._replace(q=state.q),))
+  hook_state = hook_tx.init(params)
+  assert bucket_assignment(hook_state.signature, 25 * 2**20, 25 * 2**20) == ((1, 0),)
+  # The bucket holds b, then a (DDP's reverse order): give the transformation that order too.
+  as_bucket = lambda tree: {"0": tree["b"], "1": tree["a"]}
+  tx = jaxcomp.batched_powersgd(1, start_iter=1)
+  state = tx.init(as_bucket(params))
+  chex.assert_trees_all_equal(hook_state.hook_states[0].q, state.q)  # same seed, same square
   state, hook_state = replicate(state, W), replicate(hook_state, W)
   step, hook_step = pmapped(tx), pmapped(hook_tx)
   rng = np.random.default_rng(0)
-  for t in range(3):
+  for _ in range(3):
     grads = grads_for(params, rng)
-    out, state = run(step, grads, state)
+    out, state = run(step, as_bucket(grads), state)
     hook_out, hook_state = run(hook_step, grads, hook_state)
-    if t == 0:
-      chex.assert_trees_all_close(hook_out, out, rtol=1e-6, atol=1e-6)
-    else:  # another order in the square: another compression, same shapes and finiteness
-      chex.assert_tree_all_finite(hook_out)
+    chex.assert_trees_all_close(as_bucket(hook_out), out, rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(hook_state.hook_states[0].error, state.error, rtol=1e-6, atol=1e-6)
   assert jaxcomp.powersgd_stats(hook_state) == state.compression_stats()
 
 
