@@ -71,12 +71,14 @@ class DGCState(NamedTuple):
     dense_u: momentum of each dense floating-point leaf, applied after averaging, so identical on
       every device (``optax.MaskedNode`` elsewhere).
     signature: the gradient pytree's structure, shapes and dtypes.
+    spec: the static settings (so that ``jaxcomp.hooks.dgc_hook(state, bucket)`` finds them).
   """
   count: jax.Array
   u: Any
   v: Any
   dense_u: Any
   signature: TreeSignature
+  spec: "_Spec"
 
   PER_DEVICE_FIELDS = ("u", "v")
 
@@ -280,6 +282,7 @@ class _ChunkExchange:
 
 # ------------------------------------------------------------------------------ the shared algorithm
 
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class _Spec:
   """Everything static about one DGC configuration; ``dgc``, ``coarse_dgc`` and the hook share it."""
@@ -385,7 +388,7 @@ def _transformation(spec: _Spec, clip_norm: Optional[float],
     signature = TreeSignature.of(params)
     trees = [jax.tree.unflatten(signature.treedef, x)
              for x in spec.init(jax.tree.leaves(params), signature.paths)]
-    return DGCState(jnp.zeros([], jnp.int32), *trees, signature)
+    return DGCState(jnp.zeros([], jnp.int32), *trees, signature, spec)
 
   def update_fn(updates, state: DGCState, params=None):
     del params
@@ -404,29 +407,27 @@ def _transformation(spec: _Spec, clip_norm: Optional[float],
                                *(treedef.flatten_up_to(t) for t in (state.u, state.v, state.dense_u)))
     outs = [jnp.where(finite, o, jnp.nan).astype(o.dtype) if is_float(o) else o for o in outs]
     new_state = DGCState(state.count + 1, *(jax.tree.unflatten(treedef, t) for t in trees),
-                         state.signature)
+                         state.signature, spec)
     return jax.tree.unflatten(treedef, outs), axis.keep_if_finite(finite, new_state, state)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def bucket_hook(spec: _Spec) -> tuple:
-  """``(hook, init)`` running ``spec`` per DDP bucket; see ``jaxcomp.hooks.dgc_hook``."""
+def init_bucket_state(spec: _Spec, bucket: GradBucket) -> DGCState:
+  """The zero ``DGCState`` of one ``comm_hook`` bucket; see ``jaxcomp.hooks.dgc_state``."""
+  grads = bucket.gradients()
+  return DGCState(jnp.zeros([], jnp.int32), *map(tuple, spec.init(grads, bucket.paths)),
+                  TreeSignature.of(grads), spec)
 
-  def init(bucket: GradBucket) -> DGCState:
-    grads = bucket.gradients()
-    return DGCState(jnp.zeros([], jnp.int32), *map(tuple, spec.init(grads, bucket.paths)),
-                    TreeSignature.of(grads))
 
-  def hook(state: DGCState, bucket: GradBucket):
-    grads = state.signature.check(bucket.gradients(), "bucket")
-    bucket_spec = dataclasses.replace(spec, axis_name=bucket.axis_name)
-    outs, u, v, dense_u = bucket_spec.update(state.count, grads, bucket.paths, state.u, state.v,
-                                             state.dense_u)
-    return (jnp.concatenate([o.ravel() for o in outs]),
-            state._replace(count=state.count + 1, u=tuple(u), v=tuple(v), dense_u=tuple(dense_u)))
-
-  return hook, init
+def update_bucket(state: DGCState, bucket: GradBucket) -> tuple:
+  """One DGC step on a bucket's parameters: ``(reduced buffer, new state)``; see ``dgc_hook``."""
+  grads = state.signature.check(bucket.gradients(), "bucket")
+  bucket_spec = dataclasses.replace(state.spec, axis_name=bucket.axis_name)
+  outs, u, v, dense_u = bucket_spec.update(state.count, grads, bucket.paths, state.u, state.v,
+                                           state.dense_u)
+  return (jnp.concatenate([o.ravel() for o in outs]),
+          state._replace(count=state.count + 1, u=tuple(u), v=tuple(v), dense_u=tuple(dense_u)))
 
 
 # ------------------------------------------------------------------------------ construction helpers
@@ -502,7 +503,7 @@ def topk_spec(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momen
               sample_ratio: float = 0.01, selection: str = "sampled", value_dtype=None,
               sparsify: Optional[Callable] = None, upper_bound: float = 1.3, lower_bound: float = 0.8,
               max_adaptation_iters: int = 10, seed: int = 0) -> _Spec:
-  """The validated static configuration of ``dgc`` (shared with ``jaxcomp.hooks.dgc_hook``)."""
+  """The validated static configuration of ``dgc`` (shared with ``jaxcomp.hooks.dgc_state``)."""
   if selection not in ("sampled", "exact"):
     raise ValueError(f"selection must be 'sampled' or 'exact'; got {selection!r}")
   _density(sample_ratio, "sample_ratio")

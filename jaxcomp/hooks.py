@@ -124,21 +124,29 @@ def batched_powersgd_hook(state, bucket: GradBucket):
   return buffer, state
 
 
-def dgc_hook(ratio: float = 0.001, **kwargs):
-  """Deep Gradient Compression per bucket: ``comm_hook(*dgc_hook(0.001))``.
+def dgc_state(ratio: float = 0.001, **kwargs):
+  """The per-bucket state of ``dgc_hook``: pass it as ``comm_hook``'s ``state``::
 
-  Each parameter of a bucket is treated as ``jaxcomp.dgc`` treats a leaf (sparsified if ``ndim > 1``,
-  else dense mean with momentum after averaging); the code is ``jaxcomp.dgc``'s. The axis is
-  ``comm_hook``'s, and ``comm_hook`` keeps the state on a non-finite step. Local gradient clipping
-  needs the whole gradient's norm, which a bucket does not see: use ``jaxcomp.dgc`` for it.
+    tx = jaxcomp.comm_hook(jaxcomp.hooks.dgc_hook, jaxcomp.hooks.dgc_state(0.001, momentum=0.9))
 
   Args:
     ratio: density after warm-up.
-    **kwargs: ``jaxcomp.dgc``'s other keyword arguments except ``axis_name``, ``clip_norm`` and
-      ``clip_exponent``; ``sparsify`` receives the parameter's path in the pytree.
+    **kwargs: ``jaxcomp.dgc``'s other keyword arguments except ``axis_name`` (the bucket's is used),
+      ``clip_norm`` and ``clip_exponent`` (local clipping needs the whole gradient's norm, which a
+      bucket does not see: use ``jaxcomp.dgc`` for it); ``sparsify`` receives the parameter's path.
 
   Returns:
-    ``(hook, state)``: the hook, and the function ``bucket -> DGCState`` to pass as ``comm_hook``'s
-    ``state``.
+    A function ``bucket -> jaxcomp.DGCState``, which carries these settings.
   """
-  return dgc.bucket_hook(dgc.topk_spec(ratio, **kwargs))
+  spec = dgc.topk_spec(ratio, **kwargs)
+  return lambda bucket: dgc.init_bucket_state(spec, bucket)
+
+
+def dgc_hook(state, bucket: GradBucket):
+  """Deep Gradient Compression on one bucket; state from ``dgc_state``.
+
+  Each parameter of the bucket is treated as ``jaxcomp.dgc`` treats a leaf (sparsified if
+  ``ndim > 1``, else the dense mean with momentum after averaging), by the same code. ``comm_hook``
+  keeps the state on a step whose gradient is non-finite.
+  """
+  return dgc.update_bucket(state, bucket)

@@ -380,7 +380,8 @@ def test_world_size_one_under_plain_jit():
 def test_dgc_hook_matches_dgc_in_exact_mode():
   params = make_params()
   direct = jaxcomp.dgc(0.05, selection="exact")
-  hooked = jaxcomp.comm_hook(*hooks.dgc_hook(0.05, selection="exact"), bucket_cap_mb=0.001)
+  hooked = jaxcomp.comm_hook(hooks.dgc_hook, hooks.dgc_state(0.05, selection="exact"),
+                              bucket_cap_mb=0.001)
   rng = np.random.default_rng(7)
   states = [replicate(direct.init(params), W), replicate(hooked.init(params), W)]
   updates = [pmapped_update(direct, W), pmapped_update(hooked, W)]
