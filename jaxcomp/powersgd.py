@@ -390,7 +390,6 @@ def _layerwise(state: PowerSGDState, leaves: list, reduced: list, world: int, ax
 def _batched(state: BatchedPowerSGDState, leaves: list, reduced: list, world: int,
              axis_name) -> tuple:
   """A compressed batched step: each dtype's gradient flattened, zero-padded to side², one P and Q."""
-  del reduced
   config = state.config
   squares = _squares(config, state.signature)
   ms, new_errors, new_qs = [], list(state.error), list(state.q)
@@ -405,7 +404,7 @@ def _batched(state: BatchedPowerSGDState, leaves: list, reduced: list, world: in
   low_rank, qs = _power_step(
       [m.reshape(s.side, s.side) for m, s in zip(ms, squares)],
       [q.astype(m.dtype) for q, m in zip(state.q, ms)], 0.0, world, axis_name)
-  outputs = []
+  outputs = {}
   for k, (square, m, out, new) in enumerate(zip(squares, ms, low_rank, qs)):
     out = out.reshape(-1)
     if config.error_feedback:  # e ← M − output, the padding included
@@ -413,9 +412,9 @@ def _batched(state: BatchedPowerSGDState, leaves: list, reduced: list, world: in
     new_qs[k] = (_next_q(new.astype(state.q[k].dtype), state.q[k]) if config.warm_start
                  else _draw(config, state.count + 1, k, state.q[k].shape, state.q[k].dtype))
     offsets = np.cumsum([0] + [math.prod(state.signature.shapes[i]) for i in square.leaves])
-    outputs += [out[offsets[j]:offsets[j + 1]].reshape(state.signature.shapes[i])
-                for j, i in enumerate(square.leaves)]  # step 9: truncate to the length
-  return outputs, tuple(new_errors), tuple(new_qs)
+    for j, i in enumerate(square.leaves):  # step 9: truncate to the length
+      outputs[i] = out[offsets[j]:offsets[j + 1]].reshape(state.signature.shapes[i])
+  return [outputs[i] for i in reduced], tuple(new_errors), tuple(new_qs)
 
 
 def init_state(config: PowerSGDConfig, params) -> PowerSGDState:
