@@ -13,6 +13,12 @@ On GPU or TPU hosts the same script runs once per host, without ``--launch`` and
     python examples/multihost.py --coordinator HOST0:1234 --num-processes N --process-id I
 
 (on Cloud TPU, or under SLURM / Open MPI, ``jax.distributed.initialize()`` finds these by itself).
+
+With ``--checkpoint-dir`` every process saves the step's state there (orbax-checkpoint) and a restarted
+job resumes from the latest complete checkpoint, continuing exactly as the uninterrupted job would.
+If a process dies, the others stop with an error from the JAX distributed service ("... detected
+fatal errors. This most likely indicates that another task died") once the dead process has missed
+its heartbeats for ``--heartbeat-timeout`` seconds; restart the job with the same command.
 """
 
 import argparse
@@ -33,6 +39,11 @@ parser.add_argument("--process-id", type=int, default=0, help="this process's in
 parser.add_argument("--local-devices", type=int, default=None,
                     help="CPU devices this process simulates (leave out on GPU/TPU hosts)")
 parser.add_argument("--out", default=None, help="process 0 saves the parameters and losses here (.npz)")
+parser.add_argument("--checkpoint-dir", default=None,
+                    help="save a checkpoint after every step here and resume from the latest one")
+parser.add_argument("--heartbeat-timeout", type=int, default=30,
+                    help="seconds without heartbeats after which a process counts as dead and the "
+                         "job stops (jax.distributed's heartbeat_timeout_seconds; its default is 100)")
 args = parser.parse_args()
 
 
@@ -65,7 +76,7 @@ def launch(processes: int) -> int:
     # gloo and XLA:CPU add the four float16 contributions in different orders: equal up to rounding.
     print(f"{processes} processes x 2 devices vs 1 process x {2 * processes} devices: "
           f"{'equal' if same else 'DIFFERENT'} (largest difference {worst:.2g} over the losses and "
-          f"{len(a.files) - 1} parameter arrays)")
+          f"{len(a.files) - 2} parameter arrays)")
     return 0 if same else 1
 
 
@@ -78,13 +89,15 @@ if args.local_devices:
   jax.config.update("jax_num_cpu_devices", args.local_devices)  # before JAX starts its backends
 if args.num_processes > 1:
   jax.distributed.initialize(coordinator_address=args.coordinator,
-                             num_processes=args.num_processes, process_id=args.process_id)
+                             num_processes=args.num_processes, process_id=args.process_id,
+                             heartbeat_timeout_seconds=args.heartbeat_timeout)
 
 import functools  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -128,20 +141,32 @@ def train_step(params, opt_state, images, labels):
 batch = 8 * jax.device_count()
 rows = batch // jax.process_count()  # this process feeds its own devices' share of the batch
 data = NamedSharding(mesh, P("batch"))
+first_step = 0
+manager = ocp.CheckpointManager(os.path.abspath(args.checkpoint_dir)) if args.checkpoint_dir else None
+if manager is not None and manager.latest_step() is not None:
+  first_step = manager.latest_step()
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+  restored = manager.restore(first_step, args=ocp.args.StandardRestore(abstract))
+  params, opt_state = restored["params"], restored["opt_state"]
+  print(f"process {jax.process_index()}: resumed from the checkpoint of step {first_step}", flush=True)
 losses = []
-for step in range(args.steps):
+for step in range(first_step, args.steps):
   idx = np.random.default_rng([0, step]).integers(0, len(train_y), batch)
   mine = idx[jax.process_index() * rows:(jax.process_index() + 1) * rows]
   images = jax.make_array_from_process_local_data(data, train_x[mine], (batch, 64))
   labels = jax.make_array_from_process_local_data(data, train_y[mine], (batch,))
   params, opt_state, loss = train_step(params, opt_state, images, labels)
   losses.append(float(loss.addressable_data(0)))  # reading it blocks: no XLA:CPU deadlock
+  if manager is not None:
+    manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+if manager is not None:
+  manager.wait_until_finished()
 
 print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local of "
       f"{jax.device_count()} devices, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
 if args.out and jax.process_index() == 0:
   arrays = {jax.tree_util.keystr(k): np.asarray(v.addressable_data(0))
             for k, v in jax.tree_util.tree_leaves_with_path(params)}
-  np.savez(args.out, losses=np.array(losses), **arrays)
+  np.savez(args.out, losses=np.array(losses), first_step=first_step, **arrays)
 if args.num_processes > 1:
   jax.distributed.shutdown()
