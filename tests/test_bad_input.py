@@ -1,0 +1,144 @@
+"""Every compressor answers bad input with a correct result or a clear error naming the argument."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp
+from jaxcomp import axis, hooks
+from compressors import COMPRESSORS
+from helpers import assert_identical_across_devices, replicate
+
+W = 8
+
+
+def pmap_steps(tx, grads, steps=4):
+  state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads)))
+  step = jax.pmap(tx.update, axis_name="batch")
+  for _ in range(steps):
+    out, state = jax.block_until_ready(step(grads, state))
+  return out, state
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_empty_pytrees(name):
+  tx = COMPRESSORS[name](axis_name=None)
+  for empty in ({}, [], {"a": {}}):
+    out, _ = tx.update(empty, tx.init(empty))
+    assert jax.tree.structure(out) == jax.tree.structure(empty)
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_integer_boolean_zero_d_and_zero_size_leaves(name):
+  rng = np.random.default_rng(0)
+  grads = {"scalar": rng.normal(size=(W,)).astype(np.float32),
+           "count": np.arange(W, dtype=np.int32), "flag": np.ones((W, 3), bool),
+           "empty": np.zeros((W, 0, 4), np.float32), "w": rng.normal(size=(W, 6, 5)).astype(np.float32)}
+  out, state = pmap_steps(COMPRESSORS[name](), grads)
+  np.testing.assert_array_equal(out["count"], grads["count"])
+  np.testing.assert_array_equal(out["flag"], grads["flag"])
+  assert out["empty"].shape == (W, 0, 4)
+  assert np.isfinite(np.asarray(out["scalar"])).all() and np.isfinite(np.asarray(out["w"])).all()
+  assert_identical_across_devices({"scalar": out["scalar"], "w": out["w"]})
+  assert not any(np.asarray(x).size == 0 for x in jax.tree.leaves(state))  # orbax refuses those
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_all_zero_gradients_give_zeros_not_nan(name):
+  grads = {"w": np.zeros((W, 16, 8), np.float32), "b": np.zeros((W, 8), np.float32)}
+  out, state = pmap_steps(COMPRESSORS[name](), grads, steps=5)
+  for leaf in jax.tree.leaves(out):
+    np.testing.assert_array_equal(np.asarray(leaf), 0)
+  assert all(np.isfinite(np.asarray(x, np.float64)).all() for x in jax.tree.leaves(state)
+             if jnp.issubdtype(np.asarray(x).dtype, jnp.inexact))
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_params(name, dtype):
+  rng = np.random.default_rng(1)
+  grads = {"w": rng.normal(size=(W, 12, 6)).astype(dtype), "b": rng.normal(size=(W, 6)).astype(dtype)}
+  out, _ = pmap_steps(COMPRESSORS[name](), grads)
+  assert out["w"].dtype == dtype and out["b"].dtype == dtype
+  assert np.isfinite(np.asarray(out["w"], np.float32)).all()
+  assert_identical_across_devices(out)
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_changed_structure_shape_or_dtype_is_named(name):
+  tx = COMPRESSORS[name](axis_name=None)
+  state = tx.init({"a": jnp.zeros((4, 3)), "b": jnp.zeros(3)})
+  with pytest.raises(ValueError, match="structure changed"):
+    tx.update({"a": jnp.zeros((4, 3))}, state)
+  with pytest.raises(ValueError, match=r"\['a'\]"):
+    tx.update({"a": jnp.zeros((4, 4)), "b": jnp.zeros(3)}, state)
+  with pytest.raises(ValueError, match=r"\['b'\]"):
+    tx.update({"a": jnp.zeros((4, 3)), "b": jnp.zeros(3, jnp.float16)}, state)
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_unbound_axis_runs_as_one_device_and_warns_once(name):
+  axis._warned_unbound.discard("unbound")
+  tx = COMPRESSORS[name](axis_name="unbound")
+  g = {"w": jnp.asarray(np.random.default_rng(2).normal(size=(6, 5)), jnp.float32)}
+  state = tx.init(g)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(4):
+      out, state = jax.jit(tx.update)(g, state)
+  assert sum("not bound" in str(w.message) for w in caught) == 1
+  assert np.isfinite(np.asarray(out["w"])).all()
+
+
+BAD_ARGUMENTS = [
+    (lambda: jaxcomp.powersgd(0), "rank"),
+    (lambda: jaxcomp.powersgd(-2), "rank"),
+    (lambda: jaxcomp.powersgd(1.5), "rank"),
+    (lambda: jaxcomp.powersgd(1, start_iter=-1), "start_iter"),
+    (lambda: jaxcomp.powersgd(1, min_compression_rate=-1.0), "min_compression_rate"),
+    (lambda: jaxcomp.powersgd(1, epsilon=float("nan")), "epsilon"),
+    (lambda: jaxcomp.powersgd(1, matrix_view="numpy"), "matrix_view"),
+    (lambda: jaxcomp.powersgd(1, error_feedback="yes"), "error_feedback"),
+    (lambda: jaxcomp.batched_powersgd(0), "rank"),
+    (lambda: jaxcomp.batched_powersgd(1, start_iter=-5), "start_iter"),
+    (lambda: jaxcomp.dgc(0.0), "ratio"),
+    (lambda: jaxcomp.dgc(1.5), "ratio"),
+    (lambda: jaxcomp.dgc(-0.1), "ratio"),
+    (lambda: jaxcomp.dgc(0.01, momentum=-0.9), "momentum"),
+    (lambda: jaxcomp.dgc(0.01, momentum=1.0), "momentum"),
+    (lambda: jaxcomp.dgc(0.01, clip_norm=0), "clip_norm"),
+    (lambda: jaxcomp.dgc(0.01, sample_ratio=0), "sample_ratio"),
+    (lambda: jaxcomp.dgc(0.01, selection="random"), "selection"),
+    (lambda: jaxcomp.dgc(0.01, warmup="paper"), "steps_per_epoch"),
+    (lambda: jaxcomp.dgc(0.01, warmup=[(10, 0.1), (5, 0.01)]), "warmup"),
+    (lambda: jaxcomp.dgc(0.01, value_dtype=jnp.int8), "value_dtype"),
+    (lambda: jaxcomp.coarse_dgc(2.0), "ratio"),
+    (lambda: jaxcomp.coarse_dgc(0.1, chunk_size=0), "chunk_size"),
+    (lambda: jaxcomp.coarse_dgc(0.1, momentum=-1), "momentum"),
+    (lambda: jaxcomp.comm_hook(hooks.allreduce_hook, bucket_cap_mb=0), "bucket_cap_mb"),
+    (lambda: jaxcomp.comm_hook(hooks.allreduce_hook, bucket_cap_mb=-3), "bucket_cap_mb"),
+    (lambda: hooks.powersgd_state(0), "rank"),
+    (lambda: hooks.dgc_state(0.0), "ratio"),
+    (lambda: jaxcomp.accumulate(jaxcomp.allreduce(), every_k=0), "every_k"),
+    (lambda: jaxcomp.allreduce(axis_name=0), "axis_name"),
+    (lambda: jaxcomp.powersgd(1, axis_name=["batch"]), "axis_name"),
+    (lambda: jaxcomp.dgc(0.01, axis_name=("batch", 2)), "axis_name"),
+]
+
+
+@pytest.mark.parametrize("make, argument", BAD_ARGUMENTS)
+def test_nonsensical_arguments_fail_at_construction_naming_the_argument(make, argument):
+  with pytest.raises((ValueError, TypeError), match=argument):
+    make()
+
+
+@pytest.mark.parametrize("rank", [5, 100])
+def test_rank_above_min_n_m_is_clamped_to_the_exact_mean(rank):
+  rng = np.random.default_rng(3)
+  grads = {"w": rng.normal(size=(W, 4, 3)).astype(np.float32)}
+  tx = jaxcomp.powersgd(rank, start_iter=0, min_compression_rate=0.0, error_feedback=False)
+  out, _ = pmap_steps(tx, grads, steps=1)
+  np.testing.assert_allclose(out["w"][0], grads["w"].mean(0), rtol=1e-4, atol=1e-5)
