@@ -115,8 +115,8 @@ def main(argv=None) -> int:
       sent = lowered if c.name == "bf16" else compiled
       lo = minimum(c.name, tree)
       ops = ", ".join(f"{n}× {op}" for op, n in sorted(
-          {op: sum(x.op == op for x in sent.collectives) for op in
-           {x.op for x in sent.collectives}}.items()))
+          {op: sum(x.op == op for x in compiled.collectives) for op in
+           {x.op for x in compiled.collectives}}.items()))
       rows.append([model, f"{numel:,}", c.name, f"{compiled.payload_bytes:,}",
                    f"{sent.payload_bytes:,}", f"{lo:,}", f"{sent.payload_bytes / lo:.2f}",
                    f"{4 * numel / sent.payload_bytes:.1f}×", ops])
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
             f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
   table = common.markdown_table(
       ["model", "params", "compressor", "compiled B", "sent B", "minimum B", "ratio",
-       "vs f32", "collectives"], rows, "lrlrrrrrl")
+       "vs f32", "compiled collectives"], rows, "lrlrrrrrl")
   body = (f"W = {W} simulated devices (`jax.pmap`); bytes per device per step (payload: reduced "
           "buffer of an all-reduce, gathered result of an all-gather). \"sent\" is the compiled HLO's, "
           "except bf16: XLA:CPU widens bf16 collectives to f32 when compiling (\"compiled B\"), so its "

@@ -3,10 +3,11 @@
 Per compressor, for ResNet-50 shaped gradients:
 
 * communication, measured: the collectives of the compiled update at W = 8 (``jaxcomp.comm_report``):
-  per op, how many there are and their bytes. An all-reduce of N bytes is the same N at any W; an
+  per op, how many there are and their bytes (bf16 at its requested width: XLA:CPU widens bf16
+  collectives to f32, GPUs do not). An all-reduce of N bytes is the same N at any W; an
   all-gather's per-worker contribution c = payload / 8 is gathered from all W workers. ``dgc`` sends
   the dense mean where ``W·density·2 ≥ 1`` (W ≥ 500 at density 0.001; ``jaxcomp.dgc`` does the same),
-  modelled as allreduce's collectives plus its 4-byte flag.
+  modelled as allreduce's collectives and compute plus its 4-byte flag.
 * compression compute, measured: the jitted ``update`` at world size 1 on this CPU (median of
   interleaved rounds); allreduce's one pass is counted for every compressor alike.
 * forward and backward compute: ``--compute-ms`` (default 100 ms, about a ResNet-50 step of 32 images
@@ -78,13 +79,20 @@ def comm_time(collectives, world, alpha, beta):
 
 
 def measured_collectives(compressor, tree) -> list:
-  report, _ = bytes_bench.measure(compressor, tree)
-  return [(c.op, c.payload_bytes / (c.group_size if c.op == "all-gather" else 1))
-          for c in report.collectives]
+  """``(op, bytes)`` per compiled collective; bf16 at its requested width (XLA:CPU widens it)."""
+  compiled, lowered = bytes_bench.measure(compressor, tree)
+  scale = lowered.payload_bytes / compiled.payload_bytes if compressor.name == "bf16" else 1.0
+  return [(c.op, scale * c.payload_bytes / (c.group_size if c.op == "all-gather" else 1))
+          for c in compiled.collectives]
+
+
+def dense_fallback(name, world) -> bool:
+  """``jaxcomp.dgc`` sends the dense mean once the sparse exchange would send more."""
+  return name == "dgc" and world * DGC_DENSITY * 2 >= 1
 
 
 def collectives_at(name, measured, world) -> list:
-  if name == "dgc" and world * DGC_DENSITY * 2 >= 1:
+  if dense_fallback(name, world):
     return measured["allreduce"] + [("all-reduce", 4)]
   return measured[name]
 
@@ -138,8 +146,8 @@ def main(argv=None) -> int:
   for gbit in GBITS:
     beta = gbit * 1e9 / 8
     for world in WORLDS:
-      step = {n: fb + compute[n] + comm_time(collectives_at(n, measured, world), world, alpha, beta)
-              for n in names}
+      step = {n: fb + compute["allreduce" if dense_fallback(n, world) else n]
+                 + comm_time(collectives_at(n, measured, world), world, alpha, beta) for n in names}
       for n in names:
         speedups[(n, gbit, world)] = step["allreduce"] / step[n]
       rows.append([f"{gbit}", f"{world}"] + [

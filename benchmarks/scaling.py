@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     n = common.num_params(tree)
     row = [f"{n:,}"]
     for c in compressor_list:
-      row.append(f"{1e3 * common.median(times[c.name]):.1f} ({common.ratio(times, c.name, 'allreduce'):.1f})")
+      passes = common.ratio(times, c.name, "allreduce")
+      row.append(f"{1e3 * common.median(times[c.name]):.1f} ({passes:.1f})")
     rows.append(row)
     print(f"  {n:,} params: " + ", ".join(rows[-1][1:]), file=sys.stderr, flush=True)
   table = common.markdown_table(["params"] + [c.name for c in compressor_list], rows)

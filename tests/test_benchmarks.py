@@ -63,8 +63,11 @@ def test_compute_against_torch():
 
 
 def test_step_time():
-  rows = table_rows(run_script("step_time.py"))
-  assert [r[1] for r in rows] == ALL
+  # A subset: each compressor compiles a whole 8-device training step (bytes.py and memory.py
+  # compile every compressor's update).
+  names = ["allreduce", "powersgd_r1", "dgc"]
+  rows = table_rows(run_script("step_time.py", "--compressors", ",".join(names)))
+  assert [r[1] for r in rows] == names
   assert rows[0][4] == "1.00"
 
 
@@ -84,7 +87,7 @@ def test_scaling():
 
 
 def test_network_model():
-  names = ["allreduce", "powersgd_r1", "dgc", "coarse_dgc"]
+  names = ["allreduce", "powersgd_r1", "dgc"]
   out = run_script("network_model.py", "--compressors", ",".join(names))
   rows = table_rows(out.split("Estimated step time")[1])
   assert len(rows) == 3 * 8  # 1, 10, 100 Gbit/s × W = 8 … 1024
