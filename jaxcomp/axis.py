@@ -14,6 +14,7 @@ from typing import Any, Hashable, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 AxisName = Optional[Union[Hashable, tuple]]
@@ -85,6 +86,35 @@ def all_gather(x, axis_name: AxisName):
   """Stacks every device's ``x`` along a new leading axis of size W."""
   name = bound_axis(axis_name)
   return x[None] if name is None else lax.all_gather(x, name)
+
+
+def _packed(collective, arrays: list, axis_name: AxisName) -> list:
+  """Runs ``collective`` once per dtype on one flat buffer holding all ``arrays`` of that dtype.
+
+  ``collective(flat, axis_name)`` returns the flat result with any leading axes it adds (all-gather's
+  W); each array gets its slice back with those axes in front of its own shape.
+  """
+  out: list = [None] * len(arrays)
+  by_dtype: dict = {}
+  for i, x in enumerate(arrays):
+    by_dtype.setdefault(x.dtype, []).append(i)
+  for members in by_dtype.values():
+    flat = collective(jnp.concatenate([jnp.ravel(arrays[i]) for i in members]), axis_name)
+    offsets = np.cumsum([0] + [arrays[i].size for i in members])
+    for k, i in enumerate(members):
+      part = flat[..., offsets[k]:offsets[k + 1]]
+      out[i] = part.reshape(part.shape[:-1] + arrays[i].shape)
+  return out
+
+
+def psum_many(arrays: list, axis_name: AxisName) -> list:
+  """``psum`` of every array, as one all-reduce per dtype (how torch sends a bucket)."""
+  return _packed(psum, arrays, axis_name)
+
+
+def all_gather_many(arrays: list, axis_name: AxisName) -> list:
+  """``all_gather`` of every array, as one all-gather per dtype; results have a leading W axis."""
+  return _packed(all_gather, arrays, axis_name)
 
 
 def all_finite(tree, axis_name: AxisName):

@@ -217,7 +217,10 @@ def _itemsize(dtype) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _TopKExchange:
-  """``dgc``'s exchange: all-gather k values and k indices, scatter-add, ×1/W."""
+  """``dgc``'s exchange: all-gather k values and k indices, scatter-add, ×1/W.
+
+  All leaves of a step share one all-gather of values (per value dtype) and one of indices.
+  """
   selection: str
   sample_ratio: float
   upper_bound: float
@@ -227,29 +230,41 @@ class _TopKExchange:
   def sparse_bytes(self, numel, density, world, value_bytes):
     return world * math.ceil(numel * density) * (value_bytes + _INDEX_BYTES)
 
-  def __call__(self, v, density, key, value_dtype, axis_name):
-    flat = v.ravel()
+  def select(self, flat, density, key):
     if self.selection == "exact":
-      indices = exact_topk(flat, math.ceil(flat.size * density))
-    else:
-      indices, _ = sampled_topk(flat, sampling_plan(flat.size, density, self.sample_ratio), key,
-                                upper_bound=self.upper_bound, lower_bound=self.lower_bound,
-                                max_adaptation_iters=self.max_adaptation_iters)
-    values = flat.at[indices].get(mode="fill", fill_value=0).astype(value_dtype)
-    all_values = axis.all_gather(values, axis_name).ravel().astype(flat.dtype)
-    all_indices = axis.all_gather(indices, axis_name).ravel()
-    total = jnp.zeros_like(flat).at[all_indices].add(all_values, mode="drop")
-    out = total * jnp.asarray(1 / axis.axis_size(axis_name), flat.dtype)
+      return exact_topk(flat, math.ceil(flat.size * density))
+    plan = sampling_plan(flat.size, density, self.sample_ratio)
+    return sampled_topk(flat, plan, key, upper_bound=self.upper_bound,
+                        lower_bound=self.lower_bound,
+                        max_adaptation_iters=self.max_adaptation_iters)[0]
 
-    def clear(x):
-      return x.ravel().at[indices].set(0, mode="drop").reshape(x.shape)
+  def __call__(self, vs, density, keys, value_dtypes, axis_name):
+    flats = [v.ravel() for v in vs]
+    indices = [self.select(flat, density, key) for flat, key in zip(flats, keys)]
+    values = [flat.at[i].get(mode="fill", fill_value=0).astype(d)
+              for flat, i, d in zip(flats, indices, value_dtypes)]
+    all_values = axis.all_gather_many(values, axis_name)
+    all_indices = axis.all_gather_many(indices, axis_name)
+    scale = 1 / axis.axis_size(axis_name)
+    results = []
+    for v, flat, mine, gathered_values, gathered_indices in zip(vs, flats, indices, all_values,
+                                                                all_indices):
+      total = jnp.zeros_like(flat).at[gathered_indices.ravel()].add(
+          gathered_values.ravel().astype(flat.dtype), mode="drop")
 
-    return out.reshape(v.shape), clear
+      def clear(x, mine=mine):
+        return x.ravel().at[mine].set(0, mode="drop").reshape(x.shape)
+
+      results.append(((total * jnp.asarray(scale, flat.dtype)).reshape(v.shape), clear))
+    return results
 
 
 @dataclasses.dataclass(frozen=True)
 class _ChunkExchange:
-  """``coarse_dgc``'s exchange: all-reduce chunk L1 norms, then the mean of the top chunks only."""
+  """``coarse_dgc``'s exchange: all-reduce chunk L1 norms, then the mean of the top chunks only.
+
+  All leaves of a step share one all-reduce of norms and one of chunks (per wire dtype).
+  """
   chunk_size: int
 
   def sparse_bytes(self, numel, density, world, value_bytes):
@@ -257,27 +272,32 @@ class _ChunkExchange:
     num_chunks = -(-numel // self.chunk_size)
     return num_chunks * 4 + math.ceil(num_chunks * density) * self.chunk_size * value_bytes
 
-  def __call__(self, v, density, key, value_dtype, axis_name):
-    del key
-    n, size = v.size, self.chunk_size
-    num_chunks = -(-n // size)
+  def __call__(self, vs, density, keys, value_dtypes, axis_name):
+    del keys
+    size = self.chunk_size
 
     def as_chunks(x):
-      return jnp.pad(x.ravel(), (0, num_chunks * size - n)).reshape(num_chunks, size)
+      num_chunks = -(-x.size // size)
+      return jnp.pad(x.ravel(), (0, num_chunks * size - x.size)).reshape(num_chunks, size)
 
-    def from_chunks(c):
-      return c.ravel()[:n].reshape(v.shape)
+    chunked = [as_chunks(v) for v in vs]
+    norms = axis.psum_many([jnp.abs(c).sum(1, dtype=jnp.float32) for c in chunked], axis_name)
+    # The same chunks on every device: the top ceil(chunks·density) of the summed norms.
+    chosen = [lax.top_k(n, math.ceil(n.size * density))[1] for n in norms]
+    world = axis.axis_size(axis_name)
+    sent = axis.psum_many([(c[i].astype(d) / jnp.asarray(world, d)) for c, i, d in
+                           zip(chunked, chosen, value_dtypes)], axis_name)
+    results = []
+    for v, c, i, mean in zip(vs, chunked, chosen, sent):
 
-    chunks = as_chunks(v)
-    norms = axis.psum(jnp.abs(chunks).sum(1, dtype=jnp.float32), axis_name)
-    chosen = lax.top_k(norms, math.ceil(num_chunks * density))[1]  # the same on every device
-    sent = axis.mean(chunks[chosen], axis_name, wire_dtype=value_dtype)
-    out = from_chunks(jnp.zeros_like(chunks).at[chosen].set(sent))
+      def from_chunks(x, v=v):
+        return x.ravel()[:v.size].reshape(v.shape)
 
-    def clear(x):
-      return from_chunks(as_chunks(x).at[chosen].set(0))
+      def clear(x, i=i, from_chunks=from_chunks):
+        return from_chunks(as_chunks(x).at[i].set(0))
 
-    return out, clear
+      results.append((from_chunks(jnp.zeros_like(c).at[i].set(mean.astype(c.dtype))), clear))
+    return results
 
 
 # ------------------------------------------------------------------------------ the shared algorithm
@@ -324,6 +344,10 @@ class _Spec:
     sparse = zeros_where("sparse")
     return sparse, list(sparse), zeros_where("dense")
 
+  def wire_dtype(self, g):
+    """The dtype ``g``'s values travel in."""
+    return g.dtype if self.value_dtype is None else self.value_dtype
+
   def momentum_step(self, u, g):
     """Momentum correction (paper §3.2): returns the new ``u`` and what is added to ``v``."""
     if self.nesterov:
@@ -334,23 +358,28 @@ class _Spec:
 
   def sparse_stage(self, density, world, leaves, us, vs, keys):
     """One warm-up stage (static density) over the sparsified leaves."""
-    outs, new_u, new_v = [], [], []
-    for g, u, v, key in zip(leaves, us, vs, keys):
+    outs, new_u, new_v, exchanged = [], [], [], []
+    for i, (g, u, v) in enumerate(zip(leaves, us, vs)):
       u, step = self.momentum_step(u, g)  # 2. momentum correction
       v = v + step
-      value_dtype = g.dtype if self.value_dtype is None else self.value_dtype
-      value_bytes = _itemsize(value_dtype)
+      value_bytes = _itemsize(self.wire_dtype(g))
       if self.exchange.sparse_bytes(g.size, density, world, value_bytes) >= g.size * value_bytes:
         # Dense stage: everything is sent, nothing delayed, so nothing to mask.
-        out, v = axis.mean(v, self.axis_name, self.value_dtype), jnp.zeros_like(v)
+        outs.append(axis.mean(v, self.axis_name, self.value_dtype))
+        v = jnp.zeros_like(v)
       else:
-        out, clear = self.exchange(v, density, key, value_dtype, self.axis_name)  # 3., 4.
-        v = clear(v)  # 5. sent coordinates restart, momentum too with momentum factor masking
-        if self.momentum_masking:
-          u = clear(u)
-      outs.append(out)
+        outs.append(None)
+        exchanged.append(i)
       new_u.append(u)
       new_v.append(v)
+    results = self.exchange(  # 3., 4. select, exchange, decompress
+        [new_v[i] for i in exchanged], density, [keys[i] for i in exchanged],
+        [self.wire_dtype(leaves[i]) for i in exchanged], self.axis_name)
+    for i, (out, clear) in zip(exchanged, results):
+      outs[i] = out
+      new_v[i] = clear(new_v[i])  # 5. sent coordinates restart, momentum too with masking
+      if self.momentum_masking:
+        new_u[i] = clear(new_u[i])
     return outs, new_u, new_v
 
   def update(self, count, leaves, paths, us, vs, dense_us) -> tuple:

@@ -239,20 +239,6 @@ def powersgd_stats(tree) -> tuple:
 # The math shared by both variants and by the hooks.
 
 
-def _sum_concatenated(arrays: list, axis_name) -> list:
-  """All-reduce SUM of ``arrays`` as one flat buffer per dtype (one all-reduce each), reshaped back."""
-  out: list = [None] * len(arrays)
-  by_dtype: dict = {}
-  for i, x in enumerate(arrays):
-    by_dtype.setdefault(x.dtype, []).append(i)
-  for members in by_dtype.values():
-    total = axis.psum(jnp.concatenate([jnp.ravel(arrays[i]) for i in members]), axis_name)
-    offsets = np.cumsum([0] + [arrays[i].size for i in members])
-    for k, i in enumerate(members):
-      out[i] = total[offsets[k]:offsets[k + 1]].reshape(arrays[i].shape)
-  return out
-
-
 def orthogonalize(x: jax.Array, epsilon: float = 0.0) -> jax.Array:
   """Orthonormalizes the columns of ``x`` (n, r) as torch does.
 
@@ -297,11 +283,11 @@ def _power_step(mats: list, qs: list, epsilon: float, world: int, axis_name) -> 
   # 5: Q ← orth(Q); P = M·Q locally; all Ps in one all-reduce SUM, not divided; P̂ = orth(P).
   #    (paper Alg. 1: P ← MQ, P ← all-reduce(P), P̂ ← orthogonalize(P))
   qs = [orthogonalize(q, epsilon) for q in qs]
-  ps = _sum_concatenated([mat @ q for mat, q in zip(mats, qs)], axis_name)
+  ps = axis.psum_many([mat @ q for mat, q in zip(mats, qs)], axis_name)
   ps = [orthogonalize(p, epsilon) for p in ps]
   # 6: Q = Mᵀ·P̂ locally; all Qs in one all-reduce SUM, then ÷W (paper: Q ← all-reduce mean(MᵀP̂)).
   qs = [mat.T @ p for mat, p in zip(mats, ps)]
-  qs = [q / jnp.asarray(world, q.dtype) for q in _sum_concatenated(qs, axis_name)]
+  qs = [q / jnp.asarray(world, q.dtype) for q in axis.psum_many(qs, axis_name)]
   # 7: decompress, P̂·Qᵀ.
   return [p @ q.T for p, q in zip(ps, qs)], qs
 
@@ -342,7 +328,7 @@ def _step(state, grads, axis_name, compressed_fn) -> tuple:
   world = axis.axis_size(axis_name)
 
   def plain(_):  # 1: before start_iter, ÷W then one all-reduce SUM (torch's allreduce_hook)
-    outputs = _sum_concatenated(
+    outputs = axis.psum_many(
         [leaves[i] / jnp.asarray(world, leaves[i].dtype) for i in reduced], axis_name)
     return outputs, state.error, state.q
 
@@ -372,7 +358,7 @@ def _layerwise(state: PowerSGDState, leaves: list, reduced: list, world: int, ax
   # 3: split by the compress test (``_matrices``); 4: the uncompressed leaves in one all-reduce SUM,
   # then ÷W.
   outputs = {i: s / jnp.asarray(world, s.dtype)
-             for i, s in zip(dense, _sum_concatenated([ms[i] for i in dense], axis_name))}
+             for i, s in zip(dense, axis.psum_many([ms[i] for i in dense], axis_name))}
   mats = [ms[i].reshape(plan[i].n, plan[i].m) for i in packed]
   low_rank, new_qs = _power_step(mats, [qs[i].astype(ms[i].dtype) for i in packed],
                                  config.epsilon, world, axis_name)
