@@ -22,7 +22,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -26,7 +26,6 @@ import re
 from typing import Callable, Optional
 
 import jax
-import numpy as np
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(

@@ -18,7 +18,6 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

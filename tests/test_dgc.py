@@ -246,7 +246,7 @@ def test_sampled_selection_resamples_and_handles_ties():
 def test_sampled_mode_never_sends_more_than_k_under_pmap():
   params = {"w": np.zeros((300, 200), np.float32), "b": np.zeros((200,), np.float32)}
   tx = jaxcomp.dgc(0.001)
-  n, k = 60_000, 60
+  k = 60  # ceil(300 * 200 * 0.001)
   state = replicate(tx.init(params), W)
   update = pmapped_update(tx, W)
   rng = np.random.default_rng(5)

@@ -3,7 +3,6 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from jax import lax
