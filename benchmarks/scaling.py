@@ -17,7 +17,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
 from benchmarks import common  # noqa: E402
 from benchmarks.compute_vs_torch import jax_runner  # noqa: E402
 

@@ -3,6 +3,7 @@
 import pathlib
 import subprocess
 import sys
+import zlib
 
 import jax
 import numpy as np
@@ -27,7 +28,7 @@ def all_finite(tree):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_2000_steps_with_random_faults_never_drift_or_poison_the_state(name):
-  rng = np.random.default_rng(abs(hash(name)) % 2**32)
+  rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same faults on every run
   faults = [(int(s), int(d), float(v)) for s, d, v in zip(
       rng.choice(2000, size=25, replace=False), rng.integers(0, W, 25),
       rng.choice([np.nan, np.inf, -np.inf], 25))]
