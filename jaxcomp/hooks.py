@@ -2,7 +2,8 @@
 
 A hook is ``hook(state, bucket) -> (reduced_buffer, new_state)``: it gets this device's flat, undivided
 gradient bucket (a ``jaxcomp.GradBucket``) and returns the buffer every device uses. Writing one is a
-few lines; this one sends the bucket as int8 with a shared per-bucket scale::
+few lines; this one rounds the bucket to 255 levels of a scale shared by all devices (the levels are
+summed as int32, which cannot overflow; sending them as int8 would need an all-gather instead)::
 
     def int8_hook(state, bucket):
       scale = jaxcomp.axis.pmax(jnp.abs(bucket.buffer).max(), bucket.axis_name) / 127
