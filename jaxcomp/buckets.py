@@ -64,15 +64,19 @@ class TreeSignature:
         raise TypeError(f"params: complex leaf at {jax.tree_util.keystr(path)} is not supported")
     return cls(treedef, tuple(_shape(x) for x in leaves), tuple(_dtype(x).name for x in leaves))
 
-  def check(self, tree, name: str = "updates") -> list:
-    """Returns ``tree``'s leaves, or raises ValueError saying how ``tree`` differs from this one."""
+  def check(self, tree, name: str = "updates", dtypes: bool = True) -> list:
+    """Returns ``tree``'s leaves, or raises ValueError saying how ``tree`` differs from this one.
+
+    With ``dtypes=False`` only structure and shapes must match (a hook under
+    ``fp16_compress_wrapper`` sees its bucket in another float dtype than at ``init``).
+    """
     leaves, treedef = jax.tree.flatten(tree)
     if treedef != self.treedef:
       raise ValueError(f"{name}: the pytree structure changed between init and update: "
                        f"init saw {self.treedef}, update got {treedef}")
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
     for path, leaf, shape, dtype in zip(paths, leaves, self.shapes, self.dtypes):
-      if _shape(leaf) != shape or _dtype(leaf).name != dtype:
+      if _shape(leaf) != shape or (dtypes and _dtype(leaf).name != dtype):
         raise ValueError(f"{name}: leaf {path} changed between init and update: init saw "
                          f"{dtype}{list(shape)}, update got {_dtype(leaf).name}{list(_shape(leaf))}")
     return leaves

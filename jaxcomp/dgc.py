@@ -451,7 +451,7 @@ def init_bucket_state(spec: _Spec, bucket: GradBucket) -> DGCState:
 
 def update_bucket(state: DGCState, bucket: GradBucket) -> tuple:
   """One DGC step on a bucket's parameters: ``(reduced buffer, new state)``; see ``dgc_hook``."""
-  grads = state.signature.check(bucket.gradients(), "bucket")
+  grads = state.signature.check(bucket.gradients(), "bucket", dtypes=False)
   bucket_spec = dataclasses.replace(state.spec, axis_name=bucket.axis_name)
   outs, u, v, dense_u = bucket_spec.update(state.count, grads, bucket.paths, state.u, state.v,
                                            state.dense_u)

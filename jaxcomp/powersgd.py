@@ -317,11 +317,7 @@ def _step(state, grads, axis_name, compressed_fn) -> tuple:
   Returns:
     ``(output pytree, new state)``; the new state is not gated on non-finite gradients.
   """
-  leaves = state.signature.treedef.flatten_up_to(grads)
-  shapes = tuple(tuple(np.shape(x)) for x in leaves)
-  if shapes != state.signature.shapes:
-    raise ValueError(f"grads have shapes {list(shapes)}, but this PowerSGD state was made for "
-                     f"{list(state.signature.shapes)}")
+  leaves = state.signature.check(grads, "grads", dtypes=False)
   reduced = [i for i, (shape, dtype) in enumerate(zip(state.signature.shapes,
                                                        state.signature.dtypes))
              if _reduced(shape, dtype)]

@@ -393,6 +393,25 @@ def test_dgc_hook_matches_dgc_in_exact_mode():
   assert len(states[1].hook_states) > 1
 
 
+def test_dgc_hook_composes_with_fp16_compress_wrapper():
+  params = make_params()
+  wrapped = jaxcomp.comm_hook(jaxcomp.fp16_compress_wrapper(hooks.dgc_hook),
+                              hooks.dgc_state(0.05, selection="exact"), bucket_cap_mb=0.001)
+  # The same as DGC with float16 on the wire, run on the gradients rounded to float16.
+  direct = jaxcomp.dgc(0.05, selection="exact", value_dtype=jnp.float16)
+  rng = np.random.default_rng(9)
+  states = [replicate(direct.init(params), W), replicate(wrapped.init(params), W)]
+  updates = [pmapped_update(direct, W), pmapped_update(wrapped, W)]
+  for _ in range(3):
+    grads = jax.tree.map(lambda g: g.astype(np.float16).astype(g.dtype),
+                         device_grads(rng, params, W))
+    (a, states[0]), (b, states[1]) = [jax.block_until_ready(f(grads, s))
+                                      for f, s in zip(updates, states)]
+    chex.assert_trees_all_close(a, b, rtol=2e-3, atol=2e-3)
+  report = jaxcomp.comm_report(updates[1], grads, states[1])
+  assert {d for c in report.collectives if c.op == "all-gather" for d in c.dtypes} == {"f16", "s32"}
+
+
 def test_shard_map_matches_pmap():
   params = {"w": np.zeros((32, 16), np.float32), "b": np.zeros((16,), np.float32)}
   tx = jaxcomp.dgc(0.05)
