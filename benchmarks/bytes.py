@@ -85,6 +85,7 @@ def minimum(name: str, tree) -> int:
       "fp16": lambda: 2 * numel,
       "bf16": lambda: 2 * numel,
       "powersgd_r1": lambda: _powersgd_min(tree, 1),
+      "powersgd_r2": lambda: _powersgd_min(tree, 2),
       "powersgd_r4": lambda: _powersgd_min(tree, 4),
       "batched_powersgd_r1": lambda: _batched_min(tree, 1),
       "dgc": lambda: _dgc_min(tree, 0.001),

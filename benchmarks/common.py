@@ -4,7 +4,7 @@
   small, built from their published layer shapes in Flax layout: Conv kernels ``(kh, kw, in, out)``,
   Dense kernels ``(in, out)``, BatchNorm / LayerNorm ``scale`` and ``bias``; ``torch_layout`` gives the
   same parameters in torch's layout (Conv ``(out, in, kh, kw)``, Linear ``(out, in)``).
-* ``COMPRESSORS``: every jaxcomp compressor the benchmarks compare, by name, with its settings.
+* ``compressors``: the entries of ``jaxcomp.train.registry`` a benchmark compares.
 * ``interleaved``: timings of several functions taken side by side (round-robin), so that a shared,
   busy machine slows them alike; ratios are taken per round, then the median.
 * ``write_section``: replaces one script's section of BENCHMARKS.md (between markers), so the scripts
@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import platform
@@ -145,56 +144,18 @@ def random_like(tree, seed: int = 0):
 # ---------------------------------------------------------------------------------- compressors
 
 
-@dataclasses.dataclass(frozen=True)
-class Compressor:
-  """A benchmarked compressor: ``make(axis_name)`` calls ``jaxcomp.<api>`` with ``kwargs``."""
-  name: str
-  api: str
-  kwargs: dict
-  settings: str
-  has_momentum: bool = False
-
-  def make(self, axis_name):
-    import jaxcomp
-    return getattr(jaxcomp, self.api)(axis_name=axis_name, **self.kwargs)
-
-
-_ALL = (
-    Compressor("allreduce", "allreduce", {}, "f32 mean"),
-    Compressor("fp16", "fp16_compress", {}, "f16 wire"),
-    Compressor("bf16", "bf16_compress", {}, "bf16 wire"),
-    Compressor("powersgd_r1", "powersgd", {"rank": 1, "start_iter": 0},
-               "rank 1, error feedback, warm start"),
-    Compressor("powersgd_r4", "powersgd", {"rank": 4, "start_iter": 0},
-               "rank 4, error feedback, warm start"),
-    Compressor("batched_powersgd_r1", "batched_powersgd", {"rank": 1, "start_iter": 0},
-               "rank 1, one padded square"),
-    Compressor("dgc", "dgc", {"ratio": 0.001}, "density 0.001, sampled threshold",
-               has_momentum=True),
-    Compressor("coarse_dgc", "coarse_dgc", {"ratio": 0.01, "chunk_size": 256},
-               "1% of 256-element chunks", has_momentum=True),
-)
-
-
-_warned: list = []
-
-
 def compressors(names: Optional[str] = None) -> list:
-  """The compressors to compare (allreduce first), filtered by a comma-separated ``names``."""
-  import jaxcomp
-  out = list(_ALL)
-  missing = [c.name for c in out if not hasattr(jaxcomp, c.api)]
-  if missing and not _warned:
-    _warned.append(True)
-    print(f"(not in this jaxcomp yet, skipped: {', '.join(missing)})", file=sys.stderr)
-  if names:
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = sorted(set(wanted) - {c.name for c in out})
-    if unknown:
-      raise SystemExit(f"--compressors: unknown {', '.join(unknown)}; choose from "
-                       f"{', '.join(c.name for c in out)}")
-    out = [c for c in out if c.name in wanted]
-  return [c for c in out if c.name not in missing]
+  """Registry entries to compare (``jaxcomp.train.registry``): its ``DEFAULT`` list, or the
+  comma-separated ``names``, in that order."""
+  from jaxcomp.train.registry import DEFAULT, REGISTRY
+  if not names:
+    return [REGISTRY[n] for n in DEFAULT]
+  wanted = [n.strip() for n in names.split(",") if n.strip()]
+  unknown = [n for n in wanted if n not in REGISTRY]
+  if unknown:
+    raise SystemExit(f"--compressors: unknown {', '.join(unknown)}; choose from "
+                     f"{', '.join(REGISTRY)}")
+  return [REGISTRY[n] for n in wanted]
 
 
 # ------------------------------------------------------------------------------------- timing

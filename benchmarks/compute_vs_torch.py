@@ -22,7 +22,6 @@ ratios, so both sides see the same machine load.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import sys
@@ -35,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from jaxcomp._src import dgc  # noqa: E402
 
 DENSITY = 0.001
 
@@ -149,7 +149,6 @@ def compressor_rows(model, tree, repeats, names):
 def selection_rows(model, tree, repeats):
   """Top-k of |v| per leaf with ndim > 1: jaxcomp's sampled selection, lax.top_k, torch.topk."""
   import torch
-  dgc = importlib.import_module("jaxcomp.dgc")
   grads, _ = gradients(tree, seed=1)
   vectors = [jnp.asarray(g.ravel()) for g in jax.tree.leaves(grads) if g.ndim > 1]
   plans = [dgc.sampling_plan(v.size, DENSITY) for v in vectors]

@@ -13,7 +13,6 @@ shared CPU). ``--quick`` is for CI: small shapes, three rounds, no claims.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import sys
@@ -25,8 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from jaxcomp._src import dgc  # noqa: E402
 
-dgc = importlib.import_module("jaxcomp.dgc")  # the module; jaxcomp.dgc is the function
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 
 The real models of ``python -m jaxcomp.train``'s ``chars`` task (a pre-LayerNorm causal transformer
 on Python standard-library text): the default one, and a wider and deeper one. Every step is the
-data-parallel step of ``jaxcomp.train.make_step`` — forward, backward, the compressor, then
+data-parallel step of ``jaxcomp.train.job.make_step`` — forward, backward, the compressor, then
 ``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself) — jitted under
 ``jax.pmap`` over W = 8 simulated CPU devices. Compressors compress from the first step
 (``start_iter=0``). The steps of all compressors run round-robin on the same batch, each one blocked
@@ -34,7 +34,7 @@ from benchmarks import common  # noqa: E402
 
 
 def model_tasks(quick: bool) -> dict:
-  from jaxcomp import tasks
+  from jaxcomp.train import tasks
   task = tasks.chars(quick=quick)
   if quick:
     return {"chars (quick)": task}
@@ -44,7 +44,7 @@ def model_tasks(quick: bool) -> dict:
 
 def step_runners(task, compressor_list, batch):
   """A function per compressor running one blocked pmapped training step on ``batch``."""
-  from jaxcomp.train import make_step
+  from jaxcomp.train.job import make_step
   devices = jax.devices()[:W]
   # On the devices already, on a mesh axis of the step's name, as the step returns them: other
   # inputs would compile the step a second time.
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     runners = step_runners(task, compressor_list, task.batch(0, 0, args.batch_size))
     times = common.interleaved(runners, repeats, warmup=2)
     for c in compressor_list:
-      rows.append([f"{model} ({n:,} params)", c.name, c.settings,
+      rows.append([f"{model} ({n:,} params)", c.name, c.about,
                    f"{1e3 * common.median(times[c.name]):.1f}",
                    f"{common.ratio(times, c.name, 'allreduce'):.2f}"])
       print(f"  {model} {c.name}: {rows[-1][-1]}", file=sys.stderr, flush=True)

@@ -29,7 +29,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
-from jaxcomp.tasks import digits_data  # noqa: E402
+from jaxcomp.train.tasks import digits_data  # noqa: E402
 
 
 class MLP(nn.Module):

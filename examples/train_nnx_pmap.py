@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxcomp  # noqa: E402
-from jaxcomp.tasks import digits_data  # noqa: E402
+from jaxcomp.train.tasks import digits_data  # noqa: E402
 
 
 class MLP(nnx.Module):

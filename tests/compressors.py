@@ -1,35 +1,34 @@
-"""Every jaxcomp compressor the cross-cutting tests (properties, faults, resume) run, by name.
+"""Every named compressor of the registry (``jaxcomp.train.registry``), at the scale of the tests.
 
-PowerSGD starts compressing at step 3 here, so that short runs cover both of its phases.
+The cross-cutting tests (properties, faults, resume, bad input) run every registry entry on pytrees of
+a few hundred elements. ``make(name)`` builds the entry with the recipe of a 30-step run — PowerSGD
+compresses from step 3, so short runs cover both of its phases — and with the settings below, which
+make tiny leaves behave as big ones do: PowerSGD rank 4 compresses them, DGC sparsifies them from the
+first step (no warm-up: its dense stages are tested in test_dgc.py), and hooks split them into several
+buckets.
 """
 
-import jax.numpy as jnp
+import functools
 
-import jaxcomp
-from jaxcomp import hooks
+from jaxcomp.train.registry import REGISTRY
 
-COMPRESSORS = {
-    "allreduce": lambda **kw: jaxcomp.allreduce(**kw),
-    "fp16": lambda **kw: jaxcomp.fp16_compress(**kw),
-    "bf16": lambda **kw: jaxcomp.bf16_compress(**kw),
-    "hook_fp16_wrapped_allreduce": lambda **kw: jaxcomp.comm_hook(
-        jaxcomp.fp16_compress_wrapper(hooks.allreduce_hook), bucket_cap_mb=0.01, **kw),
-    "powersgd_r1": lambda **kw: jaxcomp.powersgd(1, start_iter=3, **kw),
-    "powersgd_r4": lambda **kw: jaxcomp.powersgd(4, start_iter=3, min_compression_rate=1.0, **kw),
-    "batched_powersgd": lambda **kw: jaxcomp.batched_powersgd(2, start_iter=3, **kw),
-    "hook_powersgd": lambda **kw: jaxcomp.comm_hook(
-        hooks.powersgd_hook, hooks.powersgd_state(2, start_iter=3), bucket_cap_mb=0.001, **kw),
-    "dgc": lambda **kw: jaxcomp.dgc(0.05, **kw),
-    "dgc_exact_fp16": lambda **kw: jaxcomp.dgc(0.05, selection="exact", value_dtype=jnp.float16,
-                                               **kw),
-    "coarse_dgc": lambda **kw: jaxcomp.coarse_dgc(0.25, chunk_size=8, **kw),
+SMALL = {
+    "powersgd_r4": {"min_compression_rate": 1.0},
+    "dgc": {"ratio": 0.05, "warmup": None},
+    "dgc_exact_fp16": {"ratio": 0.05, "warmup": None},
+    "coarse_dgc": {"ratio": 0.25, "chunk_size": 8, "warmup": None},
+    "hook_fp16_allreduce": {"bucket_cap_mb": 0.01},
+    "hook_powersgd_r2": {"bucket_cap_mb": 0.001},
 }
 
+COMPRESSORS = {name: functools.partial(entry.make, steps=30, **SMALL.get(name, {}))
+               for name, entry in REGISTRY.items()}
+
 # The dtype each compressor puts on the wire for float32 gradients (None: the gradient's own).
-WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "hook_fp16_wrapped_allreduce": "float16"}
+WIRE_DTYPE = {name: entry.wire_dtype for name, entry in REGISTRY.items() if entry.wire_dtype}
 
 # Compressors whose output is the plain mean (up to the wire dtype's rounding).
-MEAN_COMPRESSORS = ("allreduce", "fp16", "bf16", "hook_fp16_wrapped_allreduce")
+MEAN_COMPRESSORS = tuple(name for name, entry in REGISTRY.items() if entry.is_mean)
 
 # Compressors with torch-style error feedback: output + new error = gradient + old error, per device.
-ERROR_FEEDBACK = ("powersgd_r1", "powersgd_r4", "batched_powersgd")
+ERROR_FEEDBACK = tuple(name for name, entry in REGISTRY.items() if entry.error_feedback)

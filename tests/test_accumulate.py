@@ -137,9 +137,10 @@ def test_every_k_one_is_the_inner_transformation():
                               run(inner(), xs, ys)[0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("every_k", [0, -2, 1.5, True, "4"])
-def test_every_k_is_validated(every_k):
-  with pytest.raises(ValueError, match=r"every_k must be a positive int; got"):
+@pytest.mark.parametrize("every_k, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
+                                            (True, TypeError), ("4", TypeError)])
+def test_every_k_is_validated(every_k, error):
+  with pytest.raises(error, match=r"every_k must be a positive int; got"):
     jaxcomp.accumulate(optax.sgd(0.1), every_k=every_k)
 
 

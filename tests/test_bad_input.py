@@ -81,7 +81,6 @@ def test_changed_structure_shape_or_dtype_is_named(name):
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_unbound_axis_runs_as_one_device_and_warns_once(name):
-  axis._warned_unbound.discard("unbound")
   tx = COMPRESSORS[name](axis_name="unbound")
   g = {"w": jnp.asarray(np.random.default_rng(2).normal(size=(6, 5)), jnp.float32)}
   state = tx.init(g)

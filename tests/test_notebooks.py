@@ -34,5 +34,5 @@ def test_quickstart(monkeypatch):
 def test_compare_compressors(monkeypatch):
   text = execute("compare_compressors.ipynb", monkeypatch)
   assert "| compressor | sent/step/device |" in text
-  for name in ("allreduce", "powersgd1", "dgc", "coarse_dgc"):
+  for name in ("allreduce", "powersgd_r1", "dgc", "coarse_dgc"):
     assert f"| {name} |" in text

@@ -1,6 +1,6 @@
 """End to end: a Flax MLP on scikit-learn's bundled digits, 8 devices, PowerSGD against the plain mean.
 
-The task (data, model, batches) is ``jaxcomp.tasks.digits``; nothing is downloaded.
+The task (data, model, batches) is ``jaxcomp.train.tasks.digits``; nothing is downloaded.
 """
 
 import jax
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp import tasks
+from jaxcomp.train import tasks
 from helpers import replicate
 
 W, PER_DEVICE = 8, 16

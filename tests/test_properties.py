@@ -114,7 +114,7 @@ def test_error_feedback_output_plus_new_error_is_gradient_plus_old_error(name, s
   float_keys = [k for k in sorted(grads) if is_float_dtype(grads[k].dtype) and grads[k][0].size]
   if not float_keys:
     return
-  if name == "batched_powersgd":
+  if name == "batched_powersgd_r1":
     dtypes = list(dict.fromkeys(grads[k].dtype for k in float_keys))
     keys_by_dtype = [[k for k in float_keys if grads[k].dtype == d] for d in dtypes]
     pairs = []

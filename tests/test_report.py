@@ -9,6 +9,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxcomp
+from jaxcomp._src.report import parse_hlo
 from helpers import replicate
 
 W = 8
@@ -139,7 +140,7 @@ ENTRY %main (p: f32[8]) -> f32[64] {
   %cp = f32[8]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0}}
 }
 """
-  report = jaxcomp.report.parse_hlo(text, default_group=8)
+  report = parse_hlo(text, default_group=8)
   assert [c.op for c in report.collectives] == ["all-reduce", "all-gather", "collective-permute"]
   assert report.collectives[0].payload_bytes == 32 + 8
   assert report.collectives[1].payload_bytes == 256

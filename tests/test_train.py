@@ -8,7 +8,7 @@ import sys
 import jax
 import pytest
 
-from jaxcomp import train
+from jaxcomp.train import job, registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +27,7 @@ def test_quick_run_prints_the_table_and_writes_its_files(tmp_path):
   lines = proc.stdout.splitlines()
   header = lines.index("| compressor | sent/step/device | compression | step time | loss | accuracy |")
   rows = {line.split("|")[1].strip(): line for line in lines[header + 2:] if line.startswith("|")}
-  assert list(rows) == list(train.COMPRESSORS)
+  assert list(rows) == list(registry.DEFAULT)
   assert "| 1.0x | 1.00x |" in rows["allreduce"]
   assert "| 2.0x |" in rows["fp16"]
   assert "step" in proc.stderr  # the progress bar
@@ -59,7 +59,7 @@ def test_digits_task_trains(tmp_path):
 ])
 def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
   with pytest.raises(SystemExit) as exit_info:
-    train.parse_args(args)
+    job.parse_args(args)
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert message in err
@@ -68,7 +68,7 @@ def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
 
 def test_more_devices_than_available_is_one_line(capsys):
   available = len(jax.devices())  # JAX has started: --devices cannot raise the count any more
-  assert train.main(["--devices", str(2 * available), "--batch-size", str(2 * available)]) == 2
+  assert job.main(["--devices", str(2 * available), "--batch-size", str(2 * available)]) == 2
   err = capsys.readouterr().err
   assert err == (f"python -m jaxcomp.train: error: --devices {2 * available}: only {available} cpu "
                  "devices are available\n")

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp.buckets import TreeSignature, is_float
+from jaxcomp._src import tree as tree_lib
+from jaxcomp._src import validate
 
 
 class AccumulateState(NamedTuple):
@@ -37,13 +38,9 @@ class AccumulateState(NamedTuple):
   micro_step: jax.Array
   acc: tuple
   inner_state: Any
-  signature: TreeSignature
+  signature: tree_lib.TreeSignature
 
   PER_DEVICE_FIELDS = ("acc",)
-
-
-def _accumulates(leaf) -> bool:
-  return is_float(leaf) and jnp.size(leaf) > 0
 
 
 def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.GradientTransformation:
@@ -71,13 +68,12 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
   """
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(f"inner must be an optax.GradientTransformation; got {inner!r}")
-  if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
-    raise ValueError(f"every_k must be a positive int; got {every_k!r}")
+  every_k = validate.integer(every_k, "every_k", 1, static="fixes when the collectives run")
 
   def init_fn(params):
-    signature = TreeSignature.of(params)
-    acc = tuple(jnp.zeros_like(p) if _accumulates(p) else optax.MaskedNode()
-                for p in jax.tree.leaves(params))
+    signature = tree_lib.TreeSignature.of(params)
+    acc = tuple(jnp.zeros(s, d) if tree_lib.is_reduced(jax.ShapeDtypeStruct(s, d))
+                else optax.MaskedNode() for s, d in zip(signature.shapes, signature.dtypes))
     return AccumulateState(jnp.zeros([], jnp.int32), acc, inner.init(params), signature)
 
   def update_fn(updates, state: AccumulateState, params=None):
@@ -88,7 +84,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
       mean = [g if isinstance(a, optax.MaskedNode) else a / jnp.asarray(every_k, a.dtype)
               for a, g in zip(acc, leaves)]
       new_updates, inner_state = inner.update(
-          jax.tree.unflatten(state.signature.treedef, mean), state.inner_state, params)
+          tree_lib.like(updates, mean), state.inner_state, params)
       return new_updates, inner_state, jax.tree.map(jnp.zeros_like, acc)
 
     def hold():

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from jaxcomp import axis
+from jaxcomp._src import axis
 
 
 def _declares(node) -> bool:

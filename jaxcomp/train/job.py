@@ -1,10 +1,11 @@
-"""Train a Flax model on real data once per compressor and compare them: ``python -m jaxcomp.train``.
+"""The main job: train a Flax model once per compressor and compare them (``python -m jaxcomp.train``).
 
 Every compressor trains the same model from the same initial parameters on the same batches, on N
 data-parallel devices (simulated CPU devices unless the host has accelerators), with
 ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum
-itself, so it is followed by plain SGD). PowerSGD compresses from the first step (``start_iter=0``) and
-DGC runs without warm-up, so every step of a compressor sends the same bytes. The compressors advance
+itself, so it is followed by plain SGD). Each compressor runs the recipe of ``jaxcomp.train.registry``
+for the run's length (PowerSGD's ``start_iter`` and DGC's warm-up over the first 10% of the steps); the
+bytes are those of a compressed step. The compressors advance
 side by side — step t of every compressor before step t + 1 of any — so their step times are measured
 under the same load.
 
@@ -27,51 +28,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from jaxcomp.train import registry
+
 AXIS = "batch"
-
-
-@dataclasses.dataclass(frozen=True)
-class Compressor:
-  """One entry of the registry.
-
-  Attributes:
-    make: ``make(steps) -> GradientTransformation``, the compressor for a run of ``steps`` steps.
-    has_momentum: the compressor applies momentum itself (DGC's momentum correction), so the optimizer
-      after it is plain SGD.
-    about: one line for ``--help``.
-  """
-  make: Callable
-  about: str
-  has_momentum: bool = False
-
-
-def _registry() -> dict:
-  import jaxcomp
-  return {
-      "allreduce": Compressor(lambda steps: jaxcomp.allreduce(axis_name=AXIS),
-                              "plain f32 mean, the baseline"),
-      "fp16": Compressor(lambda steps: jaxcomp.fp16_compress(axis_name=AXIS),
-                         "mean sent as float16"),
-      "bf16": Compressor(lambda steps: jaxcomp.bf16_compress(axis_name=AXIS),
-                         "mean sent as bfloat16 (XLA:CPU widens it to f32 on the wire)"),
-      "powersgd1": Compressor(lambda steps: jaxcomp.powersgd(1, axis_name=AXIS, start_iter=0),
-                              "layer-wise PowerSGD, rank 1, compressing from the first step"),
-      "powersgd2": Compressor(lambda steps: jaxcomp.powersgd(2, axis_name=AXIS, start_iter=0),
-                              "layer-wise PowerSGD, rank 2"),
-      "batched_powersgd": Compressor(
-          lambda steps: jaxcomp.batched_powersgd(1, axis_name=AXIS, start_iter=0),
-          "PowerSGD of the whole gradient as one square matrix, rank 1"),
-      "dgc": Compressor(lambda steps: jaxcomp.dgc(0.01, axis_name=AXIS),
-                        "Deep Gradient Compression, top 1%% of each matrix, momentum 0.9",
-                        has_momentum=True),
-      "coarse_dgc": Compressor(lambda steps: jaxcomp.coarse_dgc(0.01, axis_name=AXIS),
-                               "coarse-grained DGC, the top 1%% of 256-element chunks",
-                               has_momentum=True),
-  }
-
-
-COMPRESSORS = ("allreduce", "fp16", "bf16", "powersgd1", "powersgd2", "batched_powersgd", "dgc",
-               "coarse_dgc")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   """Parses and checks the command line; bad values exit with one line and status 2."""
-  from jaxcomp import tasks
+  from jaxcomp.train import tasks
   parser = _Parser(
       prog="python -m jaxcomp.train",
       description="Train a Flax model once per gradient compressor on N data-parallel devices and "
@@ -102,9 +61,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
       help="data-parallel devices; on CPU this many devices are simulated "
            "(jax_num_cpu_devices), on a GPU/TPU host at most the devices it has")
   parser.add_argument(
-      "--compressors", default=",".join(COMPRESSORS),
+      "--compressors", default=",".join(registry.DEFAULT),
       help="comma-separated compressors to compare, allreduce first if present; choose from: "
-           + "; ".join(f"{k} ({v.about})" for k, v in _registry().items()))
+           + "; ".join(f"{k} ({v.about})" for k, v in registry.REGISTRY.items()).replace("%", "%%"))
   parser.add_argument("--out", default="jaxcomp_train_out",
                       help="folder for results.md, results.json and loss.png (created if missing)")
   parser.add_argument(
@@ -129,11 +88,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.error(f"--batch-size must be a positive multiple of --devices {args.devices} (each "
                  f"device gets an equal share); got {args.batch_size}")
   names = [n.strip() for n in args.compressors.split(",") if n.strip()]
-  registry = _registry()
-  unknown = [n for n in names if n not in registry]
+  unknown = [n for n in names if n not in registry.REGISTRY]
   if unknown or not names:
     parser.error(f"--compressors: unknown compressor {', '.join(map(repr, unknown)) or '(none)'}; "
-                 f"choose from {', '.join(registry)}")
+                 f"choose from {', '.join(registry.REGISTRY)}")
   if len(set(names)) != len(names):
     parser.error(f"--compressors lists a compressor twice: {args.compressors}")
   args.compressors = names
@@ -200,26 +158,30 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   import optax
   import tqdm
 
-  from jaxcomp.report import parse_hlo
+  from jaxcomp._src.report import parse_hlo
 
-  registry = _registry()
   n = len(devices)
   params0 = task.init(seed)
   runs, states = [], []
   x0, y0 = task.batch(seed, 0, batch_size)
   shard = lambda a: a.reshape((n, -1) + a.shape[1:])
+  def chain(compressor, entry):
+    return optax.chain(compressor, optax.clip_by_global_norm(1.0),
+                       optax.sgd(task.learning_rate, momentum=None if entry.has_momentum else 0.9))
+
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
-    entry = registry[name]
-    tx = optax.chain(entry.make(steps), optax.clip_by_global_norm(1.0),
-                     optax.sgd(task.learning_rate, momentum=None if entry.has_momentum else 0.9))
+    entry = registry.REGISTRY[name]
+    tx = chain(entry.make(AXIS, steps=steps), entry)
     step = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
     params = _replicate(params0, n)
     opt_state = jax.pmap(tx.init, devices=devices)(params)
-    # comm_report's reading of the step, from the one compilation that also runs it.
-    lowered = step.lower(params, opt_state, shard(x0), shard(y0))
-    step = lowered.compile()
-    requested = parse_hlo(lowered.as_text(dialect="hlo"), n)  # the wire dtypes jaxcomp asks for
-    sent = parse_hlo(step.as_text(), n)
+    # Bytes per step: comm_report's reading of the steady-state (compressing) step, in the wire
+    # dtypes jaxcomp asks for (lowered) and as XLA compiles them.
+    steady = chain(entry.make(AXIS), entry)
+    lowered = jax.pmap(make_step(task, steady), axis_name=AXIS, devices=devices).lower(
+        params, jax.pmap(steady.init, devices=devices)(params), shard(x0), shard(y0))
+    requested = parse_hlo(lowered.as_text(dialect="hlo"), n)
+    sent = parse_hlo(lowered.compile().as_text(), n)
     note = "" if sent.ring_bytes == requested.ring_bytes else (
         f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent.ring_bytes)} after "
         "compiling (it widens the wire dtype)")
@@ -302,7 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except RuntimeError as e:
     print(f"python -m jaxcomp.train: error: {e}", file=sys.stderr)
     return 2
-  from jaxcomp import tasks
+  from jaxcomp.train import tasks
   try:
     task = tasks.get(args.task, quick=args.quick)
   except ImportError as e:
@@ -333,7 +295,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   plot(runs, os.path.join(args.out, "loss.png"), f"{args.task}, {len(devices)} devices")
   print(f"wrote {args.out}/results.md, results.json, loss.png")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

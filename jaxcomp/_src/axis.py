@@ -1,0 +1,184 @@
+"""Named-axis helpers: every collective jaxcomp runs goes through this module.
+
+A jaxcomp transformation names the mapped axis it averages over (pmap's ``axis_name``, a ``shard_map``
+mesh axis, or a tuple of them). Inside a mapped context that binds it, the helpers below are
+``jax.lax`` collectives. The axis rules, in one place:
+
+* bound: the collectives run over it;
+* not bound, but another named axis is (a ``pmap(..., axis_name="data")`` around a transformation on
+  the default ``"batch"``): an ``UnboundAxisError`` naming the missing axis and the bound ones —
+  averaging over nothing there would let the replicas drift;
+* no named axis bound at all (a plain ``jit`` in a notebook): a world of size 1, so the compression
+  still runs and its effect on training can be studied on one device; it warns once for every new
+  trace (every compilation), however often that trace calls the helpers.
+  ``axis_name=None`` asks for that explicitly and silently.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+import weakref
+from typing import Any, Hashable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp._src import tree as tree_lib
+
+AxisName = Optional[Union[Hashable, tuple]]
+
+_warned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trace -> axis names warned
+_PACKAGES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, sys.modules[__name__.split(".")[0]]))
+
+
+class UnboundAxisError(NameError):
+  """A transformation's axis is not bound where named axes are: its collectives would do nothing."""
+
+
+def check_axis_name(axis_name: Any) -> AxisName:
+  """Validates ``axis_name`` (a str, a non-empty tuple of str, or None) and returns it.
+
+  Raises:
+    TypeError: naming ``axis_name`` and what was wrong with it.
+  """
+  if axis_name is None or isinstance(axis_name, str):
+    return axis_name
+  if isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name):
+    return axis_name
+  raise TypeError(
+      "axis_name must be a str, a non-empty tuple of str, or None (world size 1); "
+      f"got {axis_name!r} of type {type(axis_name).__name__}")
+
+
+def bound_axis_names() -> list:
+  """The named axes bound in the current trace (pmap, shard_map, vmap with ``axis_name``)."""
+  try:
+    from jax._src import core  # the only way JAX offers to list them (jax 0.4.36 – 0.10)
+    return [n for n in core.unsafe_get_axis_names() if isinstance(n, (str, tuple))]
+  except (ImportError, AttributeError):  # a future JAX: fall back to probing the axis alone
+    return []
+
+
+def _warn_world_size_one(axis_name) -> None:
+  """Warns once per trace (per jit compilation; once for eager code) and axis name.
+
+  Python's own filter would show it only once per process; ``warn_explicit`` with a fresh registry
+  shows it again for every new trace, at the first frame outside JAX and jaxcomp (the user's line).
+  """
+  try:
+    from jax._src import core
+    trace = core.trace_ctx.trace
+    # The outermost trace: a cond's or a scan's branches are traced as child traces of it.
+    while isinstance(getattr(trace, "parent_trace", None), core.Trace) and not isinstance(
+        trace.parent_trace, core.EvalTrace):
+      trace = trace.parent_trace
+    seen = _warned.setdefault(trace, set())
+  except (ImportError, AttributeError, TypeError):
+    seen = set()
+  if axis_name in seen:
+    return
+  seen.add(axis_name)
+  frame = sys._getframe(1)
+  while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGES):
+    frame = frame.f_back
+  warnings.warn_explicit(
+      f"jaxcomp: axis {axis_name!r} is not bound here (no pmap/shard_map axis at all); running as "
+      "world size 1. Pass axis_name=None to do this without the warning.", UserWarning,
+      frame.f_code.co_filename, frame.f_lineno, registry={})
+
+
+def bound_axis(axis_name: AxisName) -> AxisName:
+  """Returns ``axis_name`` if it is bound in the current trace, or None for a world of size 1.
+
+  Raises:
+    UnboundAxisError: ``axis_name`` is not bound but other named axes are.
+  """
+  if axis_name is None:
+    return None
+  try:
+    lax.axis_size(axis_name)
+    return axis_name
+  except NameError:
+    pass
+  bound = bound_axis_names()
+  if bound:
+    raise UnboundAxisError(
+        f"axis_name {axis_name!r} is not bound here; the bound axes are "
+        f"{', '.join(map(repr, bound))}. Pass the mapped axis, e.g. axis_name={bound[0]!r} "
+        "(a transformation averages over its own axis_name, not over whichever axis is mapped).")
+  _warn_world_size_one(axis_name)
+  return None
+
+
+def axis_size(axis_name: AxisName) -> int:
+  """The number of devices along ``axis_name`` (1 when it is None or nothing is mapped)."""
+  name = bound_axis(axis_name)
+  return 1 if name is None else lax.axis_size(name)
+
+
+def psum(x, axis_name: AxisName):
+  """Sum over the axis (identity at world size 1)."""
+  name = bound_axis(axis_name)
+  return x if name is None else lax.psum(x, name)
+
+
+def pmax(x, axis_name: AxisName):
+  """Maximum over the axis (identity at world size 1)."""
+  name = bound_axis(axis_name)
+  return x if name is None else lax.pmax(x, name)
+
+
+def all_gather(x, axis_name: AxisName):
+  """Stacks every device's ``x`` along a new leading axis of size W."""
+  name = bound_axis(axis_name)
+  return x[None] if name is None else lax.all_gather(x, name)
+
+
+def divide_by_world(x, axis_name: AxisName):
+  """``x / W`` in ``x``'s own dtype."""
+  return x / jnp.asarray(axis_size(axis_name), x.dtype)
+
+
+def mean(x, axis_name: AxisName, wire_dtype=None):
+  """Mean over the axis in torch's order: cast to ``wire_dtype`` → ÷W → sum → cast back.
+
+  With ``wire_dtype=None`` the sum runs in ``x``'s own dtype (torch's ``allreduce_hook``); with
+  ``jnp.float16`` or ``jnp.bfloat16`` it is ``fp16_compress_hook`` / ``bf16_compress_hook``.
+  """
+  wire = x if wire_dtype is None else x.astype(wire_dtype)
+  return psum(divide_by_world(wire, axis_name), axis_name).astype(x.dtype)
+
+
+def _packed(collective, arrays: Sequence, axis_name: AxisName) -> list:
+  """Runs ``collective`` once per dtype on one flat buffer holding all ``arrays`` of that dtype.
+
+  ``collective(flat, axis_name)`` returns the flat result with any leading axes it adds (all-gather's
+  W); each array gets its slice back with those axes in front of its own shape.
+  """
+  out: list = [None] * len(arrays)
+  by_dtype: dict = {}
+  for i, x in enumerate(arrays):
+    by_dtype.setdefault(x.dtype, []).append(i)
+  for members in by_dtype.values():
+    flat = collective(tree_lib.flatten([arrays[i] for i in members]), axis_name)
+    for i, part in zip(members, tree_lib.unflatten(flat, [arrays[i].shape for i in members])):
+      out[i] = part
+  return out
+
+
+def psum_many(arrays: Sequence, axis_name: AxisName) -> list:
+  """``psum`` of every array, as one all-reduce per dtype (how torch sends a bucket)."""
+  return _packed(psum, arrays, axis_name)
+
+
+def mean_many(arrays: Sequence, axis_name: AxisName) -> list:
+  """The mean (÷W, then sum) of every array, as one all-reduce per dtype."""
+  return psum_many([divide_by_world(x, axis_name) for x in arrays], axis_name)
+
+
+def all_gather_many(arrays: Sequence, axis_name: AxisName) -> list:
+  """``all_gather`` of every array, as one all-gather per dtype; results have a leading W axis."""
+  return _packed(all_gather, arrays, axis_name)

@@ -1,0 +1,142 @@
+"""The built-in per-bucket hooks; ``jaxcomp.hooks`` documents them and how to write one."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxcomp._src import axis, dgc, powersgd
+from jaxcomp._src import tree as tree_lib
+from jaxcomp._src.buckets import GradBucket, Hook
+
+
+def allreduce_hook(state, bucket: GradBucket):
+  """Divides by the world size, then sums: the plain mean DDP runs without a hook."""
+  return axis.mean(bucket.buffer, bucket.axis_name), state
+
+
+def fp16_compress_hook(state, bucket: GradBucket):
+  """Casts to float16, divides by W, sums in float16, casts back to the bucket's dtype."""
+  return axis.mean(bucket.buffer, bucket.axis_name, jnp.float16), state
+
+
+def bf16_compress_hook(state, bucket: GradBucket):
+  """As ``fp16_compress_hook`` in bfloat16 (torch allows it only on NCCL; jaxcomp everywhere)."""
+  return axis.mean(bucket.buffer, bucket.axis_name, jnp.bfloat16), state
+
+
+def noop_hook(state, bucket: GradBucket):
+  """Returns the local bucket without communicating: a baseline for hook overhead, not for training."""
+  return bucket.buffer, state
+
+
+def _cast_wrapper(hook: Hook, wire_dtype, name: str) -> Hook:
+
+  def wrapped(state, bucket: GradBucket):
+    reduced, state = hook(state, bucket.replace(buffer=bucket.buffer.astype(wire_dtype)))
+    return reduced.astype(bucket.buffer.dtype), state
+
+  wrapped.__name__ = f"{name}({getattr(hook, '__name__', 'hook')})"
+  return wrapped
+
+
+def fp16_compress_wrapper(hook: Hook) -> Hook:
+  """Runs ``hook`` on the bucket cast to float16 and casts its result back (torch's wrapper)."""
+  return _cast_wrapper(hook, jnp.float16, "fp16_compress_wrapper")
+
+
+def bf16_compress_wrapper(hook: Hook) -> Hook:
+  """Runs ``hook`` on the bucket cast to bfloat16 and casts its result back (torch's wrapper)."""
+  return _cast_wrapper(hook, jnp.bfloat16, "bf16_compress_wrapper")
+
+
+def powersgd_state(rank: int = 1, *, start_iter: int = 1000, min_compression_rate: float = 2.0,
+                   error_feedback: bool = True, warm_start: bool = True, epsilon: float = 0.0,
+                   seed: int = 0, matrix_view: str = "flax"):
+  """The per-bucket state of ``powersgd_hook``: pass it as ``comm_hook``'s ``state``.
+
+  Arguments as ``jaxcomp.powersgd``. ``comm_hook`` calls the returned function once per bucket at
+  ``init``; each bucket gets a ``jaxcomp.PowerSGDState`` for its parameters, which carries these
+  settings (torch keeps one ``PowerSGDState`` with per-bucket dictionaries instead)::
+
+    tx = jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, jaxcomp.hooks.powersgd_state(rank=2))
+    tx = jaxcomp.comm_hook(jaxcomp.fp16_compress_wrapper(jaxcomp.hooks.powersgd_hook),
+                           jaxcomp.hooks.powersgd_state(rank=2))
+
+  Under ``fp16_compress_wrapper`` the hook computes in float16 while the state keeps the bucket's
+  own dtype; it stores only float16 values there, so it runs as torch's float16 state does.
+
+  Returns:
+    A function ``bucket -> PowerSGDState``.
+  """
+  config = powersgd.PowerSGDConfig(
+      rank=rank, start_iter=start_iter, min_compression_rate=min_compression_rate,
+      error_feedback=error_feedback, warm_start=warm_start, epsilon=epsilon, seed=seed,
+      matrix_view=matrix_view)
+  return lambda bucket: powersgd.init_state(config, bucket.gradients())
+
+
+def powersgd_hook(state, bucket: GradBucket):
+  """Layer-wise PowerSGD on one bucket (torch's ``powerSGD_hook``); state from ``powersgd_state``.
+
+  The same code as ``jaxcomp.powersgd``, run on the bucket's parameters. ``comm_hook`` applies the
+  non-finite policy.
+  """
+  grads, state = powersgd.update(state, bucket.gradients(), bucket.axis_name, batched=False)
+  return tree_lib.flatten(grads), state
+
+
+def batched_powersgd_state(rank: int = 1, *, start_iter: int = 1000, error_feedback: bool = True,
+                           warm_start: bool = True, seed: int = 0):
+  """The per-bucket state of ``batched_powersgd_hook``: pass it as ``comm_hook``'s ``state``.
+
+  Arguments as ``jaxcomp.batched_powersgd``; each bucket is one zero-padded square matrix.
+
+  Returns:
+    A function ``bucket -> PowerSGDState`` (``config.batched`` set).
+  """
+  config = powersgd.PowerSGDConfig(rank=rank, start_iter=start_iter, error_feedback=error_feedback,
+                                   warm_start=warm_start, seed=seed, batched=True)
+  return lambda bucket: powersgd.init_state(config, [bucket.buffer])
+
+
+def batched_powersgd_hook(state, bucket: GradBucket):
+  """Batched PowerSGD on one bucket (torch's ``batched_powerSGD_hook``, which raises in torch 2.13).
+
+  The state comes from ``batched_powersgd_state``; the code is ``jaxcomp.batched_powersgd``'s.
+  """
+  (buffer,), state = powersgd.update(state, [bucket.buffer], bucket.axis_name, batched=True)
+  return buffer, state
+
+
+def dgc_state(ratio: float = 0.001, **kwargs):
+  """The per-bucket state of ``dgc_hook``: pass it as ``comm_hook``'s ``state``::
+
+    tx = jaxcomp.comm_hook(jaxcomp.hooks.dgc_hook, jaxcomp.hooks.dgc_state(0.001, momentum=0.9))
+
+  Args:
+    ratio: density after warm-up.
+    **kwargs: ``jaxcomp.dgc``'s other keyword arguments except ``axis_name`` (the bucket's is used),
+      ``clip_norm`` and ``clip_exponent`` (local clipping needs the whole gradient's norm, which a
+      bucket does not see: use ``jaxcomp.dgc`` for it); ``sparsify`` receives the parameter's path.
+
+  Returns:
+    A function ``bucket -> jaxcomp.DGCState``, which carries these settings.
+  """
+  for name in ("axis_name", "clip_norm", "clip_exponent"):
+    if name in kwargs:
+      raise TypeError(f"dgc_state takes no {name}: " + (
+          "the bucket's axis is used" if name == "axis_name" else
+          "local clipping needs the whole gradient's norm, which a bucket does not see; use "
+          "jaxcomp.dgc(..., clip_norm=...) for it"))
+  config = dgc.topk_config(ratio, **kwargs)
+  return lambda bucket: dgc.init_bucket_state(config, bucket)
+
+
+def dgc_hook(state, bucket: GradBucket):
+  """Deep Gradient Compression on one bucket; state from ``dgc_state``.
+
+  Each parameter of the bucket is treated as ``jaxcomp.dgc`` treats a leaf (sparsified if
+  ``ndim > 1``, else the dense mean with momentum after averaging), by the same code. ``comm_hook``
+  applies the non-finite policy.
+  """
+  return dgc.update_bucket(state, bucket)
