@@ -97,10 +97,17 @@ def _unflatten(treedefs, leaves) -> list:
   return trees
 
 
+def _varying_axes(x) -> frozenset:
+  """The mapped axes along which ``x`` differs from device to device (``check_vma``'s type)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
 def _refuse_varying(leaves, masks, paths, axes) -> None:
   """A replicated output that differs per device would be silently reduced to one device's copy."""
   for x, per_device, path in zip(leaves, masks, paths):
-    if not per_device and set(axes) & set(getattr(jax.typeof(x), "vma", ())):
+    if not per_device and set(axes) & _varying_axes(x):
       raise ValueError(
           f"{path} differs from device to device after the step, but it is replicated: "
           "it was not averaged over " + repr(axes[0] if len(axes) == 1 else axes) + ". A "

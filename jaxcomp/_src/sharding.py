@@ -156,6 +156,8 @@ def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
   if axis_name is None:
     raise ValueError("axis_name must name the mesh axis the per-device leaves are sharded along; "
                      "got None")
+  if isinstance(state_or_tx, optax.MultiSteps):  # a class with init and update, not a NamedTuple
+    state_or_tx = state_or_tx.gradient_transformation()
   if isinstance(state_or_tx, optax.GradientTransformation):
     if params is None:
       raise ValueError("params is required when state_or_tx is a GradientTransformation")
