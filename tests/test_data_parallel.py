@@ -228,3 +228,19 @@ def test_has_aux_returns_per_device_aux():
   _, _, (loss, aux) = dp.step(params, dp.make_state(params), *dp.shard(batches(1)[0]))
   assert loss.shape == (W,)
   np.testing.assert_array_equal(aux["rows"], np.full(W, 2.0))
+
+
+def test_skip_if_nonfinite_and_accumulate_run_under_data_parallel():
+  tx = jaxcomp.skip_if_nonfinite(jaxcomp.accumulate(powersgd_tx(), every_k=2), 3)
+  dp = jaxcomp.data_parallel(loss_fn, mesh_1d("explicit"), tx=tx)
+  params = init_params()
+  opt_state = dp.make_state(params)
+  assert opt_state.inner_state.acc[0].shape == (W,)  # the 0-d parameter's accumulator, per device
+  (x, y), = batches(1)
+  x_bad = x.copy()
+  x_bad[3, 0] = np.nan  # one device's shard
+  params, opt_state, _ = dp.step(params, opt_state, *dp.shard((x, y)))
+  skipped, skipped_state, _ = dp.step(params, opt_state, *dp.shard((x_bad, y)))
+  chex.assert_trees_all_equal(skipped, params)  # every device skipped together
+  assert int(skipped_state.notfinite_count) == 1
+  chex.assert_trees_all_equal(skipped_state.inner_state, opt_state.inner_state)

@@ -42,8 +42,10 @@ def test_nnx_optimizer_example_trains_across_devices():
   assert accuracy(out) > 0.8
 
 
-@pytest.mark.parametrize("mesh", [["--devices", "4"],
-                                  ["--devices", "8", "--model-axis", "2", "--axis-types", "auto"]])
+@pytest.mark.parametrize("mesh", [
+    ["--devices", "4"],
+    pytest.param(["--devices", "8", "--model-axis", "2", "--axis-types", "auto"],
+                 marks=pytest.mark.slow)])
 def test_jit_example_sends_only_compressed_collectives_over_data(mesh):
   out = run_example("train_jit.py", "--steps", "60", *mesh)
   assert "over 'data':" in out  # the assert that no dense all-reduce crosses 'data' ran

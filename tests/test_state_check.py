@@ -56,3 +56,17 @@ def test_another_transformations_state_is_named_with_both_kinds(make):
   with pytest.raises(TypeError, match=r"update got a (DGCState|AccumulateState), the state of "
                                       r"another transformation; \S+ state is a \w+State"):
     tx.update(params, other)
+
+
+def test_gradients_with_a_device_axis_too_many_or_too_few_are_named_with_the_fix():
+  tx = jaxcomp.allreduce(axis_name=None)
+  stacked = grads()
+  one_device = jax.tree.map(lambda g: g[0], stacked)
+  with pytest.raises(ValueError, match=r"leaf \['b'\] changed between init and update: init saw "
+                                       r"float32\[32\], update got float32\[4, 32\] \(one more "
+                                       r"leading axis: gradients stacked over devices reached "
+                                       r"update unmapped"):
+    tx.update(stacked, tx.init(one_device))
+  with pytest.raises(ValueError, match=r"\(one leading axis too few: init was given parameters "
+                                       r"with a leading device axis.*jax.pmap\(tx.init\)"):
+    tx.update(one_device, tx.init(stacked))

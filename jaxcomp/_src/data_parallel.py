@@ -69,6 +69,14 @@ def _explicit_spec(x) -> Optional[PartitionSpec]:
   return sharding.spec
 
 
+def _without(spec: PartitionSpec, axes: tuple) -> PartitionSpec:
+  """``spec`` with ``axes`` removed: inside ``shard_map`` they are manual, not a sharding."""
+  def keep(entry):
+    names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in axes)
+    return names[0] if len(names) == 1 else (names or None)
+  return PartitionSpec(*(None if entry is None else keep(entry) for entry in spec))
+
+
 def _constrain(x, sharding: NamedSharding):
   """``x`` with ``sharding``, by the API its mesh's axis types call for."""
   if _has_explicit_axes(sharding.mesh):
@@ -167,7 +175,8 @@ def _global_step(local, mesh: Mesh, axes: tuple, names: tuple, *args):
                for spec, per_device, user in zip(specs, masks, user_specs)]
   pins = None
   if explicit:
-    pins = [PartitionSpec() if per_device else user for per_device, user in zip(masks, user_specs)]
+    pins = [PartitionSpec() if per_device else _without(user, axes)
+            for per_device, user in zip(masks, user_specs)]
   auto = _auto(mesh)
   with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
     if explicit:  # every axis Auto inside: the partitioner handles the others
