@@ -285,7 +285,8 @@ def sync_buffers(buffers, policy: str = "mean", *, axis_name: axis.AxisName = "b
   * ``"mean"``: their mean over the devices (of the statistics, not of the batches: with equal shards,
     the running mean equals the single-device one, the running variance misses the spread between the
     shards' means). One all-reduce per dtype.
-  * ``"first"``: device 0's — process 0's first device — on every device: DDP's ``broadcast_buffers``.
+  * ``"first"``: device 0's along the axis (process 0's first device on a mesh of ``jax.devices()``)
+    on every device: DDP's ``broadcast_buffers``.
     One all-reduce per dtype too (device 0 sends its value, the others zeros).
 
   With ``every_k > 1`` they are synchronised only on the k-th, 2k-th, … step (``(step + 1) % every_k
@@ -298,8 +299,11 @@ def sync_buffers(buffers, policy: str = "mean", *, axis_name: axis.AxisName = "b
 
   Example::
 
+    # Linen, inside the pmap'd or shard_map'd step
     logits, updates = model.apply({"params": p, "batch_stats": bs}, x, mutable=["batch_stats"])
     bs = jaxcomp.sync_buffers(updates["batch_stats"], "mean", axis_name="batch")
+    # NNX
+    nnx.update(model, jaxcomp.sync_buffers(nnx.state(model, nnx.BatchStat), "first"))
 
   Args:
     buffers: the pytree of statistics (arrays or NNX Variables).
