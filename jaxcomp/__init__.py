@@ -25,6 +25,11 @@ from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import TopKExchange
 from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
+from jaxcomp._src.distributed import ReplicaMismatchError
+from jaxcomp._src.distributed import all_have_data
+from jaxcomp._src.distributed import broadcast_replicated
+from jaxcomp._src.distributed import check_replicated
+from jaxcomp._src.distributed import sync_buffers
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
 from jaxcomp._src.powersgd import PowerSGDConfig
@@ -53,15 +58,19 @@ __all__ = (
     "PAPER_WARMUP",
     "PowerSGDConfig",
     "PowerSGDState",
+    "ReplicaMismatchError",
     "TopKExchange",
     "TreeSignature",
     "UnboundAxisError",
     "accumulate",
+    "all_have_data",
     "allreduce",
     "axis",
     "batched_powersgd",
     "bf16_compress",
     "bf16_compress_wrapper",
+    "broadcast_replicated",
+    "check_replicated",
     "coarse_dgc",
     "comm_hook",
     "comm_report",
@@ -72,4 +81,5 @@ __all__ = (
     "powersgd",
     "powersgd_stats",
     "state_partition_specs",
+    "sync_buffers",
 )

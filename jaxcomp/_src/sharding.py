@@ -38,22 +38,25 @@ def _declares(node) -> bool:
   return isinstance(node, tuple) and hasattr(type(node), "PER_DEVICE_FIELDS")
 
 
-def _specs(tree, axis_name, per_device: bool, path: str):
+def _mark(tree, per_device: bool):
 
-  def one(key_path, node):
-    where = path + jax.tree_util.keystr(key_path)
+  def one(node):
     if _declares(node):
       fields = type(node).PER_DEVICE_FIELDS
-      return type(node)(*(_specs(value, axis_name, per_device or name in fields, f"{where}.{name}")
+      return type(node)(*(_mark(value, per_device or name in fields)
                           for name, value in zip(node._fields, node)))
-    if not per_device:
-      return PartitionSpec()
-    if np.ndim(node) == 0:
-      raise ValueError(f"state: per-device leaf {where} is 0-d; per-device leaves are sharded along "
-                       "their first dimension, so they need at least one")
-    return PartitionSpec(axis_name)
+    return per_device
 
-  return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_declares)
+  return jax.tree.map(one, tree, is_leaf=_declares)
+
+
+def per_device_mask(tree):
+  """``tree`` with every leaf replaced by True where it lies under a declared per-device field.
+
+  Every other leaf — parameters, optax's own states, counts, PowerSGD's Q — becomes False: it is meant
+  to be identical on every device.
+  """
+  return _mark(tree, False)
 
 
 def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
@@ -93,4 +96,13 @@ def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
     raise ValueError("params is only used with a GradientTransformation; got a state and params")
   else:
     state = state_or_tx
-  return _specs(state, axis_name, False, "")
+
+  def spec(path, leaf, per_device):
+    if not per_device:
+      return PartitionSpec()
+    if np.ndim(leaf) == 0:
+      raise ValueError(f"state: per-device leaf {jax.tree_util.keystr(path)} is 0-d; per-device "
+                       "leaves are sharded along their first dimension, so they need at least one")
+    return PartitionSpec(axis_name)
+
+  return jax.tree_util.tree_map_with_path(spec, state, per_device_mask(state))
