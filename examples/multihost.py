@@ -14,6 +14,15 @@ On GPU or TPU hosts the same script runs once per host, without ``--launch`` and
 
 (on Cloud TPU, or under SLURM / Open MPI, ``jax.distributed.initialize()`` finds these by itself).
 
+Besides the gradient exchange the job keeps PyTorch DDP's other promises. Identical start: every
+process takes process 0's initial parameters (``jaxcomp.broadcast_replicated``) and the job checks
+that the replicas agree (``jaxcomp.check_replicated``, one fingerprint per leaf) after the start, after
+a restore and at the end; ``--perturb-start --no-broadcast`` shows the check stopping the job, naming
+the leaf that differs. Uneven inputs: each process reads its own batches, and before every step all of
+them learn whether every one still has a batch (``jaxcomp.all_have_data``), so a process that runs out
+(``--short K``: the last process has K batches fewer) ends the job for all at the same step instead of
+leaving the others in a collective until the heartbeat timeout.
+
 With ``--checkpoint-dir`` every process saves the step's state there (orbax-checkpoint) and a restarted
 job resumes from the latest complete checkpoint, continuing exactly as the uninterrupted job would.
 If a process dies, the others stop with an error from the JAX distributed service ("... detected
@@ -38,7 +47,16 @@ parser.add_argument("--num-processes", type=int, default=1, help="processes in t
 parser.add_argument("--process-id", type=int, default=0, help="this process's index")
 parser.add_argument("--local-devices", type=int, default=None,
                     help="CPU devices this process simulates (leave out on GPU/TPU hosts)")
-parser.add_argument("--out", default=None, help="process 0 saves the parameters and losses here (.npz)")
+parser.add_argument("--out", default=None,
+                    help="process 0 saves the parameters and losses here (.npz); process i > 0 in "
+                         "OUT with .process<i> before the suffix")
+parser.add_argument("--perturb-start", action="store_true",
+                    help="the last process starts from other parameters (one leaf changed)")
+parser.add_argument("--no-broadcast", action="store_true",
+                    help="do not broadcast process 0's initial parameters (the start check then fails "
+                         "if the processes started differently)")
+parser.add_argument("--short", type=int, default=0, metavar="K",
+                    help="the last process has K batches fewer than --steps")
 parser.add_argument("--checkpoint-dir", default=None,
                     help="save a checkpoint after every step here and resume from the latest one")
 parser.add_argument("--heartbeat-timeout", type=int, default=30,
@@ -119,6 +137,12 @@ tx = jaxcomp.accumulate(optax.chain(jaxcomp.fp16_compress(axis_name="batch"),
 mesh = Mesh(np.array(jax.devices()), ("batch",), axis_types=(AxisType.Auto,))
 train_x, train_y, _, _ = digits_data()
 params = model.init(jax.random.key(0), train_x[:1])["params"]
+last_process = jax.process_index() == jax.process_count() - 1
+if args.perturb_start and last_process:  # as if this process had loaded another checkpoint
+  params = {**params, "Dense_1": {**params["Dense_1"], "bias": params["Dense_1"]["bias"] + 1e-3}}
+if not args.no_broadcast:
+  params = jaxcomp.broadcast_replicated(params)  # DDP's start: process 0's parameters everywhere
+jaxcomp.check_replicated(params)  # ReplicaMismatchError naming the first leaf that differs
 specs = jaxcomp.state_partition_specs(tx, params, axis_name="batch")
 params = jax.device_put(params, NamedSharding(mesh, P()))
 opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
@@ -141,6 +165,18 @@ def train_step(params, opt_state, images, labels):
 batch = 8 * jax.device_count()
 rows = batch // jax.process_count()  # this process feeds its own devices' share of the batch
 data = NamedSharding(mesh, P("batch"))
+
+
+def local_batches(first_step):
+  """This process's share of every step's batch, as long as its data lasts (--short: the last
+  process's runs out K steps early)."""
+  last = args.steps - (args.short if last_process else 0)
+  for step in range(first_step, last):
+    idx = np.random.default_rng([0, step]).integers(0, len(train_y), batch)
+    mine = idx[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+    yield train_x[mine], train_y[mine]
+
+
 first_step = 0
 manager = ocp.CheckpointManager(os.path.abspath(args.checkpoint_dir)) if args.checkpoint_dir else None
 if manager is not None and manager.latest_step() is not None:
@@ -148,25 +184,33 @@ if manager is not None and manager.latest_step() is not None:
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
   restored = manager.restore(first_step, args=ocp.args.StandardRestore(abstract))
   params, opt_state = restored["params"], restored["opt_state"]
+  jaxcomp.check_replicated({"params": params, "opt_state": opt_state})  # all read the same one
   print(f"process {jax.process_index()}: resumed from the checkpoint of step {first_step}", flush=True)
 losses = []
-for step in range(first_step, args.steps):
-  idx = np.random.default_rng([0, step]).integers(0, len(train_y), batch)
-  mine = idx[jax.process_index() * rows:(jax.process_index() + 1) * rows]
-  images = jax.make_array_from_process_local_data(data, train_x[mine], (batch, 64))
-  labels = jax.make_array_from_process_local_data(data, train_y[mine], (batch,))
+step = first_step
+batches = local_batches(first_step)
+# Every process asks before every step whether all still have a batch: all stop at the same step.
+while jaxcomp.all_have_data((local := next(batches, None)) is not None):
+  images = jax.make_array_from_process_local_data(data, local[0], (batch, 64))
+  labels = jax.make_array_from_process_local_data(data, local[1], (batch,))
   params, opt_state, loss = train_step(params, opt_state, images, labels)
   losses.append(float(loss.addressable_data(0)))  # reading it blocks: no XLA:CPU deadlock
+  step += 1
   if manager is not None:
-    manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
 if manager is not None:
   manager.wait_until_finished()
+jaxcomp.check_replicated({"params": params, "opt_state": opt_state})  # the replicas never drifted
 
+trained = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step to run"
 print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local of "
-      f"{jax.device_count()} devices, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
-if args.out and jax.process_index() == 0:
+      f"{jax.device_count()} devices, {trained}, stopped after step {step} of {args.steps}, "
+      "replicas identical", flush=True)
+if args.out:
   arrays = {jax.tree_util.keystr(k): np.asarray(v.addressable_data(0))
             for k, v in jax.tree_util.tree_leaves_with_path(params)}
-  np.savez(args.out, losses=np.array(losses), first_step=first_step, **arrays)
+  stem, suffix = os.path.splitext(args.out)
+  out = args.out if jax.process_index() == 0 else f"{stem}.process{jax.process_index()}{suffix}"
+  np.savez(out, losses=np.array(losses), first_step=first_step, **arrays)
 if args.num_processes > 1:
   jax.distributed.shutdown()

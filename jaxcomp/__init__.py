@@ -27,6 +27,11 @@ from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import TopKExchange
 from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
+from jaxcomp._src.distributed import ReplicaMismatchError
+from jaxcomp._src.distributed import all_have_data
+from jaxcomp._src.distributed import broadcast_replicated
+from jaxcomp._src.distributed import check_replicated
+from jaxcomp._src.distributed import sync_buffers
 from jaxcomp._src.guard import SkipIfNonfiniteState
 from jaxcomp._src.guard import skip_if_nonfinite
 from jaxcomp._src.hooks import bf16_compress_wrapper
@@ -61,16 +66,20 @@ __all__ = (
     "PerDevice",
     "PowerSGDConfig",
     "PowerSGDState",
+    "ReplicaMismatchError",
     "SkipIfNonfiniteState",
     "TopKExchange",
     "TreeSignature",
     "UnboundAxisError",
     "accumulate",
+    "all_have_data",
     "allreduce",
     "axis",
     "batched_powersgd",
     "bf16_compress",
     "bf16_compress_wrapper",
+    "broadcast_replicated",
+    "check_replicated",
     "coarse_dgc",
     "comm_hook",
     "comm_report",
@@ -84,4 +93,5 @@ __all__ = (
     "powersgd_stats",
     "skip_if_nonfinite",
     "state_partition_specs",
+    "sync_buffers",
 )
