@@ -14,6 +14,8 @@ from jaxcomp._src.axis import UnboundAxisError
 from jaxcomp._src.buckets import CommHookState
 from jaxcomp._src.buckets import GradBucket
 from jaxcomp._src.buckets import comm_hook
+from jaxcomp._src.data_parallel import DataParallel
+from jaxcomp._src.data_parallel import data_parallel
 from jaxcomp._src.dense import DenseState
 from jaxcomp._src.dense import allreduce
 from jaxcomp._src.dense import bf16_compress
@@ -30,6 +32,8 @@ from jaxcomp._src.distributed import all_have_data
 from jaxcomp._src.distributed import broadcast_replicated
 from jaxcomp._src.distributed import check_replicated
 from jaxcomp._src.distributed import sync_buffers
+from jaxcomp._src.guard import SkipIfNonfiniteState
+from jaxcomp._src.guard import skip_if_nonfinite
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
 from jaxcomp._src.powersgd import PowerSGDConfig
@@ -40,6 +44,8 @@ from jaxcomp._src.powersgd import powersgd_stats
 from jaxcomp._src.report import Collective
 from jaxcomp._src.report import CommReport
 from jaxcomp._src.report import comm_report
+from jaxcomp._src.sharding import PerDevice
+from jaxcomp._src.sharding import per_device_mask
 from jaxcomp._src.sharding import state_partition_specs
 from jaxcomp._src.tree import TreeSignature
 
@@ -53,12 +59,15 @@ __all__ = (
     "CommReport",
     "DGCConfig",
     "DGCState",
+    "DataParallel",
     "DenseState",
     "GradBucket",
     "PAPER_WARMUP",
+    "PerDevice",
     "PowerSGDConfig",
     "PowerSGDState",
     "ReplicaMismatchError",
+    "SkipIfNonfiniteState",
     "TopKExchange",
     "TreeSignature",
     "UnboundAxisError",
@@ -74,12 +83,15 @@ __all__ = (
     "coarse_dgc",
     "comm_hook",
     "comm_report",
+    "data_parallel",
     "dgc",
     "fp16_compress",
     "fp16_compress_wrapper",
     "hooks",
+    "per_device_mask",
     "powersgd",
     "powersgd_stats",
+    "skip_if_nonfinite",
     "state_partition_specs",
     "sync_buffers",
 )

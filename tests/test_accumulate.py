@@ -113,8 +113,10 @@ def test_collectives_sit_in_the_branch_that_runs_once_per_k():
   assert accumulated.collectives and all(c.in_conditional for c in accumulated.collectives)
   assert accumulated.payload_bytes == plain.payload_bytes
   assert set(accumulated.bytes_by_dtype()) == {"f16"}
-  # optax.MultiSteps, by contrast, communicates on every micro-step: its collectives are unconditional.
-  multi = _step_report(optax.MultiSteps(inner(), every_k_schedule=K).gradient_transformation())
+  # optax.MultiSteps, by contrast, communicates on every micro-step: its collectives are
+  # unconditional, and jaxcomp warns.
+  with pytest.warns(UserWarning, match="optax.MultiSteps runs the jaxcomp transformation"):
+    multi = _step_report(optax.MultiSteps(inner(), every_k_schedule=K).gradient_transformation())
   assert multi.collectives and not any(c.in_conditional for c in multi.collectives)
 
 

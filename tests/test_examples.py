@@ -35,6 +35,23 @@ def test_shard_map_example_has_no_hidden_all_reduce():
   assert accuracy(out) > 0.8
 
 
+def test_nnx_optimizer_example_trains_across_devices():
+  out = run_example("train_nnx_optimizer.py", "--steps", "60", "--devices", "4")
+  assert "per device: (4, 64, 64) sharded P('batch', None, None)" in out
+  assert "60 optimizer steps" in out  # the asserts on comm_report ran
+  assert accuracy(out) > 0.8
+
+
+@pytest.mark.parametrize("mesh", [
+    ["--devices", "4"],
+    pytest.param(["--devices", "8", "--model-axis", "2", "--axis-types", "auto"],
+                 marks=pytest.mark.slow)])
+def test_jit_example_sends_only_compressed_collectives_over_data(mesh):
+  out = run_example("train_jit.py", "--steps", "60", *mesh)
+  assert "over 'data':" in out  # the assert that no dense all-reduce crosses 'data' ran
+  assert accuracy(out) > 0.8
+
+
 def test_checkpoint_resume_example_matches_the_uninterrupted_run():
   out = run_example("checkpoint_resume.py", "--steps", "14", "--devices", "4")
   assert "accumulator holds 1 micro-batch(es)" in out  # interrupted mid-accumulation (7 % 3)

@@ -51,10 +51,10 @@ def test_declared_states_nest_inside_undeclared_containers():
   assert specs["opt"][0].acc == (P("batch"), P("batch"))
 
 
-def test_zero_d_per_device_leaf_and_bad_arguments_are_refused():
+def test_zero_d_per_device_leaf_gets_the_stacked_spec_and_bad_arguments_are_refused():
   tx = jaxcomp.accumulate(optax.sgd(0.1), 2)
-  with pytest.raises(ValueError, match=r"per-device leaf .*acc.* is 0-d"):
-    jaxcomp.state_partition_specs(tx, {"scale": jnp.ones(())})
+  # A 0-d per-device leaf is stored stacked, (W,) globally, as pmap stores it: P(axis) shards it.
+  assert jaxcomp.state_partition_specs(tx, {"scale": jnp.ones(())}).acc == (P("batch"),)
   with pytest.raises(ValueError, match="params is required"):
     jaxcomp.state_partition_specs(tx)
   with pytest.raises(ValueError, match="params is only used"):
@@ -63,6 +63,20 @@ def test_zero_d_per_device_leaf_and_bad_arguments_are_refused():
     jaxcomp.state_partition_specs(tx, init_params(), axis_name=None)
   with pytest.raises(TypeError, match="axis_name must be"):
     jaxcomp.state_partition_specs(tx, init_params(), axis_name=3)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxcomp.powersgd(1, start_iter=0),
+    lambda: jaxcomp.accumulate(optax.sgd(0.1), 2),
+    lambda: jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, jaxcomp.hooks.powersgd_state(1))],
+    ids=["powersgd", "accumulate", "powersgd_hook"])
+def test_zero_d_parameters_get_specs_for_their_stacked_per_device_leaves(make):
+  params = {"scale": jnp.ones(()), "w": jnp.ones((4, 3))}
+  specs = jax.tree.leaves(jaxcomp.state_partition_specs(make(), params))
+  masks = jax.tree.leaves(jaxcomp.per_device_mask(jax.eval_shape(make().init, params)))
+  shapes = [x.shape for x in jax.tree.leaves(jax.eval_shape(make().init, params))]
+  assert () in [shape for shape, m in zip(shapes, masks) if m]  # a 0-d per-device leaf exists
+  assert [spec for spec, m in zip(specs, masks) if m] == [P("batch")] * sum(masks)
 
 
 def _shard_map_run(tx, xs, ys):

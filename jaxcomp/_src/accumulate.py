@@ -77,6 +77,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
     return AccumulateState(jnp.zeros([], jnp.int32), acc, inner.init(params), signature)
 
   def update_fn(updates, state: AccumulateState, params=None):
+    tree_lib.check_state(state, init_fn, "accumulate")
     leaves = state.signature.check(updates)
     acc = tuple(a if isinstance(a, optax.MaskedNode) else a + g for a, g in zip(state.acc, leaves))
 

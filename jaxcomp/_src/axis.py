@@ -12,6 +12,9 @@ mesh axis, or a tuple of them). Inside a mapped context that binds it, the helpe
   still runs and its effect on training can be studied on one device; it warns once for every new
   trace (every compilation), however often that trace calls the helpers.
   ``axis_name=None`` asks for that explicitly and silently.
+
+Where the axis is bound, a collective refuses to run inside an optax wrapper that would break it
+(``optax.apply_if_finite`` around a compressor, ``optax.masked``; see ``optax_wrappers``).
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ from typing import Any, Hashable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
+from jaxcomp._src import optax_wrappers
 from jaxcomp._src import tree as tree_lib
 
 AxisName = Optional[Union[Hashable, tuple]]
 
-_warned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trace -> axis names warned
-_PACKAGES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, sys.modules[__name__.split(".")[0]]))
+_warned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trace -> keys warned about
+_PACKAGES = tuple(os.path.dirname(m.__file__) + os.sep
+                  for m in (jax, optax, sys.modules[__name__.split(".")[0]]))
 
 
 class UnboundAxisError(NameError):
@@ -62,8 +68,8 @@ def bound_axis_names() -> list:
     return []
 
 
-def _warn_world_size_one(axis_name) -> None:
-  """Warns once per trace (per jit compilation; once for eager code) and axis name.
+def _warn_once_per_trace(key, message: str) -> None:
+  """Warns once per trace (per jit compilation; once for eager code) and ``key``.
 
   Python's own filter would show it only once per process; ``warn_explicit`` with a fresh registry
   shows it again for every new trace, at the first frame outside JAX and jaxcomp (the user's line).
@@ -78,16 +84,14 @@ def _warn_world_size_one(axis_name) -> None:
     seen = _warned.setdefault(trace, set())
   except (ImportError, AttributeError, TypeError):
     seen = set()
-  if axis_name in seen:
+  if key in seen:
     return
-  seen.add(axis_name)
+  seen.add(key)
   frame = sys._getframe(1)
   while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGES):
     frame = frame.f_back
-  warnings.warn_explicit(
-      f"jaxcomp: axis {axis_name!r} is not bound here (no pmap/shard_map axis at all); running as "
-      "world size 1. Pass axis_name=None to do this without the warning.", UserWarning,
-      frame.f_code.co_filename, frame.f_lineno, registry={})
+  warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
+                         registry={})
 
 
 def bound_axis(axis_name: AxisName) -> AxisName:
@@ -100,16 +104,20 @@ def bound_axis(axis_name: AxisName) -> AxisName:
     return None
   try:
     lax.axis_size(axis_name)
-    return axis_name
   except NameError:
     pass
+  else:
+    optax_wrappers.check(axis_name, _warn_once_per_trace)
+    return axis_name
   bound = bound_axis_names()
   if bound:
     raise UnboundAxisError(
         f"axis_name {axis_name!r} is not bound here; the bound axes are "
         f"{', '.join(map(repr, bound))}. Pass the mapped axis, e.g. axis_name={bound[0]!r} "
         "(a transformation averages over its own axis_name, not over whichever axis is mapped).")
-  _warn_world_size_one(axis_name)
+  _warn_once_per_trace(axis_name, (
+      f"jaxcomp: axis {axis_name!r} is not bound here (no pmap/shard_map axis at all); running as "
+      "world size 1. Pass axis_name=None to do this without the warning."))
   return None
 
 

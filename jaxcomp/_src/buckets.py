@@ -27,6 +27,7 @@ import optax
 
 from jaxcomp._src import axis, finite, validate
 from jaxcomp._src import tree as tree_lib
+from jaxcomp._src.sharding import PerDevice
 
 _MIB = 1024 * 1024
 
@@ -81,7 +82,9 @@ def bucket_assignment(signature: tree_lib.TreeSignature, bucket_cap_bytes: float
 class CommHookState(NamedTuple):
   """State of ``comm_hook``: the hook's state for each bucket, and the gradient signature.
 
-  A hook state's per-device fields are declared by its own NamedTuple (see ``jaxcomp.sharding``).
+  A hook state's per-device leaves are declared by the hook state itself: a NamedTuple with
+  ``PER_DEVICE_FIELDS``, or a plain pytree wrapped in ``jaxcomp.PerDevice`` (see
+  ``jaxcomp.state_partition_specs``).
   """
   hook_states: tuple
   signature: tree_lib.TreeSignature
@@ -103,6 +106,11 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
   pytree (every bucket starts from it) or a function ``bucket -> pytree`` called once per bucket at
   ``init`` (the bucket's buffer is zeros there). On a step whose gradient is non-finite on any device,
   a stateful hook's state is kept and the output is NaN (jaxcomp's non-finite policy).
+
+  A hook state that differs from device to device (error feedback, say) must say so for
+  ``shard_map`` and ``jaxcomp.data_parallel``: a NamedTuple declares its ``PER_DEVICE_FIELDS``; a
+  plain pytree is wrapped, ``comm_hook(hook, jaxcomp.PerDevice(state))`` — the hook still receives
+  and returns the plain pytree.
 
   Args:
     hook: the per-bucket hook, e.g. ``jaxcomp.hooks.fp16_compress_hook``.
@@ -145,11 +153,14 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
 
   def update_fn(updates, hook_state: CommHookState, params=None):
     del params
+    tree_lib.check_state(hook_state, init_fn, "comm_hook")
     leaves = list(hook_state.signature.check(updates))
     new_states = []
     for (members, bucket), bucket_state in zip(buckets_of(hook_state.signature, leaves),
                                                hook_state.hook_states):
-      reduced, bucket_state = hook(bucket_state, bucket)
+      declared = isinstance(bucket_state, PerDevice)
+      reduced, bucket_state = hook(bucket_state.tree if declared else bucket_state, bucket)
+      bucket_state = PerDevice(bucket_state) if declared else bucket_state
       if reduced.shape != bucket.buffer.shape or reduced.dtype != bucket.buffer.dtype:
         raise ValueError(f"hook {getattr(hook, '__name__', hook)!r} returned a buffer of "
                          f"{reduced.dtype}{list(reduced.shape)} for bucket {bucket.index}; expected "

@@ -26,7 +26,7 @@ class DenseState(NamedTuple):
   PER_DEVICE_FIELDS = ()  # no per-device leaves (see jaxcomp.sharding)
 
 
-def _dense_mean(wire_dtype, axis_name) -> optax.GradientTransformation:
+def _dense_mean(name: str, wire_dtype, axis_name) -> optax.GradientTransformation:
   axis_name = axis.check_axis_name(axis_name)
 
   def init_fn(params):
@@ -34,6 +34,7 @@ def _dense_mean(wire_dtype, axis_name) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
+    tree_lib.check_state(state, init_fn, name)
     state.signature.check(updates)
     return tree_lib.map_reduced(lambda g: axis.mean(g, axis_name, wire_dtype), updates), state
 
@@ -49,7 +50,7 @@ def allreduce(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransforma
   Returns:
     A stateless ``GradientTransformation``.
   """
-  return _dense_mean(None, axis_name)
+  return _dense_mean("allreduce", None, axis_name)
 
 
 def fp16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
@@ -67,7 +68,7 @@ def fp16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransf
   References:
     PyTorch ``default_hooks.fp16_compress_hook``.
   """
-  return _dense_mean(jnp.float16, axis_name)
+  return _dense_mean("fp16_compress", jnp.float16, axis_name)
 
 
 def bf16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
@@ -83,4 +84,4 @@ def bf16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransf
   Returns:
     A stateless ``GradientTransformation``; outputs keep the gradients' dtypes.
   """
-  return _dense_mean(jnp.bfloat16, axis_name)
+  return _dense_mean("bf16_compress", jnp.bfloat16, axis_name)

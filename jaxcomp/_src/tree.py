@@ -103,13 +103,7 @@ class TreeSignature:
                        f"init saw {self.treedef}, update got {treedef}")
     for path, leaf, shape, dtype in zip(paths_of(tree), leaves, self.shapes, self.dtypes):
       if shape_of(leaf) != shape or (dtypes and dtype_of(leaf).name != dtype):
-        hint = ""
-        if shape_of(leaf)[1:] == shape and shape_of(leaf):
-          hint = (" (it has one more leading axis: under pmap, map the state with in_axes=0 and "
-                  "give it a leading device axis too, e.g. jax.pmap(tx.init)(replicated_params))")
-        elif shape_of(leaf) == shape[1:] and shape:
-          hint = (" (one leading axis too few: a state stacked over devices was passed outside "
-                  "pmap, or under pmap with in_axes=None; map the state with in_axes=0)")
+        hint = _device_axis_hint(shape_of(leaf), shape, _UPDATES_HINTS)
         raise ValueError(f"{name}: leaf {path} changed between init and update: init saw "
                          f"{dtype}{list(shape)}, update got "
                          f"{dtype_of(leaf).name}{list(shape_of(leaf))}{hint}")
@@ -121,6 +115,68 @@ class TreeSignature:
 
   def unflatten(self, leaves: Sequence):
     return jax.tree.unflatten(self.treedef, list(leaves))
+
+
+_UNDER_PMAP = ("under pmap give the state a leading device axis — stack tx.init(params) W times or "
+               "use jax.pmap(tx.init)(replicated_params) — and map it with in_axes=0")
+_UPDATES_HINTS = (
+    "gradients stacked over devices reached update unmapped: call update inside the pmap / shard_map "
+    "step (or use jaxcomp.data_parallel), where each device sees its own gradient",
+    "init was given parameters with a leading device axis: give init one device's parameters; "
+    + _UNDER_PMAP)
+_STATE_HINTS = (
+    "a state stacked over devices reached update unmapped: " + _UNDER_PMAP
+    + "; outside a mapped step pass one device's state",
+    "a state without its leading device axis was mapped over devices: " + _UNDER_PMAP)
+
+
+def _device_axis_hint(got: tuple, expected: tuple, hints: tuple) -> str:
+  """``hints[0]`` if ``got`` has one more leading axis than ``expected``, ``hints[1]`` if one fewer."""
+  if got and got[1:] == expected:
+    return f" (one more leading axis: {hints[0]})"
+  if expected and got == expected[1:]:
+    return f" (one leading axis too few: {hints[1]})"
+  return ""
+
+
+def check_state(state, init_fn: Callable, name: str) -> None:
+  """Raises unless ``state`` is what ``init_fn`` makes for the gradients its signature records.
+
+  Every jaxcomp ``update`` calls it first, so a state stacked over devices but not mapped, one that
+  lost its device axis, or another transformation's state is named — leaf, expected and received
+  shape, and the fix — instead of failing deep inside the algorithm. It runs at trace time only:
+  ``jax.eval_shape`` of ``init_fn`` on the recorded signature costs no computation.
+
+  Args:
+    state: the state ``update`` received.
+    init_fn: the transformation's ``init``.
+    name: the transformation, for the message (e.g. ``"powersgd"``).
+
+  Raises:
+    TypeError: ``state`` is not this transformation's kind of state (it names both kinds).
+    ValueError: a leaf of ``state`` has another shape or dtype than ``init_fn`` gives it.
+  """
+  signature = getattr(state, "signature", None)
+  if not isinstance(signature, TreeSignature):
+    raise TypeError(f"{name}: update needs the state {name}'s init made; got "
+                    f"{type(state).__name__}")
+  expected = jax.eval_shape(init_fn, signature.unflatten(
+      [jax.ShapeDtypeStruct(s, d) for s, d in zip(signature.shapes, signature.dtypes)]))
+  if type(expected) is not type(state):
+    raise TypeError(f"{name}: update got a {type(state).__name__}, the state of another "
+                    f"transformation; {name}'s state is a {type(expected).__name__}. Pass each "
+                    "transformation the state its own init made")
+  expected_leaves, expected_def = jax.tree.flatten(expected)
+  leaves, treedef = jax.tree.flatten(state)
+  if treedef != expected_def:
+    raise ValueError(f"{name}: the state's structure is not the one {name}'s init makes (another "
+                     f"configuration's state?): expected {expected_def}, got {treedef}")
+  for path, leaf, want in zip(paths_of(state), leaves, expected_leaves):
+    if shape_of(leaf) != tuple(want.shape) or dtype_of(leaf) != want.dtype:
+      hint = _device_axis_hint(shape_of(leaf), tuple(want.shape), _STATE_HINTS)
+      raise ValueError(f"{name}: state leaf {path} should be {want.dtype.name}{list(want.shape)}, "
+                       f"as {name}'s init makes it; got "
+                       f"{dtype_of(leaf).name}{list(shape_of(leaf))}{hint}")
 
 
 def like(tree, leaves: Sequence):

@@ -1,0 +1,356 @@
+"""jit-first data parallelism: a loss function (or a per-device step) and a ``Mesh`` → one jitted step.
+
+Under plain ``jax.jit`` with a batch sharded over a mesh axis, the SPMD partitioner averages the
+gradient itself, in full precision, before any optimizer sees it: a compressor has nothing left to
+compress. ``data_parallel`` builds the step that lets it work, from what a jit user already has:
+
+1. ``jax.shard_map`` over the data axis, so each device computes the gradient of its own shard of
+   the batch and the compressor's collectives are the step's only gradient traffic;
+2. the gradient is taken of ``lax.pcast(params, axis, to="varying")``, a per-device copy: taken of
+   the replicated parameters, autodiff would insert a full float32 all-reduce of it (the transpose
+   of the implicit ``pvary``), which ``jaxcomp.comm_report`` would show;
+3. the state's specs come from ``jaxcomp.per_device_mask``: per-device leaves (error feedback,
+   momenta, accumulators) are stored as ``jax.pmap`` stores them, stacked along a new leading axis of
+   size W and sharded along it (which also holds 0-d leaves), the rest replicated; ``make_state``
+   creates them that way;
+4. the batch is sharded along its leading axis over the data axis (``shard`` places it);
+5. meshes from ``jax.make_mesh`` work with Explicit or Auto axes: inside the step every axis but the
+   data axis is left to the partitioner (Auto), so the model code that works under ``jit`` works
+   here, and what the step returns has the shardings its inputs had. On a 2-D mesh the compressor
+   averages over the data axis only; parameters may be sharded along the others.
+
+``shard_map`` runs with ``check_vma=True``: a value that differs from device to device but would be
+returned as replicated — parameters a transformation did not average (``optax.masked`` around a
+compressor, a hook that does not communicate), a per-device state leaf no state declares — is an
+error naming the leaf, never a silent drift.
+
+The interface is small on purpose (other parts of jaxcomp build on it): ``make_state`` (the state,
+placed), ``step`` (the jitted global step), ``shard`` (a batch, placed) and ``shardings`` (of a state,
+e.g. as an orbax restore target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxcomp._src import axis, validate
+from jaxcomp._src.sharding import per_device_mask
+
+
+def _axes(axis_name) -> tuple:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _has_explicit_axes(mesh: Mesh) -> bool:
+  return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _auto(mesh: Mesh) -> Mesh:
+  """The same devices and axis names with every axis Auto (left to the partitioner)."""
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _explicit_spec(x) -> Optional[PartitionSpec]:
+  """The spec of a value typed with Explicit mesh axes, or None (Auto axes, host arrays)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or not _has_explicit_axes(mesh):
+    return None
+  return sharding.spec
+
+
+def _without(spec: PartitionSpec, axes: tuple) -> PartitionSpec:
+  """``spec`` with ``axes`` removed: inside ``shard_map`` they are manual, not a sharding."""
+  def keep(entry):
+    names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in axes)
+    return names[0] if len(names) == 1 else (names or None)
+  return PartitionSpec(*(None if entry is None else keep(entry) for entry in spec))
+
+
+def _constrain(x, sharding: NamedSharding):
+  """``x`` with ``sharding``, by the API its mesh's axis types call for."""
+  if _has_explicit_axes(sharding.mesh):
+    return jax.sharding.reshard(x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
+
+
+def _flat_with_mask(trees, names) -> tuple:
+  """The leaves of all ``trees``, their per-device flags, paths (``names[i]`` + key path) and the
+  treedefs."""
+  leaves, masks, paths, treedefs = [], [], [], []
+  for name, tree in zip(names, trees):
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves += [x for _, x in with_path]
+    paths += [name + jax.tree_util.keystr(p) for p, _ in with_path]
+    masks += jax.tree.leaves(per_device_mask(tree))
+    treedefs.append(treedef)
+  return leaves, masks, paths, treedefs
+
+
+def _unflatten(treedefs, leaves) -> list:
+  trees, start = [], 0
+  for treedef in treedefs:
+    trees.append(treedef.unflatten(leaves[start:start + treedef.num_leaves]))
+    start += treedef.num_leaves
+  return trees
+
+
+def _varying_axes(x) -> frozenset:
+  """The mapped axes along which ``x`` differs from device to device (``check_vma``'s type)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _refuse_varying(leaves, masks, paths, axes) -> None:
+  """A replicated output that differs per device would be silently reduced to one device's copy."""
+  for x, per_device, path in zip(leaves, masks, paths):
+    if not per_device and set(axes) & _varying_axes(x):
+      raise ValueError(
+          f"{path} differs from device to device after the step, but it is replicated: "
+          "it was not averaged over " + repr(axes[0] if len(axes) == 1 else axes) + ". A "
+          "parameter left out of the compressor (optax.masked: use powersgd(compress=...) or "
+          "dgc(sparsify=...) instead), a hook that does not average, or a per-device state leaf "
+          "that no state declares (declare it: PER_DEVICE_FIELDS, or wrap it in jaxcomp.PerDevice)")
+
+
+def _body(local, treedefs, masks, paths, axes, names, pins, leaves, batch):
+  """The per-device step inside ``shard_map``: unstack per-device leaves, run, stack them again.
+
+  ``pins``: None, or for an Explicit mesh the spec over the other axes each returned leaf must have
+  (that of its input), so that returning to the Explicit mesh moves no data.
+  """
+  leaves = [x[0] if per_device else x for x, per_device in zip(leaves, masks)]
+  *states, out = local(*_unflatten(treedefs, leaves), *batch)
+  new_leaves, new_masks, _, new_treedefs = _flat_with_mask(states, names)
+  if new_treedefs != treedefs or new_masks != masks:
+    raise ValueError(f"the step must return {', '.join(names)} with the structure it received: "
+                     f"got {new_treedefs}, expected {treedefs}")
+  _refuse_varying(new_leaves, masks, paths, axes)
+  if pins is not None:
+    mesh = jax.sharding.get_abstract_mesh()
+    new_leaves = [lax.with_sharding_constraint(x, NamedSharding(mesh, pin))
+                  for x, pin in zip(new_leaves, pins)]
+    out = lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))
+  new_leaves = [jnp.asarray(x)[None] if per_device else x
+                for x, per_device in zip(new_leaves, masks)]
+  return new_leaves, jax.tree.map(lambda x: jnp.asarray(x)[None], out)
+
+
+def _global_step(local, mesh: Mesh, axes: tuple, names: tuple, *args):
+  """The jitted global step: check and place the inputs, ``shard_map`` the body, restore shardings.
+
+  ``args`` are the states (one per entry of ``names``), then the batch.
+  """
+  states, batch = args[:len(names)], args[len(names):]
+  world = math.prod(mesh.shape[a] for a in axes)
+  leaves, masks, paths, treedefs = _flat_with_mask(states, names)
+  for x, per_device, path in zip(leaves, masks, paths):
+    if per_device and (not np.shape(x) or np.shape(x)[0] != world):
+      raise ValueError(
+          f"{path} is per device and must be stacked along a leading axis of {world} (one "
+          f"entry per device along {axes}); got shape {list(np.shape(x))}. Make the state with "
+          "make_state, which stacks it")
+  for path, x in jax.tree_util.tree_leaves_with_path(batch):
+    if not np.shape(x) or np.shape(x)[0] % world:
+      raise ValueError(f"batch{jax.tree_util.keystr(path)}: the leading axis is split over the "
+                       f"{world} devices along {axes}, so its size must be a multiple of {world}; "
+                       f"got shape {list(np.shape(x))}")
+  explicit = _has_explicit_axes(mesh)
+  specs = [PartitionSpec(axes) if per_device else PartitionSpec() for per_device in masks]
+  # On an Explicit mesh the results get the shardings their inputs had (the per-device leaves:
+  # along the data axis, replicated over the others), pinned inside the body.
+  user_specs = [_explicit_spec(x) or PartitionSpec() for x in leaves]
+  out_specs = [spec if per_device else user
+               for spec, per_device, user in zip(specs, masks, user_specs)]
+  pins = None
+  if explicit:
+    pins = [PartitionSpec() if per_device else _without(user, axes)
+            for per_device, user in zip(masks, user_specs)]
+  auto = _auto(mesh)
+  with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
+    if explicit:  # every axis Auto inside: the partitioner handles the others
+      def to_auto(x):
+        spec = _explicit_spec(x)
+        return x if spec is None else lax.with_sharding_constraint(x, NamedSharding(auto, spec))
+      leaves, batch = jax.tree.map(to_auto, (leaves, batch))
+    new_leaves, out = jax.shard_map(
+        functools.partial(_body, local, treedefs, masks, paths, axes, names, pins), mesh=auto,
+        in_specs=(specs, PartitionSpec(axes)), out_specs=(specs, PartitionSpec(axes)),
+        axis_names=set(axes), check_vma=True)(leaves, batch)
+  if explicit:  # back to the caller's mesh
+    new_leaves = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
+                  for x, spec in zip(new_leaves, out_specs)]
+    out = jax.sharding.reshard(out, NamedSharding(mesh, PartitionSpec(axes)))
+  return (*_unflatten(treedefs, new_leaves), out)
+
+
+class _OnMesh:
+  """A jitted function called (and lowered) with its mesh set, as Explicit mesh axes require."""
+
+  def __init__(self, jitted, mesh: Mesh):
+    self._jitted, self._mesh = jitted, mesh
+    functools.update_wrapper(self, jitted)
+
+  def __call__(self, *args):
+    with jax.set_mesh(self._mesh):
+      return self._jitted(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self._mesh):
+      return self._jitted.lower(*args)
+
+
+def _loss_step(loss_fn, tx, axes, has_aux, params, opt_state, *batch):
+  """The per-device step of the loss-function form: local gradient, compressed mean, update."""
+  local_params = lax.pcast(params, axes, to="varying")  # 2: no hidden all-reduce of the gradient
+  value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local_params, *batch)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, value
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+  """A jitted data-parallel step and how to place what it takes; made by ``jaxcomp.data_parallel``.
+
+  Attributes:
+    step: the jitted global step. Loss-function form: ``step(params, opt_state, *batch) -> (params,
+      opt_state, loss)`` (``(params, opt_state, (loss, aux))`` with ``has_aux``); per-device-step
+      form: ``step(state, *batch) -> (state, out)``. Per-device results (``loss``, ``aux``, ``out``)
+      come back stacked, one entry per device along a new leading axis: no collective is spent on
+      them (``loss.mean()`` is the batch's mean loss for equal shards).
+    mesh: the mesh, as given.
+    axis_name: the data axis (or tuple of axes) the step is mapped over and the compressor averages
+      over.
+    tx: the optimizer of the loss-function form, else None.
+  """
+  step: Callable
+  mesh: Mesh
+  axis_name: Any
+  tx: Optional[optax.GradientTransformation]
+
+  @property
+  def world_size(self) -> int:
+    """The number of devices along ``axis_name``."""
+    return math.prod(self.mesh.shape[a] for a in _axes(self.axis_name))
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """Batches are split along their leading axis over ``axis_name``."""
+    return NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+
+  def shard(self, batch):
+    """``batch`` (any pytree) placed with ``batch_sharding``; with several processes each passes
+    its own part (``jax.make_array_from_process_local_data``)."""
+    if jax.process_count() > 1:
+      return jax.tree.map(
+          lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
+          batch)
+    return jax.device_put(batch, self.batch_sharding)
+
+  def make_state(self, tree):
+    """The state ``step`` takes, placed on the mesh.
+
+    Loss-function form: ``tree`` is the parameters, and the result is ``tx.init(params)``.
+    Per-device-step form: ``tree`` is the state as made on one device (e.g. ``(params, opt_state)``
+    or a Flax ``(model, nnx.Optimizer)``). Either way every per-device leaf is stacked along a new
+    leading axis, one copy per device (every device starts from the same state), and sharded along
+    it; other leaves keep their shardings.
+    """
+    make = (lambda t: t) if self.tx is None else self.tx.init
+    per_device = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+    world = self.world_size
+
+    def stacked(t):
+      state = make(t)
+      leaves, treedef = jax.tree.flatten(state)
+      masks = jax.tree.leaves(per_device_mask(state))
+      return treedef.unflatten([
+          _constrain(jnp.broadcast_to(x, (world,) + jnp.shape(x)), per_device) if m else x
+          for x, m in zip(leaves, masks)])
+
+    # Host arrays go to the mesh first (replicated), so that the program runs on its devices.
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    devices = set(self.mesh.devices.flat)
+    tree = jax.tree.map(
+        lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == devices
+        else jax.device_put(x, replicated), tree)
+    with jax.set_mesh(self.mesh):
+      return jax.jit(stacked)(tree)
+
+  def shardings(self, state):
+    """The ``NamedSharding`` of every leaf of a placed state (an orbax restore target, say)."""
+    per_device = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    return jax.tree.map(
+        lambda x, m: per_device if m else getattr(x, "sharding", replicated), state,
+        per_device_mask(state))
+
+
+def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch",
+                  tx: Optional[optax.GradientTransformation] = None,
+                  has_aux: bool = False) -> DataParallel:
+  """A jitted data-parallel training step for a jaxcomp optimizer, from a function and a ``Mesh``.
+
+  Two forms. With ``tx``, ``fn`` is the loss, ``fn(params, *batch) -> loss`` (or ``(loss, aux)``
+  with ``has_aux``) on one device's shard of the batch, and the step is
+  ``step(params, opt_state, *batch) -> (params, opt_state, loss)``::
+
+    mesh = jax.make_mesh((jax.device_count(),), ("batch",))
+    tx = optax.chain(jaxcomp.powersgd(rank=2), optax.adamw(1e-3))
+    dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+    opt_state = dp.make_state(params)
+    params, opt_state, loss = dp.step(params, opt_state, *dp.shard((x, y)))
+
+  Without ``tx``, ``fn`` is a per-device step written as for ``jax.pmap`` — ``fn(state, *batch) ->
+  (state, out)``, with ``tx.update`` inside it as the cross-device mean — and the step is
+  ``step(state, *batch) -> (state, out)``. ``state`` is any pytree (``(params, opt_state)``, a Flax
+  ``(model, nnx.Optimizer)``); take gradients of ``lax.pcast(params, axis_name, to="varying")``,
+  as the loss form does for you, or autodiff adds a full all-reduce of them.
+
+  Args:
+    fn: the loss (with ``tx``) or the per-device step (without).
+    mesh: the device mesh; its other axes (a model axis, say) are left to the partitioner.
+    axis_name: the mesh axis (or tuple of axes) the batch is split over; it must be the
+      ``axis_name`` of the jaxcomp transformations in the optimizer.
+    tx: the optimizer, normally ``optax.chain(<jaxcomp compressor>, <optax optimizer>)``.
+    has_aux: ``fn`` returns ``(loss, aux)`` (loss-function form only).
+
+  Returns:
+    A ``DataParallel``: ``step``, ``make_state``, ``shard``, ``shardings``.
+
+  Raises:
+    ValueError: ``axis_name`` is not an axis of ``mesh``.
+  """
+  validate.function(fn, "fn", "fn(params, *batch)" if tx is not None else "fn(state, *batch)")
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got "
+                    f"{type(mesh).__name__}")
+  axis_name = axis.check_axis_name(axis_name)
+  missing = [a for a in _axes(axis_name) if a not in mesh.axis_names] if axis_name else [None]
+  if missing:
+    raise ValueError(f"axis_name must name axes of the mesh {tuple(mesh.axis_names)}; got "
+                     f"{axis_name!r}")
+  has_aux = validate.boolean(has_aux, "has_aux")
+  axes = _axes(axis_name)
+  if tx is None:
+    if has_aux:
+      raise ValueError("has_aux applies to a loss function, with tx; a per-device step returns "
+                       "(state, out)")
+    step = functools.partial(_global_step, fn, mesh, axes, ("state",))
+  else:
+    if not isinstance(tx, optax.GradientTransformation):
+      raise TypeError(f"tx must be an optax.GradientTransformation; got {type(tx).__name__}")
+    local = functools.partial(_loss_step, fn, tx, axes, has_aux)
+    step = functools.partial(_global_step, local, mesh, axes, ("params", "opt_state"))
+  return DataParallel(_OnMesh(jax.jit(step), mesh), mesh, axis_name, tx)

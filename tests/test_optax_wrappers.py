@@ -1,0 +1,166 @@
+"""Optax wrappers around jaxcomp: each row of README's table ("safe as is", "unsafe, why", "the
+jaxcomp alternative") is checked here."""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp
+from helpers import assert_identical_across_devices, replicate
+
+W = 4
+
+
+def params():
+  return {"w": np.ones((6, 5), np.float32), "b": np.zeros(5, np.float32)}
+
+
+def grads(seed=0, nan_on=None):
+  rng = np.random.default_rng(seed)
+  g = {"w": rng.normal(size=(W, 6, 5)).astype(np.float32),
+       "b": rng.normal(size=(W, 5)).astype(np.float32)}
+  if nan_on is not None:
+    g["w"][nan_on, 0, 0] = np.nan
+  return g
+
+
+def powersgd_chain():
+  return optax.chain(jaxcomp.powersgd(1, start_iter=0), optax.sgd(0.1, momentum=0.9))
+
+
+def pmapped(tx):
+  return jax.pmap(lambda g, s: tx.update(g, s, None), axis_name="batch",
+                  devices=jax.devices()[:W])
+
+
+def run(tx, steps, state=None):
+  step = pmapped(tx)
+  state = replicate(tx.init(params()), W) if state is None else state
+  for g in steps:
+    out, state = jax.block_until_ready(step(g, state))
+  return out, state
+
+
+def test_apply_if_finite_around_a_compressor_is_refused_at_trace_time():
+  # It would decide per device: the device with the NaN skips collectives the others wait in.
+  with pytest.raises(ValueError, match=r"apply_if_finite.*decides on each device alone.*"
+                                       r"jaxcomp.skip_if_nonfinite"):
+    run(optax.apply_if_finite(powersgd_chain(), 3), [grads()])
+
+
+def test_apply_if_finite_after_the_compressor_is_safe():
+  # After the compressor every device sees the same (NaN) values: all skip together.
+  tx = optax.chain(jaxcomp.powersgd(1, start_iter=0),
+                   optax.apply_if_finite(optax.sgd(0.1, momentum=0.9), 3))
+  out, state = run(tx, [grads(1), grads(2, nan_on=2)])
+  np.testing.assert_array_equal(out["w"], 0)
+  np.testing.assert_array_equal(state[1].notfinite_count, 1)
+
+
+def test_skip_if_nonfinite_skips_on_every_device_together_and_keeps_the_inner_state():
+  tx = jaxcomp.skip_if_nonfinite(powersgd_chain(), 3)
+  _, before = run(tx, [grads(1)])
+  out, after = run(tx, [grads(2, nan_on=2)], state=before)
+  np.testing.assert_array_equal(out["w"], 0)  # the update is zero everywhere
+  np.testing.assert_array_equal(out["b"], 0)
+  np.testing.assert_array_equal(after.notfinite_count, 1)
+  np.testing.assert_array_equal(after.last_finite, False)
+  chex.assert_trees_all_equal(after.inner_state, before.inner_state)  # error, Q, momentum kept
+  out, again = run(tx, [grads(3)], state=after)  # a finite step applies and resets the count
+  assert np.isfinite(np.asarray(out["w"])).all() and np.abs(np.asarray(out["w"])).max() > 0
+  assert_identical_across_devices(out)
+  np.testing.assert_array_equal(again.notfinite_count, 0)
+  np.testing.assert_array_equal(again.total_notfinite, 1)
+
+
+def test_skip_if_nonfinite_counts_like_apply_if_finite():
+  # At world size 1 the two decide alike: same updates and counters over a run of NaN steps that
+  # exceeds max_consecutive_errors.
+  inner = lambda: optax.sgd(0.1, momentum=0.9)
+  ours = jaxcomp.skip_if_nonfinite(inner(), 2, axis_name=None)
+  theirs = optax.apply_if_finite(inner(), 2)
+  p = {"w": jnp.ones(3)}
+  ours_state, theirs_state = ours.init(p), theirs.init(p)
+  for value in [1.0, np.nan, np.nan, np.nan, 2.0, np.inf, 3.0]:
+    g = {"w": jnp.full(3, value)}
+    ours_out, ours_state = ours.update(g, ours_state)
+    theirs_out, theirs_state = theirs.update(g, theirs_state)
+    chex.assert_trees_all_equal(ours_out, theirs_out)
+    for field in ("notfinite_count", "last_finite", "total_notfinite"):
+      np.testing.assert_array_equal(getattr(ours_state, field), getattr(theirs_state, field))
+    chex.assert_trees_all_equal(ours_state.inner_state, theirs_state.inner_state)
+
+
+def test_masked_around_a_compressor_is_refused_naming_the_left_out_leaves():
+  with pytest.raises(ValueError, match=r"optax.masked leaves \['b'\] out.*replicas drift.*"
+                                       r"compress=.*sparsify=.*multi_transform"):
+    run(optax.masked(jaxcomp.powersgd(1), {"w": True, "b": False}), [grads()])
+
+
+def test_multi_transform_with_a_jaxcomp_transformation_for_every_label_is_safe():
+  tx = optax.multi_transform({"kernel": jaxcomp.powersgd(1, start_iter=0),
+                              "bias": jaxcomp.fp16_compress()}, {"w": "kernel", "b": "bias"})
+  g = grads(4)
+  out, _ = run(tx, [g])
+  assert_identical_across_devices(out)
+  np.testing.assert_allclose(out["b"][0], g["b"].mean(0), rtol=1e-3, atol=1e-3)
+
+
+def test_multi_steps_warns_and_accumulate_sends_k_times_less_for_the_same_update():
+  k = 4
+  steps = [grads(seed) for seed in range(2 * k)]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    multi_out, _ = run(optax.MultiSteps(powersgd_chain(), k), steps)
+  assert any("optax.MultiSteps runs the jaxcomp transformation" in str(w.message) for w in caught)
+  acc_out, _ = run(jaxcomp.accumulate(powersgd_chain(), k), steps)
+  chex.assert_trees_all_close(multi_out, acc_out, rtol=1e-5, atol=1e-6)
+
+  def bytes_per_k_steps(tx):
+    state = replicate(tx.init(params()), W)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      report = jaxcomp.comm_report(pmapped(tx), steps[0], state)
+    every_step = sum(c.payload_bytes for c in report.collectives if not c.in_conditional)
+    once = sum(c.payload_bytes for c in report.collectives if c.in_conditional)
+    return k * every_step + once, report
+
+  multi_bytes, _ = bytes_per_k_steps(optax.MultiSteps(powersgd_chain(), k))
+  acc_bytes, acc_report = bytes_per_k_steps(jaxcomp.accumulate(powersgd_chain(), k))
+  assert all(c.in_conditional for c in acc_report.collectives)  # once per k micro-steps
+  assert multi_bytes == k * acc_bytes > 0
+
+
+def test_multi_steps_with_a_skip_function_is_refused():
+  tx = optax.MultiSteps(powersgd_chain(), 2, should_skip_update_fn=optax.skip_not_finite)
+  with pytest.raises(ValueError, match="should_skip_update_fn.*skips on each device alone"):
+    run(tx, [grads()])
+
+
+def test_multi_steps_state_accumulates_per_device():
+  specs = jaxcomp.state_partition_specs(optax.MultiSteps(powersgd_chain(), 2), params())
+  assert specs.acc_grads == {"w": P("batch"), "b": P("batch")}
+  assert specs.mini_step == P() and specs.inner_opt_state[0].error["w"] == P("batch")
+
+
+def test_inject_hyperparams_is_told_which_hyperparameters_are_static():
+  with pytest.raises(TypeError, match="is static.*static_args"):
+    optax.inject_hyperparams(jaxcomp.dgc)(ratio=0.01).init(params())
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_clip_by_global_norm_before_or_after_the_compressor_keeps_replicas_identical(where):
+  clip = optax.clip_by_global_norm(0.5)
+  parts = [clip, jaxcomp.powersgd(1, start_iter=0)]
+  tx = optax.chain(*(parts if where == "before" else parts[::-1]), optax.sgd(0.1))
+  out, _ = run(tx, [grads(5), grads(6)])
+  assert_identical_across_devices(out)
+  if where == "after":  # clipping the mean: the update's norm is at most 0.1 * 0.5
+    norm = np.sqrt(sum(np.sum(np.asarray(x[0]) ** 2) for x in jax.tree.leaves(out)))
+    assert norm <= 0.05 * (1 + 1e-5)
