@@ -2,7 +2,24 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+
+F32_EPS = float(np.finfo(np.float32).eps)  # 2**-23
+
+
+def rounding_tol(ops, scale=1.0, dtype=np.float32):
+  """``dict(rtol=..., atol=...)`` for comparing two DIFFERENT programs that compute the same values.
+
+  XLA:CPU emits different code per instruction set (FMA or not, vector width) and per program (fusion),
+  so two programs, or one program on another CPU, may round the same arithmetic differently: they agree
+  only to rounding. ``ops`` is how many roundings can differ on the way to a value (about the number of
+  terms in its reductions, times the steps it went through); each is ``eps`` of ``dtype`` (float32, or
+  the wire dtype where a value went through float16/bfloat16) relative to ``scale``, the magnitude of the
+  terms (absolute: where terms cancel, the result is far smaller than the error). rtol counts the same
+  number of float32 roundings of the value itself.
+  """
+  return dict(rtol=ops * F32_EPS, atol=ops * float(ml_dtypes.finfo(dtype).eps) * scale)
 
 
 def dyadic(rng, shape, scale=64):

@@ -16,10 +16,11 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate
+from helpers import assert_identical_across_devices, replicate, rounding_tol
 from jaxcomp._src.buckets import bucket_assignment
 from jaxcomp._src.powersgd import orthogonalize
 
+pytestmark = pytest.mark.numeric
 W = 4
 
 
@@ -198,6 +199,9 @@ def test_matches_numpy_reference(rank, warm_start):
   rng = np.random.default_rng(rank)
   float_keys = [k for k, v in named(params).items() if v.dtype == np.float32]
   errors = [{k: 0.0 for k in float_keys} for _ in range(W)]
+  # float32 against the float64 reference: per step, roundings along the n + m ≤ 32 sums of P and
+  # Q and the W devices, carried by the error feedback through 5 steps; unit-scale gradients.
+  tol = rounding_tol(5 * (20 + 12 + W))
   for t in range(5):
     grads = grads_for(params, rng)
     qs = {k: v[0] for k, v in named(state.q).items()}  # the Q this step starts from
@@ -212,16 +216,16 @@ def test_matches_numpy_reference(rank, warm_start):
       expected, errors, new_q = np_step(per_device, errors, qs, rank=rank, eps=1e-8)
       for k, q in named(state.q).items():
         if warm_start:
-          np.testing.assert_allclose(q[0], new_q[k], rtol=1e-4, atol=1e-5, err_msg=k)
+          np.testing.assert_allclose(q[0], new_q[k], **tol, err_msg=k)
         else:  # a fresh draw each step
           assert not np.allclose(q[0], qs[k])
     got = named(out)
     for k in float_keys:
-      np.testing.assert_allclose(got[k][0], expected[k], rtol=1e-4, atol=1e-5, err_msg=(t, k))
+      np.testing.assert_allclose(got[k][0], expected[k], **tol, err_msg=(t, k))
     np.testing.assert_array_equal(got["['steps']"], np.asarray(grads["steps"]))  # passed through
     for d in range(W):
       for k, e in named(device(state.error, d)).items():
-        np.testing.assert_allclose(e, errors[d][k], rtol=1e-4, atol=1e-5, err_msg=(t, d, k))
+        np.testing.assert_allclose(e, errors[d][k], **tol, err_msg=(t, d, k))
   assert int(state.count[0]) == 5
 
 
@@ -231,11 +235,15 @@ def test_no_error_feedback_and_uncompressed_error_is_local_minus_mean():
   grads = grads_for(params, rng)
   tx = jaxcomp.powersgd(1, start_iter=0)
   out, state = run(pmapped(tx), grads, replicate(tx.init(params), W))
-  np.testing.assert_allclose(state.error["b"], grads["b"] - grads["b"].mean(0), atol=1e-6)
-  np.testing.assert_allclose(state.error["w"] + out["w"], grads["w"], atol=1e-6)
+  scale = max(np.abs(g).max() for g in grads.values())
+  # Against NumPy: the mean's W roundings, and one each for error = m - out and error + out.
+  tol = rounding_tol(W + 2, scale=scale)
+  np.testing.assert_allclose(state.error["b"], grads["b"] - grads["b"].mean(0), **tol)
+  np.testing.assert_allclose(state.error["w"] + out["w"], grads["w"], **tol)
   tx = jaxcomp.powersgd(1, start_iter=0, error_feedback=False)
   out2, state2 = run(pmapped(tx), grads, replicate(tx.init(params), W))
-  chex.assert_trees_all_close(out2, out, atol=1e-6)  # first step: no error to add yet
+  # First step, no error to add yet; another program: the 16 + 16 sums of P and Q and W devices.
+  chex.assert_trees_all_close(out2, out, **rounding_tol(16 + 16 + W, scale=scale))
   assert not jax.tree.leaves(state2.error)
 
 
@@ -248,16 +256,20 @@ def test_rank_is_clamped_and_full_rank_gives_the_mean():
   assert state.q["v"].shape == (5, 1)  # a vector is (1, 5) in the flax view
   grads = grads_for(params, np.random.default_rng(1))
   out, _ = run(pmapped(tx), grads, replicate(state, W))
-  # r = n: P̂ is a full orthonormal basis, so P̂·Qᵀ is the mean (QR path, r = 4).
-  np.testing.assert_allclose(out["w"][0], grads["w"].mean(0), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(out["s"][0], grads["s"].mean(0), rtol=1e-5, atol=1e-6)
+  # r = n: P̂ is a full orthonormal basis, so P̂·Qᵀ is the mean (QR path, r = 4): to rounding along
+  # the 4 + 6 sums of P and Q and the W devices.
+  tol = rounding_tol(4 + 6 + W)
+  np.testing.assert_allclose(out["w"][0], grads["w"].mean(0), **tol)
+  np.testing.assert_allclose(out["s"][0], grads["s"].mean(0), **tol)
 
 
 def test_orthogonalize():
   rng = np.random.default_rng(0)
   for shape in [(7, 1), (7, 2), (7, 4)]:
     x = rng.standard_normal(shape).astype(np.float32)
-    np.testing.assert_allclose(orthogonalize(jnp.asarray(x)), np_orthogonalize(x), atol=1e-5)
+    # float32 against float64: roundings along the 7-long norms and projections of each column.
+    np.testing.assert_allclose(orthogonalize(jnp.asarray(x)), np_orthogonalize(x),
+                               **rounding_tol(7 * shape[1]))
   zero = orthogonalize(jnp.zeros((5, 2)))
   np.testing.assert_array_equal(zero, 0)  # torch gives NaN here
   for dtype, tol in [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)]:  # rank-deficient: still orthonormal
@@ -337,14 +349,14 @@ def test_shard_map_with_state_partition_specs_matches_pmap():
 
   ref_step, ref_state = pmapped(tx), replicate(tx.init(params), W)
   rng = np.random.default_rng(0)
+  tol = rounding_tol(3 * (12 + 10 + W))  # two programs: the sums of P, Q and W devices, 3 steps
   for _ in range(3):
     grads = grads_for(params, rng)
     out, state = run(step, grads, state)
     ref_out, ref_state = run(ref_step, grads, ref_state)
-    chex.assert_trees_all_close(out, device(ref_out, 0), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(state.error["w"], np.concatenate(list(ref_state.error["w"])),
-                             rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(state.q, device(ref_state.q, 0), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(out, device(ref_out, 0), **tol)
+  np.testing.assert_allclose(state.error["w"], np.concatenate(list(ref_state.error["w"])), **tol)
+  chex.assert_trees_all_close(state.q, device(ref_state.q, 0), **tol)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -405,7 +417,9 @@ def test_half_precision_params(dtype):
     assert out["w"].dtype == dtype and state.error["w"].dtype == dtype
     assert state.q["w"].dtype == dtype
     chex.assert_tree_all_finite(out)
-    np.testing.assert_allclose(np.asarray(out["w"], np.float32), ref_out["w"], atol=0.1)
+    # Half precision against float32: a few roundings of the half dtype on values up to ~4.
+    np.testing.assert_allclose(np.asarray(out["w"], np.float32), ref_out["w"],
+                               **rounding_tol(4, scale=4, dtype=dtype))
 
 
 def test_unbound_axis_is_world_size_one():
@@ -414,8 +428,10 @@ def test_unbound_axis_is_world_size_one():
   grads = {"w": np.random.default_rng(0).standard_normal((10, 8)).astype(np.float32)}
   with pytest.warns(UserWarning, match="not bound"):
     out, state = jax.jit(tx.update)(grads, tx.init(params))
-  np.testing.assert_allclose(out["w"], grads["w"], atol=1e-5)  # full rank on one device: exact
-  np.testing.assert_allclose(state.error["w"], 0, atol=1e-5)
+  # Full rank on one device: exact up to rounding along the 10 + 8 sums of P and Q.
+  tol = rounding_tol(10 + 8, scale=np.abs(grads["w"]).max())
+  np.testing.assert_allclose(out["w"], grads["w"], **tol)
+  np.testing.assert_allclose(state.error["w"], 0, **tol)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -432,6 +448,7 @@ def test_batched_matches_numpy_reference(rank, warm_start):
   step = pmapped(tx)
   rng = np.random.default_rng(0)
   errors = [0.0] * W
+  tol = rounding_tol(4 * (7 + 7 + W))  # float32 against float64: as test_matches_numpy_reference
   for t in range(4):
     grads = grads_for(params, rng)
     q = np.asarray(state.q[0][0])
@@ -442,11 +459,11 @@ def test_batched_matches_numpy_reference(rank, warm_start):
     else:
       expected, errors, new_q = np_batched_step(flat, errors, q, rank=rank)
       if warm_start:
-        np.testing.assert_allclose(state.q[0][0], new_q, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(state.q[0][0], new_q, **tol)
       for d in range(W):
-        np.testing.assert_allclose(state.error[0][d], errors[d], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(state.error[0][d], errors[d], **tol)
     got = np.concatenate([np.ravel(out[k][0]) for k in "abc"])
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=t)
+    np.testing.assert_allclose(got, expected, **tol, err_msg=t)
     np.testing.assert_array_equal(out["i"], grads["i"])
   assert state.compression_stats()[1:] == (3 * 45, 3 * 2 * 7 * rank)
 
@@ -489,7 +506,8 @@ def test_powersgd_hook_equals_the_transformation(bucket_cap_mb):
     grads = grads_for(params, rng)
     out, state = run(step, grads, state)
     hook_out, hook_state = run(hook_step, grads, hook_state)
-    chex.assert_trees_all_close(hook_out, out, rtol=1e-5, atol=1e-6)
+    # Two programs (buckets, or leaf by leaf): the sums of P, Q and W devices, 3 steps.
+    chex.assert_trees_all_close(hook_out, out, **rounding_tol(3 * (20 + 12 + W)))
   assert jaxcomp.powersgd_stats(hook_state) == state.compression_stats()
 
 
@@ -508,15 +526,18 @@ def test_fp16_wrapped_powersgd_hook_runs_in_float16_as_torch():
   state, hook_state = replicate(state, W), replicate(hook_state, W)
   step, hook_step = pmapped(tx), pmapped(hook_tx)
   rng = np.random.default_rng(0)
+  # Two programs computing in float16: a few float16 roundings of values up to ~4.
+  tol = rounding_tol(4, scale=4, dtype=np.float16)
   for _ in range(4):
     grads = grads_for(params, rng)
     hook_out, hook_state = run(hook_step, grads, hook_state)
     out, state = run(step, jax.tree.map(lambda x: x.astype(np.float16), grads), state)
-    chex.assert_trees_all_equal(hook_out, jax.tree.map(lambda x: x.astype(np.float32), out))
+    chex.assert_trees_all_close(hook_out, jax.tree.map(lambda x: x.astype(np.float32), out), **tol)
   (bucket,) = hook_state.hook_states
   assert bucket.error[w].dtype == np.float32  # kept in the bucket's dtype, holding float16 values
-  np.testing.assert_array_equal(bucket.error[w], state.error["w"].astype(np.float32))
-  np.testing.assert_array_equal(bucket.q[w], state.q["w"].astype(np.float32))
+  assert np.array_equal(bucket.error[w].astype(np.float16).astype(np.float32), bucket.error[w])
+  np.testing.assert_allclose(bucket.error[w], state.error["w"].astype(np.float32), **tol)
+  np.testing.assert_allclose(bucket.q[w], state.q["w"].astype(np.float32), **tol)
 
 
 def test_batched_hook_equals_the_transformation():
@@ -533,12 +554,13 @@ def test_batched_hook_equals_the_transformation():
   state, hook_state = replicate(state, W), replicate(hook_state, W)
   step, hook_step = pmapped(tx), pmapped(hook_tx)
   rng = np.random.default_rng(0)
+  tol = rounding_tol(3 * (9 + 9 + W))  # two programs: the sums of P, Q (side 9) and W, 3 steps
   for _ in range(3):
     grads = grads_for(params, rng)
     out, state = run(step, as_bucket(grads), state)
     hook_out, hook_state = run(hook_step, grads, hook_state)
-    chex.assert_trees_all_close(as_bucket(hook_out), out, rtol=1e-6, atol=1e-6)
-  chex.assert_trees_all_close(hook_state.hook_states[0].error, state.error, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(as_bucket(hook_out), out, **tol)
+  chex.assert_trees_all_close(hook_state.hook_states[0].error, state.error, **tol)
   assert jaxcomp.powersgd_stats(hook_state) == state.compression_stats()
 
 

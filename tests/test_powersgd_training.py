@@ -82,6 +82,7 @@ def test_rank2_powersgd_matches_allreduce_accuracy_on_digits():
   assert dense / report.payload_bytes > 15
 
 
+@pytest.mark.numeric
 def test_non_finite_gradient_on_one_device_is_skipped_as_if_absent():
   """NaN at device 3 on step 7: every later step equals a run that never took step 7."""
   task = tasks.digits(quick=True)

@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
+from helpers import rounding_tol
 from jaxcomp.train import job, registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,9 +39,10 @@ def test_quick_run_prints_the_table_and_writes_its_files(tmp_path):
   assert results["devices"] == 4
   for run in results["runs"]:
     assert len(run["losses"]) == 6
-  # Every compressor saw the same batches from the same start, so the first loss is the same.
-  first = {run["losses"][0] for run in results["runs"]}
-  assert len(first) == 1
+  # Every compressor saw the same batches from the same start, so the first loss is the same: each
+  # compressor's own compiled step computes it, to float32 rounding of the widest (256-long) sums.
+  first = [run["losses"][0] for run in results["runs"]]
+  np.testing.assert_allclose(first, first[0], **rounding_tol(4 * 64))
 
 
 def test_digits_task_trains(tmp_path):
