@@ -40,7 +40,7 @@ def measure(compressor, tree) -> tuple:
   tx = compressor.make(common.AXIS)
   state = jax.eval_shape(tx.init, tree)
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=common.AXIS, devices=jax.devices()[:W],
-                  donate_argnums=1)
+                  donate_argnums=(0, 1))
   compiled = step.lower(common.stacked(tree, W), common.stacked(state, W)).compile()
   return nbytes(state), compiled.memory_analysis().temp_size_in_bytes
 
