@@ -508,29 +508,46 @@ def _topk_exchange(exchange: TopKExchange, vs, density, keys, value_dtypes, ok, 
   """3–4 for ``dgc``: one all-gather of values (per value dtype) and one of indices for all leaves.
 
   Returns:
-    Per leaf ``(mean, clear)``: the averaged sparse gradient and a function that zeroes the
-    coordinates this device sent (none on a non-finite step).
+    Per leaf ``(mean, clear, clear_v)``: the averaged sparse gradient, and two functions that zero
+    the coordinates this device sent (none on a non-finite step): ``clear`` for any array of the
+    leaf's shape, ``clear_v`` for v (it subtracts the values sent).
   """
   flats = [v.ravel() for v in vs]
   indices = [_select(exchange, flat, density, key) for flat, key in zip(flats, keys)]
-  values = [flat.at[i].get(mode="fill", fill_value=0).astype(d)
-            for flat, i, d in zip(flats, indices, value_dtypes)]
+  sent_values = [flat.at[i].get(mode="fill", fill_value=0) for flat, i in zip(flats, indices)]
+  values = [x.astype(d) for x, d in zip(sent_values, value_dtypes)]
   all_values = axis.all_gather_many(values, axis_name)
   all_indices = axis.all_gather_many(indices, axis_name)
   results = []
-  for v, flat, mine, gathered_values, gathered_indices in zip(vs, flats, indices, all_values,
-                                                              all_indices):
+  for v, flat, mine, sent, gathered_values, gathered_indices in zip(
+      vs, flats, indices, sent_values, all_values, all_indices):
     # The W·k values are divided by W before they are added (duplicates sum): no pass over the
-    # whole output afterwards.
-    total = _zeros(ok, flat).at[gathered_indices.ravel()].add(
+    # whole output afterwards. Scatters address the leaf in its own shape: through a flat view XLA
+    # would write a flat copy and reshape it, instead of updating the buffer in place.
+    total = _zeros(ok, v).at[_unravel(gathered_indices.ravel(), v.shape)].add(
         axis.divide_by_world(gathered_values.ravel().astype(flat.dtype), axis_name), mode="drop")
-    mine = _unless_finite(ok, mine, flat.size)
+    mine = _unravel(_unless_finite(ok, mine, flat.size), v.shape)
 
     def clear(x, mine=mine):
-      return x.ravel().at[mine].set(0, mode="drop").reshape(x.shape)
+      return x.at[mine].set(0, mode="drop")
 
-    results.append((total.reshape(v.shape), clear))
+    def clear_sent(x, mine=mine, sent=sent):
+      # x − x is +0.0, as set(0) gives; subtracting what was sent makes the scatter wait for the
+      # gather of the sent values, so that XLA can clear v in place instead of copying it.
+      return x.at[mine].add(-sent, mode="drop")
+
+    results.append((total, clear, clear_sent))
   return results
+
+
+def _unravel(indices, shape: tuple) -> tuple:
+  """Flat int32 indices as one index array per dimension; ``prod(shape)`` (the out-of-range slot
+  filler) stays out of range in the first dimension (``jnp.unravel_index`` would clip it)."""
+  out, stride = [], math.prod(shape)
+  for i, size in enumerate(shape):
+    stride //= size
+    out.append(indices // stride if i == 0 else (indices // stride) % size)
+  return tuple(out)
 
 
 def _chunk_exchange(exchange: ChunkExchange, vs, density, keys, value_dtypes, ok,
@@ -558,7 +575,7 @@ def _chunk_exchange(exchange: ChunkExchange, vs, density, keys, value_dtypes, ok
     def clear(x, i=_unless_finite(ok, i, c.shape[0]), from_chunks=from_chunks):
       return from_chunks(as_chunks(x).at[i].set(0, mode="drop"))
 
-    results.append((from_chunks(_zeros(ok, c).at[i].set(mean.astype(c.dtype))), clear))
+    results.append((from_chunks(_zeros(ok, c).at[i].set(mean.astype(c.dtype))), clear, clear))
   return results
 
 
@@ -568,10 +585,15 @@ def _sparse_stage(config: DGCConfig, momentum, density: float, leaves, us, vs, k
   world = axis.axis_size(axis_name)
   outs, new_u, new_v, exchanged = [], [], [], []
   for i, (g, u, v) in enumerate(zip(leaves, us, vs)):
-    u_next, step = _momentum_step(config, momentum, u, g)  # 2, one pass over g, u and v
-    v_next = v + step
-    if ok is not None:  # a non-finite step keeps u and v: XLA updates them in place either way
-      u_next, v_next = finite.keep_if_finite(ok, (u_next, v_next), (u, v))
+    # 2, one pass over g, u and v. On a non-finite step u and v are kept by the same pass. v's update
+    # reads the (gated) new u: from the ungated m·u + g XLA would compute u's update twice, reading
+    # the old u after the new one is written to its buffer (so it would copy u first).
+    u_next, _ = _momentum_step(config, momentum, u, g)
+    if ok is not None:
+      u_next = finite.keep_if_finite(ok, u_next, u)
+    v_next = v + (u_next + g if config.nesterov else u_next)
+    if ok is not None:
+      v_next = finite.keep_if_finite(ok, v_next, v)
     value_bytes = np.dtype(_wire_dtype(config, g)).itemsize
     if _sparse_bytes(config.exchange, g.size, density, world, value_bytes) >= g.size * value_bytes:
       # Dense stage: everything is sent, nothing delayed, so nothing to mask.
@@ -588,9 +610,9 @@ def _sparse_stage(config: DGCConfig, momentum, density: float, leaves, us, vs, k
   results = exchange_fn(  # 3, 4
       config.exchange, [new_v[i] for i in exchanged], density, [keys[i] for i in exchanged],
       [_wire_dtype(config, leaves[i]) for i in exchanged], ok, axis_name)
-  for i, (out, clear) in zip(exchanged, results):
+  for i, (out, clear, clear_v) in zip(exchanged, results):
     outs[i] = out
-    new_v[i] = clear(new_v[i])  # 5: sent coordinates restart, momentum too with masking
+    new_v[i] = clear_v(new_v[i])  # 5: sent coordinates restart, momentum too with masking
     if config.momentum_masking:
       new_u[i] = clear(new_u[i])
   return outs, new_u, new_v

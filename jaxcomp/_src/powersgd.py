@@ -328,6 +328,15 @@ def _left_product(mat: jax.Array, p: jax.Array) -> jax.Array:
   return jnp.stack([p[:, j] @ mat for j in range(p.shape[1])], axis=1)
 
 
+def _product(p: jax.Array, q: jax.Array) -> jax.Array:
+  """``P·Qᵀ`` (n, m). Up to rank 8 as a sum of r outer products: elementwise, so XLA computes it
+  inside whatever consumes it (the error update, the output) instead of writing an (n, m) matrix
+  first, which it does for a matrix product."""
+  if p.shape[1] > 8:
+    return p @ q.T
+  return sum(p[:, j, None] * q[None, :, j] for j in range(p.shape[1]))
+
+
 def _kept_if_zero(new: jax.Array, old: jax.Array) -> jax.Array:
   """The factor kept for the next step, in ``old``'s dtype: a column that came out all-zero keeps
   its old value (it would stall the power iteration)."""
@@ -392,9 +401,9 @@ def _torch_power_step(config, ms: dict, qs: dict, dense: list, packed: list, pla
       [_left_product(mats[i], p) for i, p in zip(packed, p_hats)], axis_name)]
   errors, next_qs = {}, {}
   for k, (i, p, q) in enumerate(zip(packed, p_hats, new_qs)):
-    outputs[i] = (p @ _nan_factor(ok, q).T).reshape(ms[i].shape)  # 7: P̂·Qᵀ
+    outputs[i] = _product(p, _nan_factor(ok, q)).reshape(ms[i].shape)  # 7: P̂·Qᵀ
     if config.error_feedback:  # 8: e ← M − P̂·Qᵀ
-      errors[i] = _kept_error(ok, ms[i] - (p @ q.T).reshape(ms[i].shape), ms[i])
+      errors[i] = _kept_error(ok, ms[i] - _product(p, q).reshape(ms[i].shape), ms[i])
     next_qs[i] = q
   return outputs, errors, next_qs, {}
 
@@ -410,7 +419,7 @@ def _alternating_step(config, ms: dict, qs: dict, ps: dict, ok, dense: list, pac
   errors = {}
   if config.error_feedback:
     for i in packed:
-      low_rank = ins[i] @ outs[i].T if q_half else outs[i] @ ins[i].T
+      low_rank = _product(ins[i], outs[i]) if q_half else _product(outs[i], ins[i])
       errors[i] = _kept_error(ok, ms[i] - low_rank.reshape(ms[i].shape), ms[i])
   # 4 and the half step: one all-reduce SUM of the uncompressed leaves and of the factors, then ÷W.
   sums = [axis.divide_by_world(s, axis_name)
@@ -419,7 +428,8 @@ def _alternating_step(config, ms: dict, qs: dict, ps: dict, ok, dense: list, pac
   means = dict(zip(packed, sums[len(dense):]))
   for i in packed:
     mean = _nan_factor(ok, means[i])
-    outputs[i] = (ins[i] @ mean.T if q_half else mean @ ins[i].T).reshape(ms[i].shape)
+    outputs[i] = (_product(ins[i], mean) if q_half else _product(mean, ins[i])).reshape(
+        ms[i].shape)
   # The other factor is returned unchanged: both branches of the step's cond return both.
   kept_qs = {i: qs[i].astype(ms[i].dtype) for i in packed}
   kept_ps = {i: ps[i].astype(ms[i].dtype) for i in packed}
@@ -489,10 +499,10 @@ def _batched(state: PowerSGDState, leaves: list, ok, axis_name) -> tuple:
   outputs, errors, qs = {}, dict(enumerate(state.error)), {}
   for k, (square, m, p, q) in enumerate(zip(squares, ms, p_hats, new_qs)):
     if config.error_feedback:  # 8: e ← M − P̂·Qᵀ, the padding included
-      errors[k] = _kept_error(ok, m - (p @ q.T).reshape(-1), m).astype(state.error[k].dtype)
+      errors[k] = _kept_error(ok, m - _product(p, q).reshape(-1), m).astype(state.error[k].dtype)
     qs[k] = _next_q(config, state.count, k, q, state.q[k])  # 9
     # 7: P̂·Qᵀ, truncated to the leaves' length.
-    out = (p @ _nan_factor(ok, q).T).reshape(-1)[:square.length]
+    out = _product(p, _nan_factor(ok, q)).reshape(-1)[:square.length]
     outputs.update(zip(square.leaves, tree_lib.unflatten(
         out, [state.signature.shapes[i] for i in square.leaves])))
   return outputs, errors, qs
