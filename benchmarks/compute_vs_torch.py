@@ -1,7 +1,8 @@
 """Compression compute against torch's DDP hooks, on the same gradients, in the same run.
 
 jaxcomp: one jitted ``update`` of the compressor on one device (``axis_name=None``, world size 1), its
-state threaded from call to call (not donated: XLA:CPU then copies the donated error buffer). torch
+state threaded from call to call (not donated: the same gradient is fed every call, and donating the
+state alone would hand the update output an error buffer, see ``memory.py``). torch
 2.13: the hook on one bucket holding the whole gradient (the same values, in torch's layout: Conv
 ``(out, in, kh, kw)``, Linear ``(out, in)``), on a 1-process gloo group, waited on (``fut.wait()``),
 decompression callback included. Settings are the same on both sides: ``fp16_compress_hook`` against
@@ -98,7 +99,7 @@ def jax_runner(tx, grads):
   """A function running one jitted, state-threaded ``tx.update`` and blocking on it."""
   grads = jax.device_put(grads)
   holder = [jax.jit(tx.init)(grads)]
-  update = jax.jit(lambda g, s: tx.update(g, s))  # donating the state makes XLA:CPU copy it
+  update = jax.jit(lambda g, s: tx.update(g, s))
 
   def run():
     out, holder[0] = update(grads, holder[0])

@@ -1,17 +1,25 @@
-"""Full training step time per compressor, as a ratio to the allreduce step, on 8 simulated devices.
+"""Full training step time per compressor, as a ratio to the allreduce step, on simulated devices.
 
-The real models of ``python -m jaxcomp.train``'s ``chars`` task (a pre-LayerNorm causal transformer
-on Python standard-library text): the default one, and a wider and deeper one. Every step is the
-data-parallel step of ``jaxcomp.train.job.make_step`` — forward, backward, the compressor, then
-``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself) — jitted under
-``jax.pmap`` over W = 8 simulated CPU devices. Compressors compress from the first step
+Three models:
+
+* ``mlp``: the MLP of issue 15's targets, 784-1024-1024-1024-10 (2,913,290 parameters), on random
+  inputs, batch 64 per device, plain softmax cross-entropy (no Flax);
+* ``chars`` and ``chars-wide``: the models of ``python -m jaxcomp.train``'s ``chars`` task (a
+  pre-LayerNorm causal transformer on Python standard-library text): the default one and a wider and
+  deeper one (3.2M parameters), global batch 64 sequences.
+
+Every step is the data-parallel step of ``jaxcomp.train.job.make_step`` — forward, backward, the
+compressor, then ``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself) —
+jitted under ``jax.pmap`` over W simulated CPU devices (``--devices``, default 8) with the parameters
+and the optimizer state donated, as the main job runs it. Compressors compress from the first step
 (``start_iter=0``). The steps of all compressors run round-robin on the same batch, each one blocked
 on; the ratio is the median over rounds of time(compressor) / time(allreduce) in the same round.
 
-On XLA:CPU the 8 "devices" share the host's cores and a collective is a memory copy, so this measures
-the compute a compressor adds to a step, not what it saves on a network (see ``network_model.py``).
+On XLA:CPU the W "devices" share the host's cores and a collective is a memory copy (and a barrier
+of W threads), so this measures the compute a compressor adds to a step, not what it saves on a
+network (see ``network_model.py``).
 
-  PYTHONPATH=. python benchmarks/step_time.py [--quick] [--write]
+  PYTHONPATH=. python benchmarks/step_time.py [--quick] [--write] [--models mlp] [--devices 1]
 """
 
 from __future__ import annotations
@@ -24,40 +32,80 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-W = 8
-jax.config.update("jax_num_cpu_devices", W)
+MAX_DEVICES = 8
+jax.config.update("jax_num_cpu_devices", MAX_DEVICES)
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
+MODELS = ("mlp", "chars", "chars-wide")
 
-def model_tasks(quick: bool) -> dict:
+
+@dataclasses.dataclass(frozen=True)
+class MLPTask:
+  """Issue 15's MLP on random data, with the interface of ``jaxcomp.train.tasks.Task`` that
+  ``make_step`` and this script use."""
+  sizes: tuple = (784, 1024, 1024, 1024, 10)
+
+  def init(self, seed: int):
+    rng = np.random.default_rng(seed)
+    return {f"dense{i}": {"kernel": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
+                          "bias": np.zeros((b,), np.float32)}
+            for i, (a, b) in enumerate(zip(self.sizes[:-1], self.sizes[1:]))}
+
+  def loss(self, params, inputs, targets):
+    h = inputs
+    for i in range(len(self.sizes) - 1):
+      layer = params[f"dense{i}"]
+      h = h @ layer["kernel"] + layer["bias"]
+      h = jax.nn.relu(h) if i < len(self.sizes) - 2 else h
+    return optax.softmax_cross_entropy_with_integer_labels(h, targets).mean()
+
+  def batch(self, seed: int, step: int, size: int):
+    rng = np.random.default_rng([seed, step])
+    return (rng.standard_normal((size, self.sizes[0])).astype(np.float32),
+            rng.integers(0, self.sizes[-1], size).astype(np.int32))
+
+
+def model_tasks(quick: bool, names) -> dict:
+  """``{label: (task, global batch for W devices as a function of W)}``."""
   from jaxcomp.train import tasks
-  task = tasks.chars(quick=quick)
-  if quick:
-    return {"chars (quick)": task}
-  wide = dataclasses.replace(task, model=tasks.CharTransformer(context=64, width=256, depth=4))
-  return {"chars transformer": task, "chars transformer, width 256, depth 4": wide}
+  out = {}
+  for name in names:
+    if name == "mlp":
+      task = MLPTask((784, 64, 10)) if quick else MLPTask()
+      out["MLP 784-1024×3-10" if not quick else "MLP (quick)"] = (task, lambda w: 64 * w)
+    elif name == "chars":
+      out["chars transformer" if not quick else "chars (quick)"] = (tasks.chars(quick=quick),
+                                                                   lambda w: 64)
+    elif name == "chars-wide" and not quick:
+      wide = dataclasses.replace(tasks.chars(), model=tasks.CharTransformer(context=64, width=256,
+                                                                            depth=4))
+      out["chars transformer, width 256, depth 4"] = (wide, lambda w: 64)
+  return out
 
 
-def step_runners(task, compressor_list, batch):
+def step_runners(task, compressor_list, batch, devices):
   """A function per compressor running one blocked pmapped training step on ``batch``."""
   from jaxcomp.train.job import make_step
-  devices = jax.devices()[:W]
+  w = len(devices)
   # On the devices already, on a mesh axis of the step's name, as the step returns them: other
   # inputs would compile the step a second time.
   on_devices = jax.pmap(lambda x: x, axis_name=common.AXIS, devices=devices)
-  params0 = on_devices(jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (W,) + x.shape),
-                                    task.init(0)))
-  inputs, targets = on_devices([a.reshape((W, -1) + a.shape[1:]) for a in batch])
+  params0 = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (w,) + x.shape), task.init(0))
+  inputs, targets = on_devices([a.reshape((w, -1) + a.shape[1:]) for a in batch])
   runners = {}
   for c in compressor_list:
     tx = optax.chain(c.make(common.AXIS),
-                     optax.sgd(task.learning_rate, momentum=None if c.has_momentum else 0.9))
-    step = jax.pmap(make_step(task, tx), axis_name=common.AXIS, devices=devices)
-    holder = [params0, jax.pmap(tx.init, axis_name=common.AXIS, devices=devices)(params0)]
+                     optax.sgd(task.learning_rate if hasattr(task, "learning_rate") else 0.01,
+                               momentum=None if c.has_momentum else 0.9))
+    step = jax.pmap(make_step(task, tx), axis_name=common.AXIS, devices=devices,
+                    donate_argnums=(0, 1))
+    params = on_devices(params0)
+    holder = [params, jax.pmap(tx.init, axis_name=common.AXIS, devices=devices)(params)]
 
     def run(step=step, holder=holder):
       holder[0], holder[1], loss = step(holder[0], holder[1], inputs, targets)
@@ -69,27 +117,40 @@ def step_runners(task, compressor_list, batch):
 def main(argv=None) -> int:
   p = common.parser(__doc__.split("\n\n")[0])
   p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 40, quick 2)")
-  p.add_argument("--batch-size", type=int, default=64, help="global batch, split over 8 devices")
+  p.add_argument("--models", default=",".join(MODELS),
+                 help=f"comma-separated models, from {', '.join(MODELS)} (quick: the first only)")
+  p.add_argument("--devices", default=str(MAX_DEVICES),
+                 help=f"comma-separated numbers of data-parallel devices, 1 to {MAX_DEVICES}")
   args = common.parse(p, argv)
   repeats = args.repeats or (2 if args.quick else 40)
+  models = [m.strip() for m in args.models.split(",") if m.strip()]
+  counts = [int(d) for d in args.devices.split(",")]
+  if set(models) - set(MODELS) or not all(1 <= d <= MAX_DEVICES for d in counts):
+    p.error(f"--models takes {', '.join(MODELS)}; --devices 1 to {MAX_DEVICES}")
   compressor_list = common.compressors(args.compressors)
   if compressor_list[0].name != "allreduce":
     compressor_list = common.compressors("allreduce") + compressor_list
   rows = []
-  for model, task in model_tasks(args.quick).items():
-    n = sum(x.size for x in jax.tree.leaves(task.init(0)))
-    runners = step_runners(task, compressor_list, task.batch(0, 0, args.batch_size))
-    times = common.interleaved(runners, repeats, warmup=2)
-    for c in compressor_list:
-      rows.append([f"{model} ({n:,} params)", c.name, c.about,
-                   f"{1e3 * common.median(times[c.name]):.1f}",
-                   f"{common.ratio(times, c.name, 'allreduce'):.2f}"])
-      print(f"  {model} {c.name}: {rows[-1][-1]}", file=sys.stderr, flush=True)
-  table = common.markdown_table(["model", "compressor", "settings", "step ms", "step / allreduce"],
-                                rows, "lllrr")
-  body = (f"W = {W} simulated devices (`jax.pmap`), global batch {args.batch_size} sequences; median "
-          f"of {repeats} interleaved per-round ratios (target for powersgd_r1: ≤ 1.10). The ms column "
-          "is for scale only: the 8 devices share the machine's cores.\n\n" + table)
+  for count in counts:
+    devices = jax.devices()[:count]
+    for model, (task, batch_size) in model_tasks(args.quick, models[:1] if args.quick
+                                                 else models).items():
+      n = sum(x.size for x in jax.tree.leaves(task.init(0)))
+      size = batch_size(count)
+      runners = step_runners(task, compressor_list, task.batch(0, 0, size), devices)
+      times = common.interleaved(runners, repeats, warmup=2)
+      for c in compressor_list:
+        rows.append([f"{model} ({n:,} params)", c.name, c.about,
+                     f"{1e3 * common.median(times[c.name]):.1f}",
+                     f"{common.ratio(times, c.name, 'allreduce'):.2f}", f"{count}", f"{size}"])
+        print(f"  {model} W={count} {c.name}: {rows[-1][4]}", file=sys.stderr, flush=True)
+      del runners
+  table = common.markdown_table(
+      ["model", "compressor", "settings", "step ms", "step / allreduce", "W", "global batch"], rows,
+      "lllrrrr")
+  body = (f"W simulated devices (`jax.pmap`, parameters and optimizer state donated, as the main job "
+          f"runs it); median of {repeats} interleaved per-round ratios. The ms column is for scale "
+          "only: the devices share the machine's cores.\n\n" + table)
   common.emit(args, "step_time", "Training step time against allreduce", "step_time.py", body)
   return 0
 

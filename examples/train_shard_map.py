@@ -44,7 +44,8 @@ model = MLP()
 tx = optax.chain(jaxcomp.powersgd(1, axis_name="batch", start_iter=0), optax.sgd(0.1, momentum=0.9))
 mesh = jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(AxisType.Auto,))
 train_x, train_y, test_x, test_y = digits_data()
-params = model.init(jax.random.key(0), train_x[:1])["params"]
+params = jax.device_put(model.init(jax.random.key(0), train_x[:1])["params"],
+                        jax.NamedSharding(mesh, P()))  # on the mesh, so the step can donate it
 
 specs = jaxcomp.state_partition_specs(tx, params, axis_name="batch")
 print("optimizer-state specs:")
@@ -68,7 +69,8 @@ def make_step(local_grads: bool, check_vma: bool = True):
     updates, opt_state = tx.update(grads, opt_state, params)  # the compressed cross-device mean
     return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "batch")
 
-  return jax.jit(train_step)
+  # Donated: XLA updates the parameters, the error feedback and the momentum in place.
+  return jax.jit(train_step, donate_argnums=(0, 1))
 
 
 train_step = make_step(local_grads=True)

@@ -164,3 +164,15 @@ def test_changed_gradient_structure_is_reported():
   state = tx.init({"w": jnp.ones(3)})
   with pytest.raises(ValueError, match="changed between init and update"):
     tx.update({"w": jnp.ones(4)}, state)
+
+
+def test_every_k_is_static_under_inject_hyperparams():
+  inner = optax.sgd(0.1)
+  with pytest.raises(TypeError, match=r"every_k is static: it fixes when the collectives run.*"
+                     r"static_args=\('every_k',\)"):
+    optax.inject_hyperparams(jaxcomp.accumulate)(inner, every_k=4).init({"w": np.zeros(3)})
+  tx = optax.inject_hyperparams(jaxcomp.accumulate, static_args=("every_k",))(inner, every_k=2)
+  state = tx.init({"w": np.zeros(3, np.float32)})
+  for _ in range(2):
+    out, state = tx.update({"w": np.ones(3, np.float32)}, state)
+  np.testing.assert_allclose(out["w"], -0.1)

@@ -1,6 +1,7 @@
 """Deep Gradient Compression against a NumPy reference written from the paper (Lin et al., ICLR 2018,
 §3) and its reference code (synxlin/deep-gradient-compression), on real devices."""
 
+import functools
 import math
 
 import chex
@@ -463,3 +464,74 @@ def test_selection_benchmark_runs_quick(capsys):
   from benchmarks import dgc_selection as benchmark
   assert benchmark.main(["--quick"]) == 0
   assert "speed-up of sampled over exact" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ schedules, buckets
+
+def test_static_hyperparameters_are_refused_when_traced():
+  params = make_params()
+  with pytest.raises(TypeError, match=r"ratio is static: it fixes k, the number of coordinates "
+                     r"sent; schedule the density with warmup=.*static_args=\('ratio',\)"):
+    optax.inject_hyperparams(jaxcomp.dgc)(ratio=0.01).init(params)
+  with pytest.raises(TypeError, match=r"chunk_size is static: it fixes the chunks' shape"):
+    optax.inject_hyperparams(jaxcomp.coarse_dgc, static_args=("ratio",))(
+        ratio=0.1, chunk_size=8).init(params)
+  tx = optax.inject_hyperparams(jaxcomp.dgc, static_args=("ratio",))(ratio=0.01, momentum=0.9,
+                                                                     axis_name=None)
+  out, state = jax.jit(tx.update)({k: np.ones_like(p) for k, p in params.items()}, tx.init(params))
+  assert set(state.hyperparams) == {"momentum", "clip_exponent"}  # the rest stays static
+  chex.assert_tree_all_finite(out)
+  with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\); got 1.5"):
+    optax.inject_hyperparams(jaxcomp.dgc, static_args=("ratio",))(ratio=0.01,
+                                                                   momentum=1.5).init(params)
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_traced_momentum_and_clip_norm_from_inject_hyperparams(coarse):
+  """momentum and clip_norm are traced under optax.inject_hyperparams (ratio stays static); each step
+  uses the value in the state's hyperparams, as optax's own transformations do."""
+  factory = jaxcomp.coarse_dgc if coarse else functools.partial(jaxcomp.dgc, selection="exact")
+  ratio = 0.25 if coarse else 0.05
+  extra = dict(chunk_size=8) if coarse else {}
+  injected = optax.inject_hyperparams(factory, static_args=("ratio",) + tuple(extra))(
+      ratio=ratio, momentum=0.9, clip_norm=20.0, **extra)
+  params = make_params()
+  state = replicate(injected.init(params), W)
+  assert state.inner_state.config.momentum is dgc_module.TRACED
+  update = pmapped_update(injected, W)
+  rng = np.random.default_rng(11)
+  for momentum in (0.9, 0.9, 0.5):
+    reference = factory(ratio, momentum=momentum, clip_norm=20.0, **extra)
+    ref_state = state.inner_state._replace(config=reference.init(params).config)
+    state = state._replace(hyperparams={**state.hyperparams,
+                                        "momentum": np.full(W, momentum, np.float32)})
+    grads = device_grads(rng, params, W)
+    out, state = jax.block_until_ready(update(grads, state))
+    ref_out, ref_state = jax.block_until_ready(pmapped_update(reference, W)(grads, ref_state))
+    chex.assert_trees_all_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close((state.inner_state.u, state.inner_state.v),
+                                (ref_state.u, ref_state.v), rtol=1e-6, atol=1e-6)
+
+
+def test_bucketed_dgc_gives_the_same_step():
+  params = {f"l{i}": {"kernel": np.zeros((24, 16), np.float32), "bias": np.zeros(16, np.float32)}
+            for i in range(3)}
+  for factory in (functools.partial(jaxcomp.dgc, 0.05, selection="exact"),
+                  functools.partial(jaxcomp.dgc, 0.05),
+                  functools.partial(jaxcomp.coarse_dgc, 0.25, chunk_size=8)):
+    txs = [factory(), factory(bucket_cap_mb=1e-3)]
+    states = [replicate(tx.init(params), W) for tx in txs]
+    updates = [pmapped_update(tx, W) for tx in txs]
+    rng = np.random.default_rng(12)
+    for _ in range(3):
+      grads = {k: {n: rng.standard_normal((W,) + p.shape).astype(np.float32) for n, p in v.items()}
+               for k, v in params.items()}
+      (a, states[0]), (b, states[1]) = [jax.block_until_ready(f(grads, s))
+                                        for f, s in zip(updates, states)]
+      chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-6)
+      chex.assert_trees_all_close(states[0], states[1], rtol=1e-6, atol=1e-6)
+    bad = jax.tree.map(np.copy, grads)
+    bad["l1"]["kernel"][1, 2, 3] = np.inf
+    out, kept = jax.block_until_ready(updates[1](bad, states[1]))
+    chex.assert_trees_all_equal(kept, states[1])
+    assert all(np.isnan(x).all() for x in jax.tree.leaves(out))

@@ -84,6 +84,41 @@ def np_batched_step(grads, errors, q, *, rank, ef=True):
   return out[:length], [mm - out for mm in ms], q
 
 
+def np_alternating_step(grads, errors, ps, qs, t, *, rank, rate=2.0, view="flax"):
+  """epfml's BasicPowerSGD, one iteration per step: compressed step t (from 0) sends Qs if t is even
+  (P̂ = orth(P), Q = Mᵀ·P̂), Ps if odd (Q̂ = orth(Q), P = M·Q̂); the error is M minus this device's
+  own low-rank product; the uncompressed leaves are averaged (error: local minus mean)."""
+  n_dev = len(grads)
+  ms = [{k: g[k].astype(np.float64) + errors[d][k] for k in g} for d, g in enumerate(grads)]
+  out, new_ps, new_qs = {}, dict(ps), dict(qs)
+  new_errors = [{} for _ in range(n_dev)]
+  for k in grads[0]:
+    shape = grads[0][k].shape
+    n, m = matrix_shape(shape, view)
+    r = min(n, m, rank)
+    if not (n + m) * r * rate < n * m:
+      out[k] = sum(mm[k] for mm in ms) / n_dev
+      for d in range(n_dev):
+        new_errors[d][k] = ms[d][k] - out[k]
+      continue
+    mats = [mm[k].reshape(n, m) for mm in ms]
+    if t % 2 == 0:
+      p_hat = np_orthogonalize(ps[k])
+      local = [mat.T @ p_hat for mat in mats]
+      new_qs[k] = sum(local) / n_dev
+      out[k] = (p_hat @ new_qs[k].T).reshape(shape)
+      products = [p_hat @ q.T for q in local]
+    else:
+      q_hat = np_orthogonalize(qs[k])
+      local = [mat @ q_hat for mat in mats]
+      new_ps[k] = sum(local) / n_dev
+      out[k] = (new_ps[k] @ q_hat.T).reshape(shape)
+      products = [p @ q_hat.T for p in local]
+    for d in range(n_dev):
+      new_errors[d][k] = ms[d][k] - products[d].reshape(shape)
+  return out, new_errors, new_ps, new_qs
+
+
 # ---------------------------------------------------------------------------------------------------
 # Helpers.
 
@@ -319,7 +354,10 @@ def test_collectives_and_bytes():
   finite_flag = 4
   assert all(c.op == "all-reduce" and c.group_size == n_dev for c in report.collectives)
   assert report.payload_bytes == compressed + dense + finite_flag
-  assert len(report.collectives) <= 4  # dense, P, Q, the flag (XLA may combine independent ones)
+  # The flag, then the uncompressed leaves packed with the Ps (one collective), then the Qs.
+  p_bytes, q_bytes = 4 * rank * (36 + 64), 4 * rank * (16 + 32)
+  assert sorted(c.payload_bytes for c in report.collectives) == sorted(
+      [finite_flag, dense + p_bytes, q_bytes])
   full = 4 * sum(x.size for x in params.values())
   ar_report = jaxcomp.comm_report(pmapped(jaxcomp.allreduce(), n_dev), grads,
                                   replicate(jaxcomp.allreduce().init(params), n_dev))
@@ -366,7 +404,9 @@ def test_shard_map_with_state_partition_specs_matches_pmap():
 @pytest.mark.parametrize("make", [
     functools.partial(jaxcomp.powersgd, 2, start_iter=1),
     functools.partial(jaxcomp.batched_powersgd, 2, start_iter=1),
-], ids=["layerwise", "batched"])
+    functools.partial(jaxcomp.powersgd, 2, start_iter=1, alternating=True),
+    functools.partial(jaxcomp.powersgd, 2, start_iter=1, bucket_cap_mb=1e-4),
+], ids=["layerwise", "batched", "alternating", "bucketed"])
 def test_non_finite_gradient_keeps_the_state(make):
   params = {"w": np.zeros((12, 10), np.float32), "b": np.zeros(10, np.float32)}
   tx = make()
@@ -378,8 +418,8 @@ def test_non_finite_gradient_keeps_the_state(make):
   bad = grads_for(params, rng)
   bad["w"][2, 3, 4] = np.nan
   out, kept = run(step, bad, state)
-  assert not np.isfinite(out["w"]).all()  # the non-finite mean flows out ...
-  chex.assert_trees_all_equal(kept, state)  # ... and the state is untouched, count included
+  assert np.isnan(out["w"]).all() and np.isnan(out["b"]).all()  # every output NaN ...
+  chex.assert_trees_all_equal(kept, state)  # ... and the state is kept bit for bit, count included
   out, state = run(step, grads_for(params, rng), kept)
   assert np.isfinite(out["w"]).all() and np.isfinite(jax.tree.leaves(state)[1]).all()
   chex.assert_tree_all_finite(state)
@@ -432,6 +472,140 @@ def test_unbound_axis_is_world_size_one():
   tol = rounding_tol(10 + 8, scale=np.abs(grads["w"]).max())
   np.testing.assert_allclose(out["w"], grads["w"], **tol)
   np.testing.assert_allclose(state.error["w"], 0, **tol)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The alternating variant, compress=, per-bucket collectives, schedules.
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_alternating_matches_numpy_reference(rank):
+  """epfml's variant across the start iteration: Qs sent on even compressed steps, Ps on odd ones."""
+  params = params_mixed()
+  tx = jaxcomp.powersgd(rank, start_iter=2, alternating=True)
+  state = replicate(tx.init(params), W)
+  step = pmapped(tx)
+  rng = np.random.default_rng(10 + rank)
+  float_keys = [k for k, v in named(params).items() if v.dtype == np.float32]
+  errors = [{k: 0.0 for k in float_keys} for _ in range(W)]
+  for t in range(6):
+    grads = grads_for(params, rng)
+    ps, qs = ({k: v[0] for k, v in named(f).items()} for f in (state.p, state.q))
+    out, state = run(step, grads, state)
+    assert_identical_across_devices((out, state.p, state.q, state.count))
+    per_device = [{k: v for k, v in named(device(grads, d)).items() if k in float_keys}
+                  for d in range(W)]
+    if t < 2:  # plain mean, factors untouched
+      expected = {k: np.mean([g[k] for g in per_device], axis=0) for k in float_keys}
+      chex.assert_trees_all_equal(ps, {k: v[0] for k, v in named(state.p).items()})
+    else:
+      expected, errors, new_ps, new_qs = np_alternating_step(per_device, errors, ps, qs, t - 2,
+                                                             rank=rank)
+      for got, want in ((state.p, new_ps), (state.q, new_qs)):
+        for k, factor in named(got).items():
+          np.testing.assert_allclose(factor[0], want[k], rtol=1e-4, atol=1e-5, err_msg=(t, k))
+    got = named(out)
+    for k in float_keys:
+      np.testing.assert_allclose(got[k][0], expected[k], rtol=1e-4, atol=1e-5, err_msg=(t, k))
+    for d in range(W):
+      for k, e in named(device(state.error, d)).items():
+        np.testing.assert_allclose(e, errors[d][k], rtol=1e-4, atol=1e-5, err_msg=(t, d, k))
+  assert powersgd_ratio(state) > 1
+
+
+def powersgd_ratio(state):
+  return jaxcomp.powersgd_stats(device(state, 0))[0]
+
+
+def test_alternating_sends_one_all_reduce_per_step():
+  """comm_report: besides the 4-byte flag, one all-reduce in each branch of the step's cond: the
+  uncompressed leaves with the Qs (even steps) or with the Ps (odd steps)."""
+  params = {"conv": np.zeros((3, 3, 4, 16), np.float32), "dense": np.zeros((64, 32), np.float32),
+            "bias": np.zeros(32, np.float32)}
+  rank, n_dev = 2, 8
+  tx = jaxcomp.powersgd(rank, start_iter=0, alternating=True)
+  grads = grads_for(params, np.random.default_rng(0), n_dev)
+  report = jaxcomp.comm_report(pmapped(tx, n_dev), grads, replicate(tx.init(params), n_dev))
+  dense = 4 * 32
+  flag = [c for c in report.collectives if not c.in_conditional]
+  assert [c.payload_bytes for c in flag] == [4]
+  branches = sorted(c.payload_bytes for c in report.collectives if c.in_conditional)
+  assert all(c.op == "all-reduce" for c in report.collectives)
+  assert branches == sorted([dense + 4 * rank * (16 + 32), dense + 4 * rank * (36 + 64)])
+  # torch's variant sends the same bytes over one step in two sequential all-reduces (and the flag)
+  torch_report = jaxcomp.comm_report(pmapped(jaxcomp.powersgd(rank, start_iter=0), n_dev), grads,
+                                     replicate(jaxcomp.powersgd(rank, start_iter=0).init(params),
+                                               n_dev))
+  assert torch_report.payload_bytes == sum(branches) - dense + 4
+  assert len(torch_report.collectives) == 3
+
+
+def test_alternating_needs_warm_start_and_layerwise():
+  with pytest.raises(ValueError, match="alternating=True needs warm_start=True"):
+    jaxcomp.powersgd(alternating=True, warm_start=False)
+  with pytest.raises(ValueError, match="alternating=True is layer-wise"):
+    jaxcomp.PowerSGDConfig(batched=True, alternating=True)
+
+
+def test_compress_predicate_averages_the_other_leaves_densely():
+  """compress= replaces optax.masked: the rejected kernel is averaged (error: local minus mean)."""
+  params = {"conv": {"kernel": np.zeros((3, 3, 4, 16), np.float32)},
+            "dense": {"kernel": np.zeros((64, 32), np.float32), "bias": np.zeros(32, np.float32)}}
+  only_conv = jaxcomp.powersgd(1, start_iter=0, compress=lambda path, leaf: "conv" in path)
+  everything = jaxcomp.powersgd(1, start_iter=0)
+  state = only_conv.init(params)
+  assert isinstance(state.q["dense"]["kernel"], optax.MaskedNode)
+  assert state.q["conv"]["kernel"].shape == (16, 1)
+  grads = grads_for(params, np.random.default_rng(3))
+  out, new_state = run(pmapped(only_conv), grads, replicate(state, W))
+  ref_out, _ = run(pmapped(everything), grads, replicate(everything.init(params), W))
+  mean = grads["dense"]["kernel"].mean(0)
+  np.testing.assert_allclose(out["dense"]["kernel"][0], mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(new_state.error["dense"]["kernel"], grads["dense"]["kernel"] - mean,
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out["conv"]["kernel"], ref_out["conv"]["kernel"], rtol=1e-5,
+                             atol=1e-6)
+  assert_identical_across_devices(out)
+  report = jaxcomp.comm_report(pmapped(only_conv), grads, replicate(state, W))
+  assert report.payload_bytes == 4 + 4 * (64 * 32 + 32) + 4 * (36 + 16)
+  with pytest.raises(TypeError, match=r"compress must be callable as compress\(path, leaf\)"):
+    jaxcomp.powersgd(compress="kernel")
+
+
+@pytest.mark.parametrize("alternating", [False, True])
+def test_bucketed_collectives_give_the_same_step(alternating):
+  """bucket_cap_mb: one set of collectives per DDP bucket, the same numbers as one set for all."""
+  params = {f"l{i}": {"kernel": np.zeros((24, 16), np.float32), "bias": np.zeros(16, np.float32)}
+            for i in range(3)}
+  kwargs = dict(start_iter=1, alternating=alternating)
+  whole, bucketed = jaxcomp.powersgd(2, **kwargs), jaxcomp.powersgd(2, bucket_cap_mb=1e-3, **kwargs)
+  states = [replicate(tx.init(params), W) for tx in (whole, bucketed)]
+  steps = [pmapped(tx) for tx in (whole, bucketed)]
+  reports = [jaxcomp.comm_report(f, grads_for(params, np.random.default_rng(0)), s)
+             for f, s in zip(steps, states)]
+  # Four buckets (DDP's rule cuts [l2.kernel], [l2.bias, l1.kernel], ...): the same bytes, in
+  # more collectives. tests/test_overlap.py checks what each of them depends on.
+  assert len(reports[1].collectives) > 2 * len(reports[0].collectives)
+  assert reports[1].payload_bytes == reports[0].payload_bytes
+  rng = np.random.default_rng(4)
+  for _ in range(4):
+    grads = grads_for(params, rng)
+    (a, states[0]), (b, states[1]) = [run(f, grads, s) for f, s in zip(steps, states)]
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(states[0], states[1], rtol=1e-5, atol=1e-6)
+
+
+def test_static_hyperparameters_are_refused_when_traced():
+  params = {"w": jnp.zeros((8, 8))}
+  with pytest.raises(TypeError, match=r"rank is static: it fixes the shapes of P and Q.*"
+                     r"static_args=\('rank',\)"):
+    optax.inject_hyperparams(jaxcomp.powersgd)(rank=1).init(params)
+  with pytest.raises(TypeError, match=r"bucket_cap_mb is static"):
+    jaxcomp.powersgd(bucket_cap_mb=jnp.asarray(1.0))
+  static = ("rank", "start_iter", "min_compression_rate", "epsilon", "seed")
+  tx = optax.inject_hyperparams(jaxcomp.powersgd, static_args=static)(rank=1, axis_name=None)
+  out, _ = jax.jit(tx.update)({"w": jnp.ones((8, 8))}, tx.init(params))
+  np.testing.assert_allclose(out["w"], 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------

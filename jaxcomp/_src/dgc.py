@@ -54,7 +54,7 @@ from jax import lax
 
 from jaxcomp._src import axis, finite, validate
 from jaxcomp._src import tree as tree_lib
-from jaxcomp._src.buckets import GradBucket
+from jaxcomp._src.buckets import GradBucket, bucket_assignment
 
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 """The paper's warm-up densities, one per epoch, before the final ``ratio`` (0.001 in the paper)."""
@@ -64,6 +64,20 @@ _CANDIDATE_FACTOR = 2  # the candidate buffer holds 2·k coordinates; more fall 
 _INDEX_BYTES = 4  # int32 indices on the wire
 _VALUE_DTYPES = (None, "float32", "float16", "bfloat16")
 _DENSITY_IS_STATIC = "fixes k, the number of coordinates sent; schedule the density with warmup=..."
+_MIB = 1024 * 1024
+
+
+
+class _Traced:
+  """The type of ``TRACED``."""
+
+  def __repr__(self) -> str:
+    return "TRACED"
+
+
+TRACED = _Traced()
+"""``DGCConfig``'s value of a ``Traceable`` hyperparameter given as an array (``optax.inject_hyperparams``):
+the transformation holds the array and hands it to each step; the static config records only this."""
 
 
 class DGCState(NamedTuple):
@@ -216,6 +230,42 @@ def sampled_topk(x: jax.Array, plan: SamplingPlan, key: jax.Array, *, upper_boun
 
 # ------------------------------------------------------------------------------------- configuration
 
+class Traceable(NamedTuple):
+  """The hyperparameters a step may receive as (traced) arrays, e.g. from ``optax.inject_hyperparams``.
+
+  They fix no shape, so they need not be static; ``DGCConfig`` holds ``TRACED`` in their place and the
+  transformation hands the arrays to each step.
+  """
+  momentum: Any
+  clip_norm: Any
+  clip_exponent: Any
+
+
+_TRACEABLE_CHECKS = {
+    "momentum": lambda v: validate.number(v, "momentum", 0, 1, high_open=True),
+    "clip_norm": lambda v: None if v is None else validate.number(v, "clip_norm", 0, low_open=True),
+    "clip_exponent": lambda v: validate.number(v, "clip_exponent"),
+}
+
+
+def split_traced(**values) -> tuple:
+  """``(settings, traced)``: the ``Traceable`` hyperparameters given as arrays become ``TRACED`` in
+  the settings and go to ``traced``; a concrete array is checked as its number would be (a tracer
+  cannot be: it is checked where it was concrete, at ``init``)."""
+  settings, traced = {}, {}
+  for name, value in values.items():
+    if not isinstance(value, (jax.Array, np.ndarray)):
+      settings[name] = value
+      continue
+    if np.ndim(value) != 0:
+      raise ValueError(f"{name} must be a scalar; got an array of shape {np.shape(value)}")
+    if not isinstance(value, jax.core.Tracer):
+      _TRACEABLE_CHECKS[name](float(value))
+    settings[name], traced[name] = TRACED, value
+  return settings, traced
+
+
+
 @dataclasses.dataclass(frozen=True)
 class TopKExchange:
   """``dgc``'s exchange: each device selects its own top coordinates; all-gather, scatter-add, ×1/W.
@@ -292,6 +342,7 @@ class DGCConfig:
       most ``clip_norm · W^clip_exponent`` before accumulation (None: no clipping, the reference's
       default); it keeps the velocity accumulated over many steps from exploding.
     clip_exponent: the world-size exponent of the clipping threshold; the paper's N^(-1/2).
+      ``momentum``, ``clip_norm`` and ``clip_exponent`` may be ``TRACED`` (see ``Traceable``).
     value_dtype: wire dtype of the values and of the dense means: None (the gradient's), float32,
       float16 or bfloat16. Indices are int32.
     sparsify: ``sparsify(path, leaf) -> bool`` with the leaf as a ``jax.ShapeDtypeStruct``: which
@@ -311,22 +362,20 @@ class DGCConfig:
   def __post_init__(self):
     if not isinstance(self.exchange, (TopKExchange, ChunkExchange)):
       raise TypeError(f"exchange must be a TopKExchange or a ChunkExchange; got {self.exchange!r}")
-    momentum = validate.number(self.momentum, "momentum", 0, 1, high_open=True)
-    if validate.boolean(self.nesterov, "nesterov") and momentum == 0:
+    traceable = {name: value if value is TRACED else _TRACEABLE_CHECKS[name](value)
+                 for name, value in ((n, getattr(self, n)) for n in Traceable._fields)}
+    if validate.boolean(self.nesterov, "nesterov") and traceable["momentum"] == 0:
       raise ValueError("nesterov=True needs a momentum > 0; got momentum=0")
     value_dtype = None if self.value_dtype is None else _dtype_name(self.value_dtype)
     if value_dtype not in _VALUE_DTYPES:
       raise ValueError(f"value_dtype must be None, float32, float16 or bfloat16; got "
                        f"{self.value_dtype!r}")
     _set(self, ratio=validate.density(self.ratio, "ratio", static=_DENSITY_IS_STATIC),
-         momentum=momentum, momentum_masking=validate.boolean(self.momentum_masking,
-                                                              "momentum_masking"),
+         momentum_masking=validate.boolean(self.momentum_masking, "momentum_masking"),
          warmup=_checked_stages(self.warmup),
-         clip_norm=None if self.clip_norm is None else validate.number(
-             self.clip_norm, "clip_norm", 0, low_open=True),
-         clip_exponent=validate.number(self.clip_exponent, "clip_exponent"),
          value_dtype=None if value_dtype is None else jnp.dtype(value_dtype),
-         sparsify=validate.function(self.sparsify, "sparsify", "sparsify(path, leaf) -> bool"))
+         sparsify=validate.function(self.sparsify, "sparsify", "sparsify(path, leaf) -> bool"),
+         **traceable)
 
   @property
   def densities(self) -> tuple:
@@ -409,12 +458,19 @@ def _wire_dtype(config: DGCConfig, g):
   return g.dtype if config.value_dtype is None else config.value_dtype
 
 
-def _momentum_step(config: DGCConfig, u, g) -> tuple:
+def _traceable(config: DGCConfig, traced: dict) -> Traceable:
+  """The step's values: the config's, or where it says ``TRACED``, the arrays in ``traced``."""
+  return Traceable(*(traced[name] if getattr(config, name) is TRACED else getattr(config, name)
+                     for name in Traceable._fields))
+
+
+def _momentum_step(config: DGCConfig, momentum, u, g) -> tuple:
   """2: momentum correction; returns the new ``u`` and what is added to ``v``."""
+  momentum = jnp.asarray(momentum, u.dtype)
   if config.nesterov:
-    u = config.momentum * (u + g)
+    u = momentum * (u + g)
     return u, u + g
-  u = config.momentum * u + g
+  u = momentum * u + g
   return u, u
 
 
@@ -436,33 +492,66 @@ def _select(exchange: TopKExchange, flat, density: float, key):
                       max_adaptation_iters=exchange.max_adaptation_iters)[0]
 
 
-def _topk_exchange(exchange: TopKExchange, vs, density, keys, value_dtypes, axis_name) -> list:
+def _unless_finite(ok, indices, out_of_range: int):
+  """The coordinates to clear, all out of range (so that nothing is cleared) on a non-finite step."""
+  return indices if ok is None else jnp.where(ok, indices, out_of_range)
+
+
+def _zeros(ok, like):
+  """The zero base the exchanged coordinates are added to: NaN on a non-finite step, so that the
+  whole output is NaN (the policy) without a gradient-sized select afterwards."""
+  zeros = jnp.zeros_like(like)
+  return zeros if ok is None else finite.nan_unless_finite(ok, zeros)
+
+
+def _topk_exchange(exchange: TopKExchange, vs, density, keys, value_dtypes, ok, axis_name) -> list:
   """3–4 for ``dgc``: one all-gather of values (per value dtype) and one of indices for all leaves.
 
   Returns:
-    Per leaf ``(mean, clear)``: the averaged sparse gradient and a function that zeroes the
-    coordinates this device sent.
+    Per leaf ``(mean, clear, clear_v)``: the averaged sparse gradient, and two functions that zero
+    the coordinates this device sent (none on a non-finite step): ``clear`` for any array of the
+    leaf's shape, ``clear_v`` for v (it subtracts the values sent).
   """
   flats = [v.ravel() for v in vs]
   indices = [_select(exchange, flat, density, key) for flat, key in zip(flats, keys)]
-  values = [flat.at[i].get(mode="fill", fill_value=0).astype(d)
-            for flat, i, d in zip(flats, indices, value_dtypes)]
+  sent_values = [flat.at[i].get(mode="fill", fill_value=0) for flat, i in zip(flats, indices)]
+  values = [x.astype(d) for x, d in zip(sent_values, value_dtypes)]
   all_values = axis.all_gather_many(values, axis_name)
   all_indices = axis.all_gather_many(indices, axis_name)
   results = []
-  for v, flat, mine, gathered_values, gathered_indices in zip(vs, flats, indices, all_values,
-                                                              all_indices):
-    total = jnp.zeros_like(flat).at[gathered_indices.ravel()].add(
-        gathered_values.ravel().astype(flat.dtype), mode="drop")
+  for v, flat, mine, sent, gathered_values, gathered_indices in zip(
+      vs, flats, indices, sent_values, all_values, all_indices):
+    # The W·k values are divided by W before they are added (duplicates sum): no pass over the
+    # whole output afterwards. Scatters address the leaf in its own shape: through a flat view XLA
+    # would write a flat copy and reshape it, instead of updating the buffer in place.
+    total = _zeros(ok, v).at[_unravel(gathered_indices.ravel(), v.shape)].add(
+        axis.divide_by_world(gathered_values.ravel().astype(flat.dtype), axis_name), mode="drop")
+    mine = _unravel(_unless_finite(ok, mine, flat.size), v.shape)
 
     def clear(x, mine=mine):
-      return x.ravel().at[mine].set(0, mode="drop").reshape(x.shape)
+      return x.at[mine].set(0, mode="drop")
 
-    results.append((axis.divide_by_world(total, axis_name).reshape(v.shape), clear))
+    def clear_sent(x, mine=mine, sent=sent):
+      # x − x is +0.0, as set(0) gives; subtracting what was sent makes the scatter wait for the
+      # gather of the sent values, so that XLA can clear v in place instead of copying it.
+      return x.at[mine].add(-sent, mode="drop")
+
+    results.append((total, clear, clear_sent))
   return results
 
 
-def _chunk_exchange(exchange: ChunkExchange, vs, density, keys, value_dtypes, axis_name) -> list:
+def _unravel(indices, shape: tuple) -> tuple:
+  """Flat int32 indices as one index array per dimension; ``prod(shape)`` (the out-of-range slot
+  filler) stays out of range in the first dimension (``jnp.unravel_index`` would clip it)."""
+  out, stride = [], math.prod(shape)
+  for i, size in enumerate(shape):
+    stride //= size
+    out.append(indices // stride if i == 0 else (indices // stride) % size)
+  return tuple(out)
+
+
+def _chunk_exchange(exchange: ChunkExchange, vs, density, keys, value_dtypes, ok,
+                    axis_name) -> list:
   """3–4 for ``coarse_dgc``: one all-reduce of norms and one of the chosen chunks for all leaves."""
   del keys
   size = exchange.chunk_size
@@ -483,58 +572,80 @@ def _chunk_exchange(exchange: ChunkExchange, vs, density, keys, value_dtypes, ax
     def from_chunks(x, v=v):
       return x.ravel()[:v.size].reshape(v.shape)
 
-    def clear(x, i=i, from_chunks=from_chunks):
-      return from_chunks(as_chunks(x).at[i].set(0))
+    def clear(x, i=_unless_finite(ok, i, c.shape[0]), from_chunks=from_chunks):
+      return from_chunks(as_chunks(x).at[i].set(0, mode="drop"))
 
-    results.append((from_chunks(jnp.zeros_like(c).at[i].set(mean.astype(c.dtype))), clear))
+    results.append((from_chunks(_zeros(ok, c).at[i].set(mean.astype(c.dtype))), clear, clear))
   return results
 
 
-def _sparse_stage(config: DGCConfig, density: float, leaves, us, vs, keys, axis_name) -> tuple:
+def _sparse_stage(config: DGCConfig, momentum, density: float, leaves, us, vs, keys, ok,
+                  axis_name) -> tuple:
   """Steps 2–5 over the sparsified leaves at one warm-up stage (static density)."""
   world = axis.axis_size(axis_name)
   outs, new_u, new_v, exchanged = [], [], [], []
   for i, (g, u, v) in enumerate(zip(leaves, us, vs)):
-    u, step = _momentum_step(config, u, g)  # 2
-    v = v + step
+    # 2, one pass over g, u and v. On a non-finite step u and v are kept by the same pass. v's update
+    # reads the (gated) new u: from the ungated m·u + g XLA would compute u's update twice, reading
+    # the old u after the new one is written to its buffer (so it would copy u first).
+    u_next, _ = _momentum_step(config, momentum, u, g)
+    if ok is not None:
+      u_next = finite.keep_if_finite(ok, u_next, u)
+    v_next = v + (u_next + g if config.nesterov else u_next)
+    if ok is not None:
+      v_next = finite.keep_if_finite(ok, v_next, v)
     value_bytes = np.dtype(_wire_dtype(config, g)).itemsize
     if _sparse_bytes(config.exchange, g.size, density, world, value_bytes) >= g.size * value_bytes:
       # Dense stage: everything is sent, nothing delayed, so nothing to mask.
-      outs.append(axis.mean(v, axis_name, config.value_dtype))
-      v = jnp.zeros_like(v)
+      mean = axis.mean(v_next, axis_name, config.value_dtype)
+      outs.append(mean if ok is None else finite.nan_unless_finite(ok, mean))
+      v_next = jnp.zeros_like(v) if ok is None else finite.keep_if_finite(ok, jnp.zeros_like(v),
+                                                                           v)
     else:
       outs.append(None)
       exchanged.append(i)
-    new_u.append(u)
-    new_v.append(v)
+    new_u.append(u_next)
+    new_v.append(v_next)
   exchange_fn = _topk_exchange if isinstance(config.exchange, TopKExchange) else _chunk_exchange
   results = exchange_fn(  # 3, 4
       config.exchange, [new_v[i] for i in exchanged], density, [keys[i] for i in exchanged],
-      [_wire_dtype(config, leaves[i]) for i in exchanged], axis_name)
-  for i, (out, clear) in zip(exchanged, results):
+      [_wire_dtype(config, leaves[i]) for i in exchanged], ok, axis_name)
+  for i, (out, clear, clear_v) in zip(exchanged, results):
     outs[i] = out
-    new_v[i] = clear(new_v[i])  # 5: sent coordinates restart, momentum too with masking
+    new_v[i] = clear_v(new_v[i])  # 5: sent coordinates restart, momentum too with masking
     if config.momentum_masking:
       new_u[i] = clear(new_u[i])
   return outs, new_u, new_v
 
 
-def step(config: DGCConfig, count, leaves, paths, us, vs, dense_us, axis_name) -> tuple:
-  """Steps 2–5 over lists of leaves: returns the outputs and the new ``u``, ``v``, ``dense_u``."""
+def step(config: DGCConfig, values: Traceable, count, leaves, paths, us, vs, dense_us, axis_name,
+         ok=None, key_ids: Optional[Sequence] = None) -> tuple:
+  """Steps 2–5 over lists of leaves: returns the outputs and the new ``u``, ``v``, ``dense_u``.
+
+  With the all-device finiteness flag ``ok`` the non-finite policy is applied inside the step (u and v
+  kept by the same pass that updates them, the clearing skipped, the outputs NaN); without it (None)
+  nothing is gated. ``key_ids`` (one per leaf) number the sampling keys; default: the sparsified
+  leaves in order.
+  """
   kinds = _leaf_kinds(config, paths, [x.shape for x in leaves], [x.dtype for x in leaves])
   outs, us, vs, dense_us = list(leaves), list(us), list(vs), list(dense_us)
   for i, kind in enumerate(kinds):
     if kind == "dense":  # the mean, then momentum (the reference's compensate(accumulate=False))
-      dense_us[i], outs[i] = _momentum_step(
-          config, dense_us[i], axis.mean(leaves[i], axis_name, config.value_dtype))
+      new_u, outs[i] = _momentum_step(config, values.momentum, dense_us[i],
+                                      axis.mean(leaves[i], axis_name, config.value_dtype))
+      if ok is not None:
+        new_u, outs[i] = (finite.keep_if_finite(ok, new_u, dense_us[i]),
+                          finite.nan_unless_finite(ok, outs[i]))
+      dense_us[i] = new_u
   sparse = [i for i, kind in enumerate(kinds) if kind == "sparse"]
   if not sparse:
     return outs, us, vs, dense_us
   seed = config.exchange.seed if isinstance(config.exchange, TopKExchange) else 0
   step_key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
   operands = ([leaves[i] for i in sparse], [us[i] for i in sparse], [vs[i] for i in sparse],
-              [jax.random.fold_in(step_key, i) for i in sparse])
-  branches = [lambda ops, d=d: _sparse_stage(config, d, *ops, axis_name)
+              [jax.random.fold_in(step_key, j if key_ids is None else key_ids[i])
+               for j, i in enumerate(sparse)], ok, values.momentum)
+  branches = [lambda ops, d=d: _sparse_stage(config, ops[5], d, *ops[:5], axis_name)
               for d in config.densities]
   if len(branches) == 1:
     results = branches[0](operands)
@@ -546,22 +657,39 @@ def step(config: DGCConfig, count, leaves, paths, us, vs, dense_us, axis_name) -
   return outs, us, vs, dense_us
 
 
-def _clipped(config: DGCConfig, leaves: list, axis_name) -> list:
+def _clipped(values: Traceable, leaves: list, axis_name) -> list:
   """1: local gradient clipping (paper §3.3), before accumulation, threshold scaled by W^exponent."""
-  if config.clip_norm is None:
+  if values.clip_norm is None:
     return leaves
   reduced = [g for g in leaves if tree_lib.is_reduced(g)]
   norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in reduced))
-  limit = config.clip_norm * axis.axis_size(axis_name) ** config.clip_exponent
+  limit = values.clip_norm * jnp.asarray(axis.axis_size(axis_name), jnp.float32) ** jnp.asarray(
+      values.clip_exponent, jnp.float32)
   scale = jnp.minimum(1.0, limit / (norm + 1e-6))
   return [(g * scale).astype(g.dtype) if tree_lib.is_reduced(g) else g for g in leaves]
 
 
 # ------------------------------------------------------------------------------ transformation, hook
 
-def _transformation(config: DGCConfig, axis_name) -> optax.GradientTransformation:
-  """The optax transformation: clipping, the step, the non-finite policy."""
+def _transformation(config: DGCConfig, axis_name, traced: Optional[dict] = None,
+                    bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
+  """The optax transformation: clipping, the step, the non-finite policy.
+
+  Args:
+    config: the settings; ``TRACED`` where ``traced`` holds the value.
+    axis_name: the mapped axis.
+    traced: the arrays of the ``Traceable`` hyperparameters given as arrays.
+    bucket_cap_mb: None, or DDP's bucket cap: one step, and so one set of collectives, per bucket.
+  """
   axis_name = axis.check_axis_name(axis_name)
+  values = _traceable(config, traced or {})
+  if bucket_cap_mb is not None:
+    cap = validate.number(bucket_cap_mb, "bucket_cap_mb", 0, low_open=True,
+                          static="decides which leaves share a collective") * _MIB
+    if values.clip_norm is not None:
+      raise ValueError("bucket_cap_mb cannot be combined with clip_norm: local clipping needs the "
+                       "whole gradient's norm before any bucket can be sent, so no collective could "
+                       "start before the backward pass ends; drop one of them")
 
   def init_fn(params):
     signature = tree_lib.TreeSignature.of(params)
@@ -573,13 +701,29 @@ def _transformation(config: DGCConfig, axis_name) -> optax.GradientTransformatio
     del params
     leaves = state.signature.check(updates)
     treedef = state.signature.treedef
-    outs, *trees = step(config, state.count, _clipped(config, leaves, axis_name),
-                        state.signature.paths,
-                        *(treedef.flatten_up_to(t) for t in (state.u, state.v, state.dense_u)),
-                        axis_name)
+    ok = finite.all_finite(leaves, axis_name)
+    clipped = _clipped(values, leaves, axis_name)
+    trees = [treedef.flatten_up_to(t) for t in (state.u, state.v, state.dense_u)]
+    paths = state.signature.paths
+    if bucket_cap_mb is None:  # the policy inside the step: u and v are updated in place
+      outs, *trees = step(config, values, state.count, clipped, paths, *trees, axis_name, ok)
+    else:  # per bucket, each independent of the flag (it needs the whole gradient); policy after
+      outs = list(clipped)
+      kinds = _leaf_kinds(config, paths, state.signature.shapes, state.signature.dtypes)
+      key_ids = {i: j for j, i in enumerate(i for i, k in enumerate(kinds) if k == "sparse")}
+      for bucket in bucket_assignment(state.signature, cap, cap):
+        pick = lambda xs, bucket=bucket: [xs[i] for i in bucket]  # noqa: E731
+        results = step(config, values, state.count, pick(clipped), pick(paths),
+                       *map(pick, trees), axis_name, key_ids=[key_ids.get(i) for i in bucket])
+        for collected, result in zip([outs] + trees, results):
+          for i, value in zip(bucket, result):
+            collected[i] = value
     new_state = DGCState(state.count + 1, *(state.signature.unflatten(t) for t in trees),
                          state.signature, config)
-    outs, new_state = finite.gated(finite.all_finite(leaves, axis_name), outs, new_state, state)
+    if bucket_cap_mb is None:
+      new_state = new_state._replace(count=finite.keep_if_finite(ok, new_state.count, state.count))
+    else:
+      outs, new_state = finite.gated(ok, outs, new_state, state)
     return tree_lib.like(updates, outs), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -595,8 +739,8 @@ def init_bucket_state(config: DGCConfig, bucket: GradBucket) -> DGCState:
 def update_bucket(state: DGCState, bucket: GradBucket) -> tuple:
   """One DGC step on a bucket's parameters: ``(reduced buffer, new state)``; see ``dgc_hook``."""
   grads = state.signature.check(bucket.gradients(), "bucket", dtypes=False)
-  outs, u, v, dense_u = step(state.config, state.count, grads, bucket.paths, state.u, state.v,
-                             state.dense_u, bucket.axis_name)
+  outs, u, v, dense_u = step(state.config, _traceable(state.config, {}), state.count, grads,
+                             bucket.paths, state.u, state.v, state.dense_u, bucket.axis_name)
   return (tree_lib.flatten(outs),
           state._replace(count=state.count + 1, u=tuple(u), v=tuple(v), dense_u=tuple(dense_u)))
 
@@ -607,9 +751,11 @@ def topk_config(ratio: float = 0.001, *, warmup: Union[None, str, Sequence] = No
                 steps_per_epoch: Optional[int] = None, sparsify: Optional[Callable] = None,
                 **options) -> DGCConfig:
   """The ``DGCConfig`` of ``dgc(ratio, **options)`` (without ``axis_name``): ``TopKExchange``'s
-  fields go to the exchange, the rest to the config. Shared with ``jaxcomp.hooks.dgc_state``."""
+  fields go to the exchange (None: its default), the rest to the config. Shared with
+  ``jaxcomp.hooks.dgc_state``."""
   exchange_fields = {f.name for f in dataclasses.fields(TopKExchange)}
-  exchange = TopKExchange(**{k: v for k, v in options.items() if k in exchange_fields})
+  exchange = TopKExchange(**{k: v for k, v in options.items()
+                             if k in exchange_fields and v is not None})
   return DGCConfig(ratio=ratio, exchange=exchange, warmup=warmup_stages(warmup, steps_per_epoch),
                    sparsify=sparsify or _default_sparsify,
                    **{k: v for k, v in options.items() if k not in exchange_fields})
@@ -620,26 +766,39 @@ def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: f
         clip_exponent: float = -0.5, warmup: Union[None, str, Sequence] = None,
         steps_per_epoch: Optional[int] = None, value_dtype=None,
         sparsify: Optional[Callable] = None, selection: str = "sampled",
-        sample_ratio: float = 0.01, upper_bound: float = 1.3, lower_bound: float = 0.8,
-        max_adaptation_iters: int = 10, seed: int = 0) -> optax.GradientTransformation:
+        sample_ratio: Optional[float] = None, upper_bound: Optional[float] = None,
+        lower_bound: Optional[float] = None, max_adaptation_iters: Optional[int] = None,
+        seed: Optional[int] = None,
+        bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
   """Deep Gradient Compression: the cross-device mean of momentum-corrected top-k sparse gradients.
 
   Use with a momentum-free optimizer, weight decay before it::
 
     tx = optax.chain(optax.add_decayed_weights(1e-4),
                      jaxcomp.dgc(0.001, warmup="paper", steps_per_epoch=390), optax.sgd(0.1))
+    # A momentum schedule (the density fixes shapes: it stays static, scheduled by warmup=...):
+    tx = optax.inject_hyperparams(jaxcomp.dgc, static_args=("ratio",))(
+        ratio=0.001, momentum=optax.linear_schedule(0.5, 0.9, 1000))
 
   Args:
     ratio: density after warm-up; each sparsified leaf sends k = ceil(numel·ratio) coordinates.
+      Static: it fixes k (under ``optax.inject_hyperparams`` list it in ``static_args``).
     axis_name: the mapped axis to average over (see ``jaxcomp.axis``).
     momentum, nesterov, momentum_masking, clip_norm, clip_exponent, value_dtype: see ``DGCConfig``.
+      ``momentum``, ``clip_norm`` and ``clip_exponent`` may be arrays, traced or not (schedules
+      through ``optax.inject_hyperparams``).
     warmup: None; ``"paper"`` (densities ``PAPER_WARMUP`` = 0.25, 0.0625, 0.015625, 0.004, one epoch
       of ``steps_per_epoch`` steps each, then ``ratio``); or a sequence of ``(end_step, density)``
       with increasing ``end_step`` — density applies while ``count < end_step`` — then ``ratio``.
     steps_per_epoch: steps per epoch, for ``warmup="paper"``.
     sparsify: ``sparsify(path, leaf) -> bool``; default ``leaf.ndim > 1`` (see ``DGCConfig``).
     selection, sample_ratio, upper_bound, lower_bound, max_adaptation_iters, seed: the top-k
-      selection, see ``TopKExchange``.
+      selection, see ``TopKExchange``; None: its defaults (0.01, 1.3, 0.8, 10, 0), so that
+      ``optax.inject_hyperparams`` leaves them static.
+    bucket_cap_mb: None: each collective holds every leaf. A size in MiB: DDP's buckets, each sending
+      its own collectives as soon as its gradients exist (for overlap with the backward pass; XLA may
+      still combine them, as XLA:CPU always does, unless each exceeds its combine threshold). It keeps
+      the old u and v until the end of the step (two gradients more memory); not with clip_norm.
 
   Returns:
     A ``GradientTransformation`` with state ``DGCState``; its output is the same on every device.
@@ -648,20 +807,23 @@ def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: f
     Lin et al., "Deep Gradient Compression", ICLR 2018, §3 (momentum correction, local gradient
     clipping, momentum factor masking, warm-up training); reference ``DGCCompressor``.
   """
+  settings, traced = split_traced(momentum=momentum, clip_norm=clip_norm,
+                                  clip_exponent=clip_exponent)
   return _transformation(topk_config(
-      ratio, momentum=momentum, nesterov=nesterov, momentum_masking=momentum_masking,
-      clip_norm=clip_norm, clip_exponent=clip_exponent, warmup=warmup,
+      ratio, nesterov=nesterov, momentum_masking=momentum_masking, warmup=warmup,
       steps_per_epoch=steps_per_epoch, value_dtype=value_dtype, sparsify=sparsify,
       selection=selection, sample_ratio=sample_ratio, upper_bound=upper_bound,
-      lower_bound=lower_bound, max_adaptation_iters=max_adaptation_iters, seed=seed), axis_name)
+      lower_bound=lower_bound, max_adaptation_iters=max_adaptation_iters, seed=seed, **settings),
+      axis_name, traced, bucket_cap_mb)
 
 
-def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch", chunk_size: int = 256,
-               momentum: float = 0.9, nesterov: bool = False, momentum_masking: bool = True,
-               clip_norm: Optional[float] = None, clip_exponent: float = -0.5,
-               warmup: Union[None, str, Sequence] = None, steps_per_epoch: Optional[int] = None,
-               value_dtype=None,
-               sparsify: Optional[Callable] = None) -> optax.GradientTransformation:
+def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch",
+               chunk_size: Optional[int] = None, momentum: float = 0.9, nesterov: bool = False,
+               momentum_masking: bool = True, clip_norm: Optional[float] = None,
+               clip_exponent: float = -0.5, warmup: Union[None, str, Sequence] = None,
+               steps_per_epoch: Optional[int] = None, value_dtype=None,
+               sparsify: Optional[Callable] = None,
+               bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
   """Coarse-grained DGC: every device sends the same top chunks, so traffic does not grow with W.
 
   Each sparsified leaf's momentum-corrected ``v`` is cut into chunks of ``chunk_size`` elements (the
@@ -672,10 +834,10 @@ def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch", chunk
   Args:
     ratio: fraction of chunks sent after warm-up (``ratio`` counts chunks here, not coordinates).
     axis_name: the mapped axis to average over.
-    chunk_size: elements per chunk.
+    chunk_size: elements per chunk; None: 256 (static: it fixes the chunks' shape).
     momentum, nesterov, momentum_masking, clip_norm, clip_exponent, warmup, steps_per_epoch,
-      value_dtype, sparsify: as in ``dgc`` (a stage falls back to the dense mean when norms plus
-      chunks would send at least the leaf's size).
+      value_dtype, sparsify, bucket_cap_mb: as in ``dgc`` (a stage falls back to the dense mean when
+      norms plus chunks would send at least the leaf's size).
 
   Returns:
     A ``GradientTransformation`` with state ``DGCState``; its output is the same on every device.
@@ -685,8 +847,10 @@ def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch", chunk
     ImageNet/AlexNet Training in 1.5 Minutes", 2019 (coarse-grained sparse communication); Lin et
     al., "Deep Gradient Compression", ICLR 2018 (momentum correction, clipping, warm-up).
   """
+  settings, traced = split_traced(momentum=momentum, clip_norm=clip_norm,
+                                  clip_exponent=clip_exponent)
+  exchange = ChunkExchange() if chunk_size is None else ChunkExchange(chunk_size)
   return _transformation(DGCConfig(
-      ratio=ratio, exchange=ChunkExchange(chunk_size), momentum=momentum, nesterov=nesterov,
-      momentum_masking=momentum_masking, warmup=warmup_stages(warmup, steps_per_epoch),
-      clip_norm=clip_norm, clip_exponent=clip_exponent, value_dtype=value_dtype,
-      sparsify=sparsify or _default_sparsify), axis_name)
+      ratio=ratio, exchange=exchange, nesterov=nesterov, momentum_masking=momentum_masking,
+      warmup=warmup_stages(warmup, steps_per_epoch), value_dtype=value_dtype,
+      sparsify=sparsify or _default_sparsify, **settings), axis_name, traced, bucket_cap_mb)

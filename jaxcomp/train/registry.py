@@ -115,6 +115,11 @@ _ENTRIES = (
     Compressor("hook_powersgd_r2", "comm_hook: powersgd_hook, rank 2, per DDP bucket",
                _hook(hooks.powersgd_hook, hooks.powersgd_state), {"rank": 2, "start_iter": 0},
                _start_iter),
+    # epfml's variant: its error is the local one (M - P̂·Q_localᵀ), so output + error equals
+    # gradient + old error only on average over the devices, not per device (error_feedback=False).
+    Compressor("powersgd_r1_alternating",
+               "PowerSGD rank 1, half a power iteration per step: one all-reduce (epfml's variant)",
+               jaxcomp.powersgd, {"rank": 1, "start_iter": 0, "alternating": True}, _start_iter),
 )
 
 REGISTRY = {entry.name: entry for entry in _ENTRIES}
