@@ -699,6 +699,7 @@ def _transformation(config: DGCConfig, axis_name, traced: Optional[dict] = None,
 
   def update_fn(updates, state: DGCState, params=None):
     del params
+    tree_lib.check_state(state, init_fn, "dgc")
     leaves = state.signature.check(updates)
     treedef = state.signature.treedef
     ok = finite.all_finite(leaves, axis_name)

@@ -627,8 +627,11 @@ def _transformation(config: PowerSGDConfig, axis_name,
     cap = validate.number(bucket_cap_mb, "bucket_cap_mb", 0, low_open=True,
                           static="decides which leaves share a collective") * _MIB
 
+  init_fn = functools.partial(init_state, config)
+
   def update_fn(updates, state, params=None):
     del params
+    tree_lib.check_state(state, init_fn, "batched_powersgd" if config.batched else "powersgd")
     leaves = state.signature.check(updates)
     ok = finite.all_finite(leaves, axis_name)
     if bucket_cap_mb is None:  # the policy inside the step: the error is updated in place
@@ -639,7 +642,7 @@ def _transformation(config: PowerSGDConfig, axis_name,
       outputs, new_state = finite.gated(ok, outputs, new_state, state)
     return tree_lib.like(updates, outputs), new_state
 
-  return optax.GradientTransformation(functools.partial(init_state, config), update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: int = 1000,
