@@ -27,15 +27,25 @@ from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
+from jaxcomp._src.onebit_adam import OneBitAdamConfig
+from jaxcomp._src.onebit_adam import OneBitAdamState
+from jaxcomp._src.onebit_adam import onebit_adam
+from jaxcomp._src.onebit_adam import scale_by_onebit_adam
 from jaxcomp._src.powersgd import PowerSGDConfig
 from jaxcomp._src.powersgd import PowerSGDState
 from jaxcomp._src.powersgd import batched_powersgd
 from jaxcomp._src.powersgd import powersgd
 from jaxcomp._src.powersgd import powersgd_stats
+from jaxcomp._src.quantized import QuantizedConfig
+from jaxcomp._src.quantized import QuantizedState
+from jaxcomp._src.quantized import quantized
 from jaxcomp._src.report import Collective
 from jaxcomp._src.report import CommReport
 from jaxcomp._src.report import comm_report
 from jaxcomp._src.sharding import state_partition_specs
+from jaxcomp._src.sign import SignConfig
+from jaxcomp._src.sign import SignState
+from jaxcomp._src.sign import sign_compress
 from jaxcomp._src.tree import TreeSignature
 
 __version__ = "0.1.0"
@@ -50,9 +60,15 @@ __all__ = (
     "DGCState",
     "DenseState",
     "GradBucket",
+    "OneBitAdamConfig",
+    "OneBitAdamState",
     "PAPER_WARMUP",
     "PowerSGDConfig",
     "PowerSGDState",
+    "QuantizedConfig",
+    "QuantizedState",
+    "SignConfig",
+    "SignState",
     "TopKExchange",
     "TreeSignature",
     "UnboundAxisError",
@@ -69,7 +85,11 @@ __all__ = (
     "fp16_compress",
     "fp16_compress_wrapper",
     "hooks",
+    "onebit_adam",
     "powersgd",
     "powersgd_stats",
+    "quantized",
+    "scale_by_onebit_adam",
+    "sign_compress",
     "state_partition_specs",
 )
