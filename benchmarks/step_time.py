@@ -3,10 +3,10 @@
 The real models of ``python -m jaxcomp.train``'s ``chars`` task (a pre-LayerNorm causal transformer
 on Python standard-library text): the default one, and a wider and deeper one. Every step is the
 data-parallel step of ``jaxcomp.train.job.make_step`` — forward, backward, the compressor, then
-``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself) — jitted under
-``jax.pmap`` over W = 8 simulated CPU devices. Compressors compress from the first step
-(``start_iter=0``). The steps of all compressors run round-robin on the same batch, each one blocked
-on; the ratio is the median over rounds of time(compressor) / time(allreduce) in the same round.
+``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself, and EF-SignSGD;
+nothing after 1-bit Adam, an optimizer) — jitted under ``jax.pmap`` over W = 8 simulated CPU
+devices. Compressors compress from the first step (``start_iter=0``). The steps of all compressors
+run round-robin on the same batch, each one blocked on; the ratio is the median over rounds of time(compressor) / time(allreduce) in the same round.
 
 On XLA:CPU the 8 "devices" share the host's cores and a collective is a memory copy, so this measures
 the compute a compressor adds to a step, not what it saves on a network (see ``network_model.py``).
@@ -54,8 +54,8 @@ def step_runners(task, compressor_list, batch):
   inputs, targets = on_devices([a.reshape((W, -1) + a.shape[1:]) for a in batch])
   runners = {}
   for c in compressor_list:
-    tx = optax.chain(c.make(common.AXIS),
-                     optax.sgd(task.learning_rate, momentum=None if c.has_momentum else 0.9))
+    tx = c.make(common.AXIS) if c.is_optimizer else optax.chain(
+        c.make(common.AXIS), optax.sgd(task.learning_rate, momentum=c.sgd_momentum))
     step = jax.pmap(make_step(task, tx), axis_name=common.AXIS, devices=devices)
     holder = [params0, jax.pmap(tx.init, axis_name=common.AXIS, devices=devices)(params0)]
 

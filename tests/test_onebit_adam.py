@@ -17,16 +17,17 @@ EPS = float(np.finfo(np.float32).eps)
 def ref_compressed_allreduce(local, worker, server):
   """DeepSpeed's ``compressed_allreduce`` on W workers' flat momenta (rows of ``local``).
 
-  Worker: ``p = m + δ``, scale ``‖p‖₂/√L``, ``δ ← p − scale·sign(p)`` (a zero counts as +); the
+  Worker: ``p = m + δ``, scale ``‖p‖₁/L``, ``δ ← p − scale·sign(p)`` (a zero counts as +); the
   vector is cut into W shards of S values (S a multiple of 8, zero padding at the end). Server
   (owner of shard d): the mean of the workers' scaled signs plus ``δ̄``, its own scale over the
   shard's real values, ``δ̄ ← mean − scale·sign(mean)``; every device receives every shard's scaled
-  signs. The padding is left out of the scales and keeps no error (jaxcomp's one departure).
+  signs. jaxcomp's departures: the scale is the mean magnitude (DeepSpeed: ``‖p‖₂/√L``, which lets
+  the error of a sparse ``p`` grow), and the padding is left out of the scales and keeps no error.
   """
   world, length = local.shape
   shard = max(-(-length // (8 * world)), 1) * 8
   p = local + worker
-  scales = np.sqrt((p**2).sum(1) / length)
+  scales = np.abs(p).sum(1) / length
   signs = np.where(p >= 0, 1.0, -1.0)
   worker = p - scales[:, None] * signs
   padded = np.ones((world, world * shard))  # the zero padding has sign +
@@ -39,7 +40,7 @@ def ref_compressed_allreduce(local, worker, server):
     mean = (scales[:, None] * padded[:, owner * shard:(owner + 1) * shard]).mean(0)
     mean[:valid] += server[owner, lo:hi]
     mean[valid:] = 0
-    scale = np.sqrt((mean**2).sum() / valid) if valid else 0.0
+    scale = np.abs(mean).sum() / valid if valid else 0.0
     compressed = scale * np.where(mean >= 0, 1.0, -1.0)
     server[owner, lo:hi] = (mean - compressed)[:valid]
     out[owner * shard:(owner + 1) * shard] = compressed
@@ -64,6 +65,8 @@ class RefOneBitAdam:
     else:  # local momentum, exchanged 1-bit with worker and server error; v frozen
       local = self.b1 * self.m + (1 - self.b1) * grads
       self.m, self.worker, self.server = ref_compressed_allreduce(local, self.worker, self.server)
+      if self.freeze:
+        self.m = np.where(self.v > 0, self.m, 0.0)  # DeepSpeed's exp_avg_mask where v is 0
     self.t += 1
     m, v = self.m, self.v
     if self.bias_correction:
@@ -78,9 +81,13 @@ def flat(tree):
 
 
 def gradients(rng, steps):
-  return [{"b": (rng.standard_normal((W, 6)) + 0.5).astype(np.float32),
-           "w": rng.standard_normal((W, 10, 6)).astype(np.float32) * np.float32(0.1),
-           "n": np.arange(W, dtype=np.int32)} for _ in range(steps)]
+  """Per step, per-device gradients; row 0 of ``w`` is always 0 (a blank input's weights)."""
+  grads = [{"b": (rng.standard_normal((W, 6)) + 0.5).astype(np.float32),
+            "w": rng.standard_normal((W, 10, 6)).astype(np.float32) * np.float32(0.1),
+            "n": np.arange(W, dtype=np.int32)} for _ in range(steps)]
+  for g in grads:
+    g["w"][:, 0] = 0
+  return grads
 
 
 @pytest.mark.parametrize("bias_correction", [True, False])
@@ -108,6 +115,7 @@ def test_matches_the_reference_step_for_step(bias_correction):
   assert np.abs(ref.server).max() > 0 and np.abs(ref.worker).max() > 0
   np.testing.assert_array_equal(np.asarray(states[-1].nu_root["w"]),
                                 np.asarray(states[freeze - 1].nu_root["w"]))  # frozen
+  np.testing.assert_array_equal(np.asarray(outs[-1]["w"])[:, 0], 0)  # never a gradient: no step
 
 
 def test_before_the_freeze_it_is_adam_on_the_mean_gradient():

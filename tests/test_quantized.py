@@ -255,3 +255,12 @@ def test_the_state_does_not_depend_on_the_number_of_devices():
                     optax.MaskedNode)
   specs = jaxcomp.state_partition_specs(tx, params)
   assert specs.worker_error == specs.server_error == jax.sharding.PartitionSpec("batch")
+
+
+def test_a_hook_without_its_state_says_which_state_to_pass():
+  for hook, maker in ((hooks.quantized_hook, "quantized_state"), (hooks.sign_hook, "sign_state"),
+                      (hooks.onebit_adam_hook, "onebit_adam_state")):
+    tx = jaxcomp.comm_hook(hook, axis_name=None)
+    grads = {"w": jnp.ones((4, 3))}
+    with pytest.raises(TypeError, match=maker):
+      tx.update(grads, tx.init(grads))

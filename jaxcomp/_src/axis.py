@@ -143,13 +143,27 @@ def _from_bits(x, dtype):
   return x if dtype is None else lax.bitcast_convert_type(x, dtype)
 
 
+def _all_gather_invariant():
+  """JAX's all-gather whose result is invariant along the axis (the same on every device), so that
+  ``shard_map(check_vma=True)`` accepts what is computed from it as replicated; ``lax.all_gather``'s
+  result is typed varying. Private in JAX 0.10: the public one where it is missing."""
+  try:
+    from jax._src.lax import parallel
+    return parallel.all_gather_invariant
+  except (ImportError, AttributeError):
+    return lax.all_gather
+
+
 def all_gather(x, axis_name: AxisName):
-  """Stacks every device's ``x`` along a new leading axis of size W (float8 travels as its bits)."""
+  """Stacks every device's ``x`` along a new leading axis of size W (float8 travels as its bits).
+
+  The result is the same on every device, and under ``shard_map(check_vma=True)`` it is typed so.
+  """
   name = bound_axis(axis_name)
   if name is None:
     return x[None]
   bits, dtype = _as_bits(x)
-  return _from_bits(lax.all_gather(bits, name), dtype)
+  return _from_bits(_all_gather_invariant()(bits, name), dtype)
 
 
 def all_to_all(x, axis_name: AxisName):

@@ -165,16 +165,11 @@ class _Square(NamedTuple):
   rank: int
 
 
-def _reduced_indices(signature: tree_lib.TreeSignature) -> list:
-  return [i for i, (shape, dtype) in enumerate(zip(signature.shapes, signature.dtypes))
-          if tree_lib.is_reduced(jax.ShapeDtypeStruct(shape, dtype))]
-
-
 @functools.lru_cache(maxsize=None)
 def _matrices(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> tuple:
   """Per leaf a ``_Matrix``, or None for leaves passed through."""
   plan: list = [None] * len(signature.shapes)
-  for i in _reduced_indices(signature):
+  for i in signature.reduced:
     shape = signature.shapes[i]
     if not shape:
       n, m = 1, 1
@@ -192,7 +187,7 @@ def _matrices(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> tupl
 def _squares(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> tuple:
   """The batched matrices: one per dtype, in order of first appearance."""
   groups: dict = {}
-  for i in _reduced_indices(signature):
+  for i in signature.reduced:
     groups.setdefault(signature.dtypes[i], []).append(i)
   squares = []
   for leaves in groups.values():
@@ -313,7 +308,7 @@ def _step(state: PowerSGDState, leaves: list, axis_name) -> tuple:
   Returns:
     ``(output leaves, new state)``; the new state is not gated on non-finite gradients.
   """
-  reduced = _reduced_indices(state.signature)
+  reduced = list(state.signature.reduced)
 
   def plain(_):  # 1: ÷W, then one all-reduce SUM (torch's allreduce_hook)
     return axis.mean_many([leaves[i] for i in reduced], axis_name), state.error, state.q

@@ -3,7 +3,7 @@
 Every compressor trains the same model from the same initial parameters on the same batches, on N
 data-parallel devices (simulated CPU devices unless the host has accelerators), with
 ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum
-itself, so it is followed by plain SGD; 1-bit Adam is a whole optimizer with its own learning rate, so
+itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its paper; 1-bit Adam is a whole optimizer with its own learning rate, so
 nothing follows it). Each compressor runs the recipe of ``jaxcomp.train.registry`` for the run's length
 (PowerSGD's ``start_iter`` and DGC's warm-up over the first 10% of the steps, 1-bit Adam's dense Adam
 over the first 20%); the bytes are those of a compressed step. The compressors advance
@@ -170,7 +170,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
     if entry.is_optimizer:  # 1-bit Adam: its own update, nothing after it
       return compressor
     return optax.chain(compressor, optax.clip_by_global_norm(1.0),
-                       optax.sgd(task.learning_rate, momentum=None if entry.has_momentum else 0.9))
+                       optax.sgd(task.learning_rate, momentum=entry.sgd_momentum))
 
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]

@@ -12,7 +12,8 @@ length of a run (its recipe)::
 The recipes follow the papers and torch: PowerSGD runs the plain mean for the first 10% of the steps
 (``start_iter``); DGC ramps its density up through the paper's warm-up densities over the first 10%;
 1-bit Adam runs dense Adam for the first 20% (``freeze_steps``; DeepSpeed advises 15–25%). 8-bit
-quantization and EF-SignSGD need no warm-up. ``onebit_adam`` is an optimizer, not a compressor
+quantization and EF-SignSGD need no warm-up; EF-SignSGD's paper trains it with SGD without momentum
+(``momentum_free``). ``onebit_adam`` is an optimizer, not a compressor
 (``is_optimizer``): the main job and the tests chain nothing after it.
 """
 
@@ -43,6 +44,8 @@ class Compressor:
       steps (warm-up phases), or None.
     has_momentum: the compressor applies momentum itself (DGC's momentum correction), so the
       optimizer after it has none.
+    momentum_free: its paper trains it with SGD without momentum (EF-SignSGD: error feedback
+      already delays part of each step, and momentum on top of the delayed error overshoots).
     wire_dtype: the dtype it sends float32 gradients in, where it is not the gradient's own.
     is_mean: its output is the plain mean (up to the wire dtype's rounding).
     error_feedback: torch-style error feedback: output + new error = gradient + old error.
@@ -55,10 +58,17 @@ class Compressor:
   settings: dict = dataclasses.field(default_factory=dict)
   recipe: Optional[Callable[[int], dict]] = None
   has_momentum: bool = False
+  momentum_free: bool = False
   wire_dtype: Optional[str] = None
   is_mean: bool = False
   error_feedback: bool = False
   is_optimizer: bool = False
+
+  @property
+  def sgd_momentum(self) -> Optional[float]:
+    """The momentum of the SGD that follows it in the main job: none after DGC (it has its own)
+    and after EF-SignSGD (its paper's), 0.9 otherwise."""
+    return None if self.has_momentum or self.momentum_free else 0.9
 
   def make(self, axis_name="batch", steps: Optional[int] = None,
            **overrides) -> optax.GradientTransformation:
@@ -132,7 +142,7 @@ _ENTRIES = (
     Compressor("quantized_fp8", "float8_e4m3fn codes, a scale per 256, all-to-all + all-gather, "
                "error feedback", jaxcomp.quantized, {"bits": "fp8"}, wire_dtype="float8_e4m3fn"),
     Compressor("sign", "EF-SignSGD: sign bits 8 per byte and a scale per leaf, all-gathered",
-               jaxcomp.sign_compress, wire_dtype="uint8"),
+               jaxcomp.sign_compress, wire_dtype="uint8", momentum_free=True),
     Compressor("onebit_adam", "1-bit Adam (an optimizer, lr 1e-3): dense Adam for 20% of the steps, "
                "then sign bits of the momentum", jaxcomp.onebit_adam,
                {"learning_rate": 1e-3, "freeze_steps": 0}, _freeze_steps, wire_dtype="uint8",
