@@ -7,7 +7,6 @@ paper's recipe: ``quantized_int8`` none; ``sign`` SGD without momentum (EF-SignS
 """
 
 import jax
-import numpy as np
 import optax
 import pytest
 

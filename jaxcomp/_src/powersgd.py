@@ -430,17 +430,8 @@ def update(state: PowerSGDState, grads, axis_name: axis.AxisName, *, batched: bo
 
 def _transformation(config: PowerSGDConfig, axis_name) -> optax.GradientTransformation:
   """The transformation: the signature check, the step, the non-finite policy."""
-  axis_name = axis.check_axis_name(axis_name)
-
-  def update_fn(updates, state, params=None):
-    del params
-    leaves = state.signature.check(updates)
-    outputs, new_state = _step(state, leaves, axis_name)
-    outputs, new_state = finite.gated(finite.all_finite(leaves, axis_name), outputs, new_state,
-                                      state)
-    return tree_lib.like(updates, outputs), new_state
-
-  return optax.GradientTransformation(functools.partial(init_state, config), update_fn)
+  return finite.gated_transformation(functools.partial(init_state, config), _step,
+                                     axis.check_axis_name(axis_name))
 
 
 def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: int = 1000,

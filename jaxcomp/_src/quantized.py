@@ -166,7 +166,7 @@ def block_codec(config: QuantizedConfig) -> exchange.Codec:
     del count  # zero padding never raises a block's maximum
     rows, length = x.shape
     blocks = x.reshape(rows, length // size, size)
-    scales = jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / levels)  # 3: max|p| / Q
+    scales = jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / levels)  # 3: max|p|·(1/Q)
     safe = jnp.where(scales > 0, scales, 1.0)[..., None]
     y = jnp.where(scales[..., None] > 0, jnp.clip(blocks / safe, -levels, levels), 0.0)
     payload = (_quantize(config, y, key).reshape(rows, length), scales)
