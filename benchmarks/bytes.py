@@ -14,12 +14,21 @@ computed here from the algorithm's definition, independently of jaxcomp:
   halves, one per branch of a conditional, and runs one of them);
 * DGC: W·k·(4 value + 4 index bytes) per leaf with ndim > 1, k = ceil(numel·density), and 4·numel for
   the rest; coarse DGC: 4 bytes per chunk norm plus the chosen chunks, 4·numel for the rest;
+* quantized (int8 / float8): the flat gradient of L elements padded to W shards of S, S = block·
+  ceil(L / (W·block)); 1-byte codes through an all-to-all (payload W·S) and an all-gather (W·S),
+  and one 4-byte scale per block through each: 2·W·S + 2·4·W·S/block;
+* sign (EF-SignSGD): W·ceil(L/8) bytes of packed signs and W·4 per leaf of scales, all-gathered;
+* 1-bit Adam (compressed stage): W shards of S = 8·ceil(L / (8·W)) signs, W·S/8 bytes through an
+  all-to-all and an all-gather each, and one 4-byte scale per device through each: 2·W·S/8 + 2·4·W;
 * stateful compressors add the 4-byte int32 all-reduce that checks that the gradient is finite on
   every device (their state must not absorb a NaN step).
 
 Payload bytes are those of ``comm_report``: the reduced buffer for all-reduce, the gathered result (W
-contributions) for all-gather. bf16 is read before optimisation (``stage="lowered"``): XLA:CPU widens
-bf16 collectives to f32 when it compiles (GPUs keep them narrow); the compiled figure is shown too.
+contributions) for all-gather, the input for all-to-all. Under the ring algorithm an all-reduce sends
+2·(W−1)/W of its payload per device and the others (W−1)/W, so the last column, what each device
+sends against a float32 all-reduce, is the fair comparison between them. bf16 is read before
+optimisation (``stage="lowered"``): XLA:CPU widens bf16 collectives to f32 when it compiles (GPUs keep
+them narrow); the compiled figure is shown too.
 
   PYTHONPATH=. python benchmarks/bytes.py [--quick] [--write]
 """
@@ -90,6 +99,20 @@ def _coarse_min(tree, density, chunk=256):
   return total + FLAG
 
 
+def _quantized_min(tree, block=256):
+  shard = block * math.ceil(common.num_params(tree) / (W * block))
+  return 2 * W * shard + 2 * 4 * W * shard // block + FLAG
+
+
+def _sign_min(tree):
+  return W * math.ceil(common.num_params(tree) / 8) + W * 4 * len(_sizes(tree)) + FLAG
+
+
+def _onebit_min(tree):
+  shard = 8 * math.ceil(common.num_params(tree) / (8 * W))
+  return 2 * W * shard // 8 + 2 * 4 * W + FLAG
+
+
 def minimum(name: str, tree) -> int:
   """The algorithm's bytes per step per device (payload), computed from its definition."""
   numel = common.num_params(tree)
@@ -104,14 +127,19 @@ def minimum(name: str, tree) -> int:
       "powersgd_r1_alternating": lambda: _alternating_min(tree, 1),
       "dgc": lambda: _dgc_min(tree, 0.001),
       "coarse_dgc": lambda: _coarse_min(tree, 0.01),
+      "quantized_int8": lambda: _quantized_min(tree),
+      "quantized_fp8": lambda: _quantized_min(tree),
+      "sign": lambda: _sign_min(tree),
+      "onebit_adam": lambda: _onebit_min(tree),
   }[name]()
 
 
-def per_step(report, compressor) -> float:
-  """Payload bytes of one step: an alternating compressor runs one of its conditional's branches."""
+def per_step(report, compressor, kind: str = "payload_bytes") -> float:
+  """Bytes of one step (``kind``: a ``Collective`` field): an alternating compressor runs one of its
+  conditional's two branches."""
   if not compressor.settings.get("alternating"):
-    return report.payload_bytes
-  return sum(c.payload_bytes / (2 if c.in_conditional else 1) for c in report.collectives)
+    return getattr(report, kind)
+  return sum(getattr(c, kind) / (2 if c.in_conditional else 1) for c in report.collectives)
 
 
 def measure(compressor, tree):
@@ -134,24 +162,29 @@ def main(argv=None) -> int:
     for c in common.compressors(args.compressors):
       start = time.perf_counter()
       compiled, lowered = measure(c, tree)
-      sent = per_step(lowered if c.name == "bf16" else compiled, c)
+      report = lowered if c.name == "bf16" else compiled
+      sent = per_step(report, c)
       lo = minimum(c.name, tree)
       ops = ", ".join(f"{n}× {op}" for op, n in sorted(
           {op: sum(x.op == op for x in compiled.collectives) for op in
            {x.op for x in compiled.collectives}}.items()))
       rows.append([model, f"{numel:,}", c.name, f"{per_step(compiled, c):,.0f}",
                    f"{sent:,.0f}", f"{lo:,.0f}", f"{sent / lo:.2f}",
-                   f"{4 * numel / sent:.1f}×", ops])
+                   f"{4 * numel / sent:.1f}×", ops,
+                   f"{2 * (W - 1) / W * 4 * numel / per_step(report, c, 'ring_bytes'):.1f}×"])
       print(f"  {model} {c.name}: {sent:,.0f} B vs minimum {lo:,.0f} B "
             f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
   table = common.markdown_table(
       ["model", "params", "compressor", "compiled B", "sent B", "minimum B", "ratio",
-       "vs f32", "compiled collectives"], rows, "lrlrrrrrl")
+       "vs f32", "compiled collectives", "ring vs f32"], rows, "lrlrrrrrlr")
   body = (f"W = {W} simulated devices (`jax.pmap`); bytes per device per step (payload: reduced "
           "buffer of an all-reduce, gathered result of an all-gather). \"sent\" is the compiled HLO's, "
           "except bf16: XLA:CPU widens bf16 collectives to f32 when compiling (\"compiled B\"), so its "
           "wire is read before optimisation. The minimum counts the 4-byte finiteness flag of the "
-          "stateful compressors (see the script's docstring for each formula).\n\n" + table)
+          "stateful compressors (see the script's docstring for each formula). An all-reduce "
+          "moves its buffer twice under the ring algorithm, an all-gather or all-to-all once: "
+          "\"ring vs f32\" compares what each device sends (`CommReport.ring_bytes`) with a "
+          "float32 ring all-reduce's.\n\n" + table)
   common.emit(args, "bytes", "Wire bytes per step against the algorithm's minimum", "bytes.py",
               body)
   return 0

@@ -9,9 +9,10 @@ Three models:
   deeper one (3.2M parameters), global batch 64 sequences.
 
 Every step is the data-parallel step of ``jaxcomp.train.job.make_step`` — forward, backward, the
-compressor, then ``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself) —
-jitted under ``jax.pmap`` over W simulated CPU devices (``--devices``, default 8) with the parameters
-and the optimizer state donated, as the main job runs it. Compressors compress from the first step
+compressor, then ``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself, and
+after EF-SignSGD; nothing after 1-bit Adam, an optimizer) — jitted under ``jax.pmap`` over W
+simulated CPU devices (``--devices``, default 8) with the parameters and the optimizer state
+donated, as the main job runs it. Compressors compress from the first step
 (``start_iter=0``). The steps of all compressors run round-robin on the same batch, each one blocked
 on; the ratio is the median over rounds of time(compressor) / time(allreduce) in the same round.
 
@@ -99,9 +100,10 @@ def step_runners(task, compressor_list, batch, devices):
   inputs, targets = on_devices([a.reshape((w, -1) + a.shape[1:]) for a in batch])
   runners = {}
   for c in compressor_list:
-    tx = optax.chain(c.make(common.AXIS),
-                     optax.sgd(task.learning_rate if hasattr(task, "learning_rate") else 0.01,
-                               momentum=None if c.has_momentum else 0.9))
+    tx = c.make(common.AXIS) if c.is_optimizer else optax.chain(
+        c.make(common.AXIS),
+        optax.sgd(task.learning_rate if hasattr(task, "learning_rate") else 0.01,
+                  momentum=c.sgd_momentum))
     step = jax.pmap(make_step(task, tx), axis_name=common.AXIS, devices=devices,
                     donate_argnums=(0, 1))
     params = on_devices(params0)

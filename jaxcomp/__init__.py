@@ -36,17 +36,27 @@ from jaxcomp._src.guard import SkipIfNonfiniteState
 from jaxcomp._src.guard import skip_if_nonfinite
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
+from jaxcomp._src.onebit_adam import OneBitAdamConfig
+from jaxcomp._src.onebit_adam import OneBitAdamState
+from jaxcomp._src.onebit_adam import onebit_adam
+from jaxcomp._src.onebit_adam import scale_by_onebit_adam
 from jaxcomp._src.powersgd import PowerSGDConfig
 from jaxcomp._src.powersgd import PowerSGDState
 from jaxcomp._src.powersgd import batched_powersgd
 from jaxcomp._src.powersgd import powersgd
 from jaxcomp._src.powersgd import powersgd_stats
+from jaxcomp._src.quantized import QuantizedConfig
+from jaxcomp._src.quantized import QuantizedState
+from jaxcomp._src.quantized import quantized
 from jaxcomp._src.report import Collective
 from jaxcomp._src.report import CommReport
 from jaxcomp._src.report import comm_report
 from jaxcomp._src.sharding import PerDevice
 from jaxcomp._src.sharding import per_device_mask
 from jaxcomp._src.sharding import state_partition_specs
+from jaxcomp._src.sign import SignConfig
+from jaxcomp._src.sign import SignState
+from jaxcomp._src.sign import sign_compress
 from jaxcomp._src.tree import TreeSignature
 
 __version__ = "0.1.0"
@@ -62,11 +72,17 @@ __all__ = (
     "DataParallel",
     "DenseState",
     "GradBucket",
+    "OneBitAdamConfig",
+    "OneBitAdamState",
     "PAPER_WARMUP",
     "PerDevice",
     "PowerSGDConfig",
     "PowerSGDState",
+    "QuantizedConfig",
+    "QuantizedState",
     "ReplicaMismatchError",
+    "SignConfig",
+    "SignState",
     "SkipIfNonfiniteState",
     "TopKExchange",
     "TreeSignature",
@@ -88,9 +104,13 @@ __all__ = (
     "fp16_compress",
     "fp16_compress_wrapper",
     "hooks",
+    "onebit_adam",
     "per_device_mask",
     "powersgd",
     "powersgd_stats",
+    "quantized",
+    "scale_by_onebit_adam",
+    "sign_compress",
     "skip_if_nonfinite",
     "state_partition_specs",
     "sync_buffers",

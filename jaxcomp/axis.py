@@ -12,6 +12,9 @@ this one. ``bucket.axis_name`` is the one to pass in a hook::
 from jaxcomp._src.axis import UnboundAxisError
 from jaxcomp._src.axis import all_gather
 from jaxcomp._src.axis import all_gather_many
+from jaxcomp._src.axis import all_to_all
+from jaxcomp._src.axis import all_to_all_many
+from jaxcomp._src.axis import axis_index
 from jaxcomp._src.axis import axis_size
 from jaxcomp._src.axis import bound_axis_names
 from jaxcomp._src.axis import mean
@@ -25,6 +28,9 @@ __all__ = (
     "all_finite",
     "all_gather",
     "all_gather_many",
+    "all_to_all",
+    "all_to_all_many",
+    "axis_index",
     "axis_size",
     "bound_axis_names",
     "mean",

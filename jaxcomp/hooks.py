@@ -14,8 +14,9 @@ summed as int32, which cannot overflow; sending them as int8 would need an all-g
 
     tx = optax.chain(jaxcomp.comm_hook(int8_hook), optax.sgd(0.1))
 
-The stateful hooks (``powersgd_hook``, ``batched_powersgd_hook``, ``dgc_hook``) take their per-bucket
-state from the ``*_state`` function beside them, and run the same code as the transformations.
+The stateful hooks (``powersgd_hook``, ``batched_powersgd_hook``, ``dgc_hook``, ``quantized_hook``,
+``sign_hook``, ``onebit_adam_hook``) take their per-bucket state from the ``*_state`` function beside
+them, and run the same code as the transformations.
 
 References:
   PyTorch, ``torch/distributed/algorithms/ddp_comm_hooks/``.
@@ -31,8 +32,14 @@ from jaxcomp._src.hooks import dgc_state
 from jaxcomp._src.hooks import fp16_compress_hook
 from jaxcomp._src.hooks import fp16_compress_wrapper
 from jaxcomp._src.hooks import noop_hook
+from jaxcomp._src.hooks import onebit_adam_hook
+from jaxcomp._src.hooks import onebit_adam_state
 from jaxcomp._src.hooks import powersgd_hook
 from jaxcomp._src.hooks import powersgd_state
+from jaxcomp._src.hooks import quantized_hook
+from jaxcomp._src.hooks import quantized_state
+from jaxcomp._src.hooks import sign_hook
+from jaxcomp._src.hooks import sign_state
 
 __all__ = (
     "allreduce_hook",
@@ -45,6 +52,12 @@ __all__ = (
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",
+    "onebit_adam_hook",
+    "onebit_adam_state",
     "powersgd_hook",
     "powersgd_state",
+    "quantized_hook",
+    "quantized_state",
+    "sign_hook",
+    "sign_state",
 )

@@ -59,3 +59,19 @@ def assert_identical_across_devices(tree):
 def replicate(tree, n_devices=8):
   """Stacks ``tree`` n_devices times along a new leading axis (pmap's per-device layout)."""
   return jax.tree.map(lambda x: np.stack([np.asarray(x)] * n_devices), tree)
+
+
+def run_updates(tx, grads_per_step, n_devices=8, axis_name="batch"):
+  """``tx.update`` under pmap, compiled once, on each per-device gradient pytree in turn.
+
+  Returns:
+    ``(outputs, states)``: one per step; the state starts from ``tx.init`` stacked over devices.
+  """
+  step = jax.pmap(tx.update, axis_name=axis_name, devices=jax.devices()[:n_devices])
+  state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads_per_step[0])), n_devices)
+  outputs, states = [], []
+  for grads in grads_per_step:
+    out, state = jax.block_until_ready(step(grads, state))  # blocked: XLA:CPU needs it
+    outputs.append(out)
+    states.append(state)
+  return outputs, states

@@ -54,6 +54,15 @@ def test_bytes_equal_the_algorithms_minimum():
     assert row[4] == row[5], row  # exactly the minimum, not just to two decimals
 
 
+def test_bytes_of_the_8_bit_and_1_bit_compressors_equal_their_minimum():
+  names = ["quantized_int8", "quantized_fp8", "sign", "onebit_adam"]
+  rows = table_rows(run_script("bytes.py", "--compressors", ",".join(names)))
+  assert [r[2] for r in rows] == names
+  for row in rows:
+    assert row[4] == row[5] and row[6] == "1.00", row
+    assert "all-reduce" in row[8] and row[8].count("all-reduce") == 1  # only the finiteness flag
+
+
 def test_compute_against_torch():
   pytest.importorskip("torch")
   rows = table_rows(run_script("compute_vs_torch.py"))

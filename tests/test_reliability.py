@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from compressors import COMPRESSORS
+from compressors import COMPRESSORS, OPTIMIZERS
 from training import W, make_step, run, start
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "resume.py"
@@ -32,7 +32,7 @@ def test_2000_steps_with_random_faults_never_drift_or_poison_the_state(name):
   faults = [(int(s), int(d), float(v)) for s, d, v in zip(
       rng.choice(2000, size=25, replace=False), rng.integers(0, W, 25),
       rng.choice([np.nan, np.inf, -np.inf], 25))]
-  tx, pstep = make_step(COMPRESSORS[name]())
+  tx, pstep = make_step(COMPRESSORS[name](), is_optimizer=name in OPTIMIZERS)
   params, opt_state = start(tx)
   losses = []
   for chunk in range(20):

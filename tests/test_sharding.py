@@ -173,3 +173,22 @@ def test_powersgd_error_is_per_device_and_its_shard_map_step_matches_pmap():
                              np.concatenate(list(ref_state[0].error["w"])), **tol)
   # P (5x1) and Q (3x1) and the uncompressed bias, never the full 5x3 kernel: nothing hidden.
   assert report.payload_bytes < 4 * (5 * 3 + 3)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(jaxcomp.quantized(8, block_size=8), optax.sgd(0.1)),
+    lambda: optax.chain(jaxcomp.sign_compress(), optax.sgd(0.1)),
+    lambda: jaxcomp.onebit_adam(0.01, freeze_steps=1),
+], ids=["quantized", "sign", "onebit_adam"])
+def test_all_to_all_and_all_gather_compressors_run_under_check_vma_and_match_pmap(make):
+  """Their errors are per device; their outputs, decoded from an all-gather, are replicated."""
+  rng = np.random.default_rng(4)
+  xs = rng.normal(size=(3, W, 2, 5)).astype(np.float32)
+  ys = rng.normal(size=(3, W, 2, 3)).astype(np.float32)
+  params, opt_state, report = _shard_map_run(make(), xs, ys)
+  ref_params, _ = _pmap_run(make(), xs, ys)
+  chex.assert_trees_all_close(params, jax.tree.map(lambda a: a[0], ref_params), rtol=1e-5,
+                              atol=1e-6)
+  # No hidden f32 all-reduce of the gradient (1-bit Adam's warm-up sends one, in its cond branch).
+  assert not [c for c in report.collectives
+              if c.op == "all-reduce" and "f32" in c.dtypes and not c.in_conditional]

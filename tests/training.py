@@ -38,9 +38,14 @@ def loss_fn(params, x, y):
   return jnp.mean((forward(params, x) - y) ** 2)
 
 
-def make_step(compressor, lr=0.05, n_devices=W):
-  """A pmapped step; ``poison`` (per device, 0 or non-finite) is added to that device's gradient."""
-  tx = optax.chain(compressor, optax.apply_if_finite(optax.sgd(lr), max_consecutive_errors=10**6))
+def make_step(compressor, lr=0.05, n_devices=W, is_optimizer=False):
+  """A pmapped step; ``poison`` (per device, 0 or non-finite) is added to that device's gradient.
+
+  A compressor is followed by SGD; a whole optimizer (``is_optimizer``, 1-bit Adam) by nothing but
+  the guard that skips a non-finite update.
+  """
+  after = optax.identity() if is_optimizer else optax.sgd(lr)
+  tx = optax.chain(compressor, optax.apply_if_finite(after, max_consecutive_errors=10**6))
 
   def step(params, opt_state, x, y, poison):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)

@@ -139,10 +139,66 @@ def pmax(x, axis_name: AxisName):
   return x if name is None else lax.pmax(x, name)
 
 
+def _as_bits(x):
+  """float8 values as their uint8 bit patterns: XLA:CPU widens float8 collectives to float16 when it
+  compiles (as it widens bfloat16 to float32), so they travel as the same bits in uint8."""
+  if jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating):
+    return lax.bitcast_convert_type(x, jnp.uint8), x.dtype
+  return x, None
+
+
+def _from_bits(x, dtype):
+  return x if dtype is None else lax.bitcast_convert_type(x, dtype)
+
+
+def _all_gather_invariant():
+  """JAX's all-gather whose result is invariant along the axis (the same on every device), so that
+  ``shard_map(check_vma=True)`` accepts what is computed from it as replicated; ``lax.all_gather``'s
+  result is typed varying. Private in JAX 0.10: the public one where it is missing."""
+  try:
+    from jax._src.lax import parallel
+    return parallel.all_gather_invariant
+  except (ImportError, AttributeError):
+    return lax.all_gather
+
+
 def all_gather(x, axis_name: AxisName):
-  """Stacks every device's ``x`` along a new leading axis of size W."""
+  """Stacks every device's ``x`` along a new leading axis of size W (float8 travels as its bits).
+
+  The result is the same on every device, and under ``shard_map(check_vma=True)`` it is typed so.
+  """
   name = bound_axis(axis_name)
-  return x[None] if name is None else lax.all_gather(x, name)
+  if name is None:
+    return x[None]
+  bits, dtype = _as_bits(x)
+  return _from_bits(_all_gather_invariant()(bits, name), dtype)
+
+
+def all_to_all(x, axis_name: AxisName):
+  """The transpose across devices: row j of this device's ``x`` goes to device j.
+
+  ``x`` has a leading axis of size W; row d of the result is what device d sent here (its row for
+  this device). Each device sends and receives (W−1)/W of ``x``: a reduce-scatter whose reduction
+  the receiver does itself, in whatever precision it likes (float8 travels as its bits).
+
+  Raises:
+    ValueError: ``x``'s leading axis is not W.
+  """
+  name = bound_axis(axis_name)
+  world = 1 if name is None else lax.axis_size(name)
+  if not x.shape or x.shape[0] != world:
+    raise ValueError(f"all_to_all: the leading axis must be the world size {world}, one row per "
+                     f"device; got shape {tuple(x.shape)}")
+  if name is None:
+    return x
+  bits, dtype = _as_bits(x)
+  return _from_bits(lax.all_to_all(bits, name, 0, 0), dtype)
+
+
+def axis_index(axis_name: AxisName) -> jax.Array:
+  """This device's position along the axis, an int32 scalar (0 at world size 1)."""
+  name = bound_axis(axis_name)
+  return jnp.zeros([], jnp.int32) if name is None else lax.axis_index(name).astype(jnp.int32)
 
 
 def divide_by_world(x, axis_name: AxisName):
@@ -160,19 +216,24 @@ def mean(x, axis_name: AxisName, wire_dtype=None):
   return psum(divide_by_world(wire, axis_name), axis_name).astype(x.dtype)
 
 
-def _packed(collective, arrays: Sequence, axis_name: AxisName) -> list:
-  """Runs ``collective`` once per dtype on one flat buffer holding all ``arrays`` of that dtype.
+def _packed(collective, arrays: Sequence, axis_name: AxisName, keep: int = 0) -> list:
+  """Runs ``collective`` once per dtype on one buffer holding all ``arrays`` of that dtype.
 
-  ``collective(flat, axis_name)`` returns the flat result with any leading axes it adds (all-gather's
-  W); each array gets its slice back with those axes in front of its own shape.
+  The arrays keep their first ``keep`` axes (all_to_all's rows) and are raveled after them and
+  concatenated along the last axis. ``collective(buffer, axis_name)`` returns the result with any
+  leading axes it adds (all-gather's W); each array gets its slice back with those axes in front of
+  its own shape.
   """
   out: list = [None] * len(arrays)
   by_dtype: dict = {}
   for i, x in enumerate(arrays):
     by_dtype.setdefault(x.dtype, []).append(i)
   for members in by_dtype.values():
-    flat = collective(tree_lib.flatten([arrays[i] for i in members]), axis_name)
-    for i, part in zip(members, tree_lib.unflatten(flat, [arrays[i].shape for i in members])):
+    buffer = jnp.concatenate([arrays[i].reshape(arrays[i].shape[:keep] + (-1,)) for i in members],
+                             axis=-1)
+    result = collective(buffer, axis_name)
+    for i, part in zip(members, tree_lib.unflatten(result, [arrays[i].shape[keep:]
+                                                             for i in members])):
       out[i] = part
   return out
 
@@ -190,3 +251,8 @@ def mean_many(arrays: Sequence, axis_name: AxisName) -> list:
 def all_gather_many(arrays: Sequence, axis_name: AxisName) -> list:
   """``all_gather`` of every array, as one all-gather per dtype; results have a leading W axis."""
   return _packed(all_gather, arrays, axis_name)
+
+
+def all_to_all_many(arrays: Sequence, axis_name: AxisName) -> list:
+  """``all_to_all`` of every array (each with a leading axis of size W), one per dtype."""
+  return _packed(all_to_all, arrays, axis_name, keep=1)

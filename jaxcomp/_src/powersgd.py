@@ -212,17 +212,12 @@ class _Square(NamedTuple):
   rank: int
 
 
-def _reduced_indices(signature: tree_lib.TreeSignature) -> list:
-  return [i for i, (shape, dtype) in enumerate(zip(signature.shapes, signature.dtypes))
-          if tree_lib.is_reduced(jax.ShapeDtypeStruct(shape, dtype))]
-
-
 @functools.lru_cache(maxsize=None)
 def _matrices(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> tuple:
   """Per leaf a ``_Matrix``, or None for leaves passed through."""
   plan: list = [None] * len(signature.shapes)
   paths = signature.paths
-  for i in _reduced_indices(signature):
+  for i in signature.reduced:
     shape = signature.shapes[i]
     if not shape:
       n, m = 1, 1
@@ -243,7 +238,7 @@ def _matrices(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> tupl
 def _squares(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> tuple:
   """The batched matrices: one per dtype, in order of first appearance."""
   groups: dict = {}
-  for i in _reduced_indices(signature):
+  for i in signature.reduced:
     groups.setdefault(signature.dtypes[i], []).append(i)
   squares = []
   for leaves in groups.values():
@@ -616,7 +611,7 @@ def update(state: PowerSGDState, grads, axis_name: axis.AxisName, *, batched: bo
                     + (f" of {'batched' if state.config.batched else 'layer-wise'} PowerSGD"
                        if isinstance(state, PowerSGDState) else ""))
   leaves = state.signature.check(grads, "bucket", dtypes=False)
-  return _step(state, leaves, [_reduced_indices(state.signature)], axis_name)
+  return _step(state, leaves, [list(state.signature.reduced)], axis_name)
 
 
 def _transformation(config: PowerSGDConfig, axis_name,
@@ -635,7 +630,7 @@ def _transformation(config: PowerSGDConfig, axis_name,
     leaves = state.signature.check(updates)
     ok = finite.all_finite(leaves, axis_name)
     if bucket_cap_mb is None:  # the policy inside the step: the error is updated in place
-      outputs, new_state = _step(state, leaves, [_reduced_indices(state.signature)], axis_name, ok)
+      outputs, new_state = _step(state, leaves, [list(state.signature.reduced)], axis_name, ok)
     else:  # per bucket, each independent of the flag (it needs the whole gradient); policy after
       buckets = [list(b) for b in bucket_assignment(state.signature, cap, cap)]
       outputs, new_state = _step(state, leaves, buckets, axis_name)

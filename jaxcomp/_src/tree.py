@@ -110,6 +110,12 @@ class TreeSignature:
     return leaves
 
   @property
+  def reduced(self) -> tuple:
+    """The indices of the leaves ``is_reduced`` selects (floating point, non-empty)."""
+    return tuple(i for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes))
+                 if is_reduced(jax.ShapeDtypeStruct(shape, dtype)))
+
+  @property
   def paths(self) -> tuple:
     return paths_of(jax.tree.unflatten(self.treedef, [0] * len(self.shapes)))
 

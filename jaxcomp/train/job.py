@@ -3,9 +3,10 @@
 Every compressor trains the same model from the same initial parameters on the same batches, on N
 data-parallel devices (simulated CPU devices unless the host has accelerators), with
 ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum
-itself, so it is followed by plain SGD). Each compressor runs the recipe of ``jaxcomp.train.registry``
-for the run's length (PowerSGD's ``start_iter`` and DGC's warm-up over the first 10% of the steps); the
-bytes are those of a compressed step. The compressors advance
+itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its paper; 1-bit Adam is a whole optimizer with its own learning rate, so
+nothing follows it). Each compressor runs the recipe of ``jaxcomp.train.registry`` for the run's length
+(PowerSGD's ``start_iter`` and DGC's warm-up over the first 10% of the steps, 1-bit Adam's dense Adam
+over the first 20%); the bytes are those of a compressed step. The compressors advance
 side by side — step t of every compressor before step t + 1 of any — so their step times are measured
 under the same load.
 
@@ -166,8 +167,10 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   x0, y0 = task.batch(seed, 0, batch_size)
   shard = lambda a: a.reshape((n, -1) + a.shape[1:])
   def chain(compressor, entry):
+    if entry.is_optimizer:  # 1-bit Adam: its own update, nothing after it
+      return compressor
     return optax.chain(compressor, optax.clip_by_global_norm(1.0),
-                       optax.sgd(task.learning_rate, momentum=None if entry.has_momentum else 0.9))
+                       optax.sgd(task.learning_rate, momentum=entry.sgd_momentum))
 
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]

@@ -10,7 +10,11 @@ length of a run (its recipe)::
   tx = entry.make("batch", steps=3000)  # the recipe for a 3000-step run (start_iter=300)
 
 The recipes follow the papers and torch: PowerSGD runs the plain mean for the first 10% of the steps
-(``start_iter``); DGC ramps its density up through the paper's warm-up densities over the first 10%.
+(``start_iter``); DGC ramps its density up through the paper's warm-up densities over the first 10%;
+1-bit Adam runs dense Adam for the first 20% (``freeze_steps``; DeepSpeed advises 15–25%). 8-bit
+quantization and EF-SignSGD need no warm-up; EF-SignSGD's paper trains it with SGD without momentum
+(``momentum_free``). ``onebit_adam`` is an optimizer, not a compressor
+(``is_optimizer``): the main job and the tests chain nothing after it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import jaxcomp
 from jaxcomp import hooks
 
 _WARMUP_FRACTION = 0.1  # of a run's steps: PowerSGD's start_iter, DGC's warm-up
+_FREEZE_FRACTION = 0.2  # of a run's steps: 1-bit Adam's dense warm-up (DeepSpeed advises 15–25%)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +44,13 @@ class Compressor:
       steps (warm-up phases), or None.
     has_momentum: the compressor applies momentum itself (DGC's momentum correction), so the
       optimizer after it has none.
+    momentum_free: its paper trains it with SGD without momentum (EF-SignSGD: error feedback
+      already delays part of each step, and momentum on top of the delayed error overshoots).
     wire_dtype: the dtype it sends float32 gradients in, where it is not the gradient's own.
     is_mean: its output is the plain mean (up to the wire dtype's rounding).
     error_feedback: torch-style error feedback: output + new error = gradient + old error.
+    is_optimizer: the entry is a whole optimizer that averages the gradient itself (1-bit Adam):
+      its output is the parameter update, so nothing is chained after it.
   """
   name: str
   about: str
@@ -49,9 +58,17 @@ class Compressor:
   settings: dict = dataclasses.field(default_factory=dict)
   recipe: Optional[Callable[[int], dict]] = None
   has_momentum: bool = False
+  momentum_free: bool = False
   wire_dtype: Optional[str] = None
   is_mean: bool = False
   error_feedback: bool = False
+  is_optimizer: bool = False
+
+  @property
+  def sgd_momentum(self) -> Optional[float]:
+    """The momentum of the SGD that follows it in the main job: none after DGC (it has its own)
+    and after EF-SignSGD (its paper's), 0.9 otherwise."""
+    return None if self.has_momentum or self.momentum_free else 0.9
 
   def make(self, axis_name="batch", steps: Optional[int] = None,
            **overrides) -> optax.GradientTransformation:
@@ -89,6 +106,11 @@ def _powersgd(rank: int) -> Compressor:
                     error_feedback=True)
 
 
+def _freeze_steps(steps: int) -> dict:
+  """1-bit Adam's warm-up: dense Adam for the first 20% of the steps (DeepSpeed: 15–25%)."""
+  return {"freeze_steps": max(int(steps * _FREEZE_FRACTION), 1)}
+
+
 _ENTRIES = (
     Compressor("allreduce", "plain f32 mean, the baseline", jaxcomp.allreduce, is_mean=True),
     Compressor("fp16", "mean sent as float16", jaxcomp.fp16_compress, wire_dtype="float16",
@@ -120,6 +142,16 @@ _ENTRIES = (
     Compressor("powersgd_r1_alternating",
                "PowerSGD rank 1, half a power iteration per step: one all-reduce (epfml's variant)",
                jaxcomp.powersgd, {"rank": 1, "start_iter": 0, "alternating": True}, _start_iter),
+    Compressor("quantized_int8", "int8 codes, a scale per 256, all-to-all + all-gather, error feedback",
+               jaxcomp.quantized, {"bits": 8}, wire_dtype="int8"),
+    Compressor("quantized_fp8", "float8_e4m3fn codes, a scale per 256, all-to-all + all-gather, "
+               "error feedback", jaxcomp.quantized, {"bits": "fp8"}, wire_dtype="float8_e4m3fn"),
+    Compressor("sign", "EF-SignSGD: sign bits 8 per byte and a scale per leaf, all-gathered",
+               jaxcomp.sign_compress, wire_dtype="uint8", momentum_free=True),
+    Compressor("onebit_adam", "1-bit Adam (an optimizer, lr 1e-3): dense Adam for 20% of the steps, "
+               "then sign bits of the momentum", jaxcomp.onebit_adam,
+               {"learning_rate": 1e-3, "freeze_steps": 0}, _freeze_steps, wire_dtype="uint8",
+               is_optimizer=True),
 )
 
 REGISTRY = {entry.name: entry for entry in _ENTRIES}

@@ -1,0 +1,247 @@
+"""Quantized averaging: the cross-device mean with every value on the wire in 8 bits.
+
+``quantized(bits=8)`` sends int8 codes with one float32 scale per block of ``block_size`` values;
+``quantized(bits="fp8")`` sends float8_e4m3fn codes the same way. An all-reduce cannot carry them (an
+int8 sum overflows; one global scale wastes the range of every block smaller than the largest), so the
+mean is the two-phase exchange of ``jaxcomp._src.exchange``: a reduce-scatter by ``all_to_all``, the
+owner of each shard dequantizes, averages in float32 and re-quantizes, then an ``all_gather``. Error
+feedback keeps both quantization errors on the device that made them.
+
+The steps, per device, W devices (the ``# n:`` comments below point here; "exchange n" is the
+numbered list of ``jaxcomp._src.exchange``):
+
+1. The reduced leaves (floating point, non-empty), cast to float32, are one flat vector of length L
+   (mixed float dtypes travel together); zero-padded to W shards of S elements, S a multiple of
+   ``block_size``.
+2. ``p = g + e``: this device's worker error is added (exchange 1).
+3. Quantization of each block of ``block_size`` values: ``scale = max|p| · (1/Q)`` with Q = 127
+   (int8) or 448 (float8_e4m3fn's largest value), 1/Q rounded to float32 (a product, which every
+   compiler evaluates alike; XLA turns a division by a constant into one anyway); ``code = round(p / scale)`` clipped to ±Q — to the nearest
+   (half to even; float8: its own nearest value), or stochastically (unbiased: up with probability
+   the distance to the lower neighbour over the gap, QSGD's rounding); a block of zeros has scale 0
+   and codes 0 (exchange 2).
+4. ``all_to_all`` of codes and scales: the owner of each shard receives it from every device;
+   ``e ← p − code·scale`` (exchange 3).
+5. The owner dequantizes the W copies, averages them in float32 (each ÷W, then summed in device
+   order), adds its server error and re-quantizes its shard as in 3; ``s ← mean − code·scale``
+   (exchange 4–5).
+6. ``all_gather`` of codes and scales; every device dequantizes the whole mean and casts each leaf
+   back to its dtype (exchange 6).
+
+Bytes per device (payload, ``comm_report``): the codes twice (all-to-all, all-gather), 2·W·S bytes,
+plus the scales twice, 2·4·W·S/``block_size`` — about a quarter of a float32 all-reduce's ring bytes
+(2·(W−1)/W of each), plus the 4-byte check that the gradient is finite. XLA:CPU keeps s8 collectives
+narrow but widens float8 ones to f16; float8 codes therefore travel as their bits, in uint8.
+
+On a step whose gradient is non-finite on any device the errors are kept and the output is NaN
+(jaxcomp's non-finite policy). Stochastic rounding draws from ``seed``, the step and the device's
+index: reproducible from run to run and on resume, independent from device to device (so the
+rounding noise averages out over devices, as QSGD's analysis assumes).
+
+References:
+  Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-Efficient SGD via Gradient
+  Quantization and Encoding", NeurIPS 2017 (https://arxiv.org/abs/1610.02132): stochastic rounding
+  to levels of a scale, unbiased.
+  Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model Training", 2023
+  (https://arxiv.org/abs/2306.10209): block-quantized int8 reduce-scatter through all-to-all.
+  Tang et al., "1-bit Adam", ICML 2021, Algorithm 1: worker and server error feedback.
+  Micikevicius et al., "FP8 Formats for Deep Learning", 2022 (https://arxiv.org/abs/2209.05433):
+  E4M3, largest value 448.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomp._src import axis, exchange, finite, validate
+from jaxcomp._src import tree as tree_lib
+
+_CODES = {8: (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # code dtype, largest level Q
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class QuantizedConfig:
+  """``quantized``'s settings, validated; a static pytree node kept in the state.
+
+  Attributes:
+    bits: ``8`` (int8 codes) or ``"fp8"`` (float8_e4m3fn codes: a floating-point code keeps more
+      relative precision for the small values of a block, less for the large ones).
+    block_size: values per scale. A scale costs 4 bytes, so 256 adds 1.6% to the 8-bit codes; a
+      smaller block follows the magnitudes more closely (one large value then flattens fewer
+      neighbours to zero).
+    error_feedback: keep both quantization errors (the device's own and, for the shard it owns, the
+      re-quantization's) and add them in the next step: the time-sum of the outputs then tracks the
+      time-sum of the mean gradient instead of drifting with the rounding bias.
+    stochastic_rounding: round up or down at random, unbiased (QSGD), instead of to the nearest:
+      without error feedback this keeps the mean unbiased.
+    seed: the seed of the stochastic rounding.
+  """
+  bits: Union[int, str] = 8
+  block_size: int = 256
+  error_feedback: bool = True
+  stochastic_rounding: bool = False
+  seed: int = 0
+
+  def __post_init__(self):
+    if isinstance(self.bits, bool) or self.bits not in _CODES:
+      raise ValueError(f"bits must be 8 (int8 codes) or 'fp8' (float8_e4m3fn codes); got "
+                       f"{self.bits!r}")
+    for name, value in dict(
+        block_size=validate.integer(self.block_size, "block_size", 1,
+                                    static="fixes the shape of the scales"),
+        error_feedback=validate.boolean(self.error_feedback, "error_feedback"),
+        stochastic_rounding=validate.boolean(self.stochastic_rounding, "stochastic_rounding"),
+        seed=validate.integer(self.seed, "seed", 0)).items():
+      object.__setattr__(self, name, value)
+
+
+class QuantizedState(NamedTuple):
+  """State of ``quantized``.
+
+  Attributes:
+    count: steps taken (non-finite steps are not counted); it seeds the stochastic rounding.
+    worker_error: this device's quantization error, float32 of the flat length L of the reduced
+      leaves; per device. ``optax.MaskedNode()`` without error feedback or reduced leaves.
+    server_error: the re-quantization error of the shard this device owns, in the same flat
+      coordinates (zero outside its shard, so the state does not depend on W); per device.
+    config: the static settings.
+    signature: the gradient pytree's structure, shapes and dtypes.
+  """
+  count: jax.Array
+  worker_error: Any
+  server_error: Any
+  config: QuantizedConfig
+  signature: tree_lib.TreeSignature
+
+  PER_DEVICE_FIELDS = ("worker_error", "server_error")  # see jaxcomp.sharding
+
+
+def _stochastic_float8(y: jax.Array, u: jax.Array, dtype) -> jax.Array:
+  """3: ``y`` (|y| ≤ the largest float8 value) rounded to one of its two float8 neighbours, up with
+  probability (|y| − lower) / (upper − lower), so that the expectation is ``y``."""
+  magnitude = jnp.abs(y)
+  nearest = magnitude.astype(dtype)
+  near = nearest.astype(jnp.float32)
+  # The other neighbour: one step of the bit pattern (float8 magnitudes are ordered as their bits).
+  step = jnp.sign(magnitude - near).astype(jnp.int32)
+  bits = lax.bitcast_convert_type(nearest, jnp.uint8).astype(jnp.int32) + step
+  other = lax.bitcast_convert_type(bits.astype(jnp.uint8), dtype).astype(jnp.float32)
+  low, high = jnp.minimum(near, other), jnp.maximum(near, other)
+  rounded = jnp.where(u * (high - low) < magnitude - low, high, low)
+  return (jnp.sign(y) * rounded).astype(dtype)
+
+
+def _quantize(config: QuantizedConfig, y: jax.Array, key: Optional[jax.Array]) -> jax.Array:
+  """3: codes of ``y`` (already divided by the scale and clipped to ±Q)."""
+  dtype, _ = _CODES[config.bits]
+  if key is None:  # to the nearest: half to even (int8), float8's own nearest value (fp8)
+    return (jnp.round(y) if config.bits == 8 else y).astype(dtype)
+  u = jax.random.uniform(key, y.shape, jnp.float32)
+  if config.bits == 8:
+    return jnp.floor(y + u).astype(dtype)
+  return _stochastic_float8(y, u, dtype)
+
+
+def block_codec(config: QuantizedConfig) -> exchange.Codec:
+  """The exchange's codec: codes of each block of ``block_size`` values and one float32 scale each."""
+  size = config.block_size
+  _, levels = _CODES[config.bits]
+
+  def decode(payload):
+    codes, scales = payload
+    rows, length = codes.shape
+    blocks = codes.astype(jnp.float32).reshape(rows, length // size, size)
+    return (blocks * scales[..., None]).reshape(rows, length)
+
+  def encode(x, count, key):
+    del count  # zero padding never raises a block's maximum
+    rows, length = x.shape
+    blocks = x.reshape(rows, length // size, size)
+    scales = jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / levels)  # 3: max|p|·(1/Q)
+    safe = jnp.where(scales > 0, scales, 1.0)[..., None]
+    y = jnp.where(scales[..., None] > 0, jnp.clip(blocks / safe, -levels, levels), 0.0)
+    payload = (_quantize(config, y, key).reshape(rows, length), scales)
+    return payload, decode(payload)
+
+  return exchange.Codec(encode, decode, size)
+
+
+def init_state(config: QuantizedConfig, params) -> QuantizedState:
+  """The zero state for gradients shaped like ``params``."""
+  signature = tree_lib.TreeSignature.of(params)
+  length = sum(math.prod(signature.shapes[i]) for i in signature.reduced)
+  errors = [jnp.zeros([length], jnp.float32) if config.error_feedback and length
+            else optax.MaskedNode() for _ in range(2)]
+  return QuantizedState(jnp.zeros([], jnp.int32), *errors, config, signature)
+
+
+def step(state: QuantizedState, leaves: list, axis_name) -> tuple:
+  """Steps 1–6 on the gradient's leaves; returns ``(output leaves, new state)``, not gated."""
+  config = state.config
+  reduced = state.signature.reduced
+  state = state._replace(count=state.count + 1)
+  if not reduced:
+    return list(leaves), state
+  # 1: the reduced leaves as one flat float32 vector.
+  flat = tree_lib.flatten([leaves[i].astype(jnp.float32) for i in reduced])
+  errors = [None if isinstance(e, optax.MaskedNode) else e
+            for e in (state.worker_error, state.server_error)]
+  key = None
+  if config.stochastic_rounding:
+    key = jax.random.fold_in(jax.random.key(config.seed), state.count)
+  # 2–6: the two-phase exchange with the block codec.
+  mean, worker_error, server_error = exchange.compressed_mean(block_codec(config), flat, *errors,
+                                                              axis_name, key)
+  leaves = list(leaves)
+  for i, out in zip(reduced, tree_lib.unflatten(mean, [leaves[i].shape for i in reduced])):
+    leaves[i] = out.astype(leaves[i].dtype)
+  if config.error_feedback:
+    state = state._replace(worker_error=worker_error, server_error=server_error)
+  return leaves, state
+
+
+def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
+              block_size: int = 256, error_feedback: bool = True,
+              stochastic_rounding: bool = False, seed: int = 0) -> optax.GradientTransformation:
+  """The cross-device mean with every value on the wire in 8 bits (int8 or float8) plus block scales.
+
+  A two-phase exchange (the module docstring numbers the steps): each device's gradient, quantized
+  per block of ``block_size`` values, reaches the owner of each shard by ``all_to_all``; the owner
+  dequantizes, averages in float32 and re-quantizes its shard, which is ``all_gather``ed. About a
+  quarter of the bytes of a float32 all-reduce for int8. Error feedback keeps both quantization
+  errors, so over steps the outputs sum to the mean gradients' sum less the final errors.
+
+  Example::
+
+    tx = optax.chain(jaxcomp.quantized(8), optax.sgd(0.1, momentum=0.9))
+
+  Args:
+    bits: ``8`` for int8 codes, ``"fp8"`` for float8_e4m3fn codes.
+    axis_name: the mapped axis to average over (see ``jaxcomp.axis``).
+    block_size: values per float32 scale.
+    error_feedback: keep the device's and the owner's quantization errors for the next step.
+    stochastic_rounding: unbiased random rounding (QSGD) instead of rounding to the nearest.
+    seed: the seed of the stochastic rounding (folded with the step and the device's index).
+
+  Returns:
+    A ``GradientTransformation`` with a ``QuantizedState``; its output is identical on every device
+    and keeps the gradients' dtypes.
+
+  References:
+    Alistarh et al., "QSGD", NeurIPS 2017; Wang et al., "ZeRO++", 2023 (qgZ); Tang et al., "1-bit
+    Adam", ICML 2021 (worker and server error feedback).
+  """
+  config = QuantizedConfig(bits=bits, block_size=block_size, error_feedback=error_feedback,
+                           stochastic_rounding=stochastic_rounding, seed=seed)
+  return finite.gated_transformation(
+      "quantized", functools.partial(init_state, config), step,
+      axis.check_axis_name(axis_name))
