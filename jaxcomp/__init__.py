@@ -25,8 +25,15 @@ from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import TopKExchange
 from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
+from jaxcomp._src.diloco import DiLoCoConfig
+from jaxcomp._src.diloco import DiLoCoState
+from jaxcomp._src.diloco import diloco
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
+from jaxcomp._src.local_sgd import LocalSGDConfig
+from jaxcomp._src.local_sgd import LocalSGDState
+from jaxcomp._src.local_sgd import local_sgd
+from jaxcomp._src.local_steps import Assign
 from jaxcomp._src.powersgd import PowerSGDConfig
 from jaxcomp._src.powersgd import PowerSGDState
 from jaxcomp._src.powersgd import batched_powersgd
@@ -42,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AccumulateState",
+    "Assign",
     "ChunkExchange",
     "Collective",
     "CommHookState",
@@ -49,7 +57,11 @@ __all__ = (
     "DGCConfig",
     "DGCState",
     "DenseState",
+    "DiLoCoConfig",
+    "DiLoCoState",
     "GradBucket",
+    "LocalSGDConfig",
+    "LocalSGDState",
     "PAPER_WARMUP",
     "PowerSGDConfig",
     "PowerSGDState",
@@ -66,9 +78,11 @@ __all__ = (
     "comm_hook",
     "comm_report",
     "dgc",
+    "diloco",
     "fp16_compress",
     "fp16_compress_wrapper",
     "hooks",
+    "local_sgd",
     "powersgd",
     "powersgd_stats",
     "state_partition_specs",
