@@ -205,11 +205,11 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     new_theta, outer_state = finite.keep_if_finite(ok, (new_theta, outer_state),
                                                    (theta, state.outer_state))
     params = [new_theta[i] if i in reduced else x for i, x in enumerate(local)]
-    return params, new_theta, outer_state, compressor_state
+    return local_steps.varying_like(params, local), new_theta, outer_state, compressor_state
 
   def update_fn(updates, state: DiLoCoState, params=None):
-    params = local_steps.require_params(params, "diloco")
     state.signature.check(updates)
+    params = local_steps.require_params(params, "diloco")
     state.signature.check(params, "params")
     # 1: the inner step on this device.
     local, inner_state = local_steps.local_update(

@@ -166,19 +166,21 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
                          config, tree_lib.TreeSignature.of(params))
 
   def update_fn(updates, state: LocalSGDState, params=None):
-    params = local_steps.require_params(params, "local_sgd")
     state.signature.check(updates)
+    params = local_steps.require_params(params, "local_sgd")
     state.signature.check(params, "params")
     grads = updates
     if state.config.start_iter > 0:  # 1: the mean gradient before start_iter
       grads = lax.cond(state.count < state.config.start_iter,
-                       lambda g: local_steps.mean_reduced(g, axis_name), lambda g: g, grads)
+                       lambda g: local_steps.varying_like(local_steps.mean_reduced(g, axis_name), g),
+                       lambda g: g, grads)
     # 2: the inner step on this device; 4: its state stays here.
     new_params, inner_state = local_steps.local_update(
         inner, grads, local_steps.from_device(state.inner_state), params)
     # 3: the periodic average.
     new_params = lax.cond(state.config.averages_after(state.count),
-                          lambda p: local_steps.mean_reduced(p, axis_name), lambda p: p, new_params)
+                          lambda p: local_steps.varying_like(local_steps.mean_reduced(p, axis_name), p),
+                          lambda p: p, new_params)
     return local_steps.assign(new_params), state._replace(
         count=state.count + 1, inner_state=local_steps.to_device(inner_state))
 

@@ -81,12 +81,16 @@ def local_update(inner: optax.GradientTransformation, grads, inner_state, params
   """One step of ``inner`` on this device's gradient: ``(new params, new inner state)``.
 
   A device whose new parameters are not finite keeps ``params`` and ``inner_state`` (the module
-  docstring says why that needs no collective). ``inner`` may itself communicate (an
+  docstring says why that needs no collective). Only reduced (floating-point, non-empty) parameters
+  move; the others keep their values, so they stay the same on every device. ``inner`` may itself communicate (an
   ``allreduce`` over a fast axis): a NaN then reaches every device of that axis, which all keep
   their parameters together.
   """
   updates, new_state = inner.update(grads, inner_state, params)
-  new_params = optax.apply_updates(params, updates)
+  # Integer, boolean and zero-size parameters are left as they are: never trained, never averaged,
+  # so they stay the same on every device.
+  new_params = jax.tree.map(lambda p, new: new if tree_lib.is_reduced(p) else p, params,
+                            optax.apply_updates(params, updates))
   ok = finite.all_finite(new_params, None)  # this device's parameters only: no collective
   return finite.keep_if_finite(ok, new_params, params), finite.keep_if_finite(ok, new_state,
                                                                               inner_state)
@@ -99,6 +103,30 @@ def mean_reduced(tree, axis_name: axis.AxisName):
   for i, mean in zip(reduced, axis.mean_many([leaves[i] for i in reduced], axis_name)):
     leaves[i] = mean
   return treedef.unflatten(leaves)
+
+
+def _varying_axes(x) -> frozenset:
+  """The manual axes along which ``x`` varies (``shard_map(check_vma=True)``), else empty."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # jax 0.6 – 0.9
+  if vma is None:  # jax 0.10: the aval's manual-axis type
+    vma = getattr(getattr(aval, "mat", None), "varying", ())
+  return frozenset(vma)
+
+
+def varying_like(tree, like):
+  """``tree`` marked varying along every axis along which ``like`` (same structure) varies.
+
+  The two branches of a ``lax.cond`` must agree on it under ``shard_map(check_vma=True)``: an
+  average (invariant) on one side, this device's parameters (varying) on the other. Elsewhere (pmap,
+  ``check_vma=False``, no mapping) nothing varies and nothing changes.
+  """
+
+  def one(x, ref):
+    missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(one, tree, like)
 
 
 def to_device(inner_state):

@@ -31,7 +31,8 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
     r"(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\(")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+# A computation's header: "name (params) -> result {" when compiled, "name {" before optimisation.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s+->\s+.*)?\{\s*$")
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16|f8\w*|c64|c128)\[(?P<dims>[\d,]*)\]")
 _CALLEES = re.compile(
     r"\b(?P<kind>to_apply|calls|body|condition|true_computation|false_computation|"

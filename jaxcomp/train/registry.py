@@ -42,6 +42,11 @@ class Compressor:
     wire_dtype: the dtype it sends float32 gradients in, where it is not the gradient's own.
     is_mean: its output is the plain mean (up to the wire dtype's rounding).
     error_feedback: torch-style error feedback: output + new error = gradient + old error.
+    wraps_optimizer: the factory wraps the whole optimizer, ``factory(inner, axis_name=...,
+      **settings)`` (local SGD, DiLoCo): its update needs ``params`` and returns ``jaxcomp.Assign``
+      updates that set them; it communicates only after every ``settings["sync_every"]``-th step
+      (``bytes_per_step`` amortises that), and the replicas are identical only right after such a
+      step (``state.config.syncs_after(step)``), not in between.
   """
   name: str
   about: str
@@ -52,15 +57,40 @@ class Compressor:
   wire_dtype: Optional[str] = None
   is_mean: bool = False
   error_feedback: bool = False
+  wraps_optimizer: bool = False
 
-  def make(self, axis_name="batch", steps: Optional[int] = None,
+  def make(self, axis_name="batch", steps: Optional[int] = None, *,
+           inner: Optional[optax.GradientTransformation] = None,
            **overrides) -> optax.GradientTransformation:
-    """The transformation: the steady state, or the recipe for ``steps`` steps; ``overrides`` last."""
+    """The transformation: the steady state, or the recipe for ``steps`` steps; ``overrides`` last.
+
+    A wrapper of the optimizer needs the ``inner`` optimizer it wraps; a compressor takes none.
+    """
     settings = dict(self.settings)
     if steps is not None and self.recipe is not None:
       settings.update(self.recipe(steps))
     settings.update(overrides)
+    if self.wraps_optimizer != (inner is not None):
+      raise TypeError(f"{self.name}: " + ("wraps the optimizer: pass inner=" if self.wraps_optimizer
+                                          else "is a gradient compressor: it takes no inner="))
+    if self.wraps_optimizer:
+      return self.factory(inner, axis_name=axis_name, **settings)
     return self.factory(axis_name=axis_name, **settings)
+
+  def optimizer(self, inner: optax.GradientTransformation, axis_name="batch",
+                steps: Optional[int] = None, **overrides) -> optax.GradientTransformation:
+    """The whole optimizer around ``inner``: the compressor chained before it, or the wrapper."""
+    if self.wraps_optimizer:
+      return self.make(axis_name, steps, inner=inner, **overrides)
+    return optax.chain(self.make(axis_name, steps, **overrides), inner)
+
+  def bytes_per_step(self, report, kind: str = "ring_bytes") -> float:
+    """What the steady state sends per step on average, from ``report`` (``jaxcomp.comm_report``
+    of one step): a wrapper's collectives in the branch of its sync step run once every
+    ``sync_every`` steps; everything else on every step. ``kind``: ``"ring_bytes"`` or
+    ``"payload_bytes"``."""
+    every = self.settings["sync_every"] if self.wraps_optimizer else 1
+    return sum(getattr(c, kind) / (every if c.in_conditional else 1) for c in report.collectives)
 
 
 def _start_iter(steps: int) -> dict:
@@ -115,6 +145,36 @@ _ENTRIES = (
     Compressor("hook_powersgd_r2", "comm_hook: powersgd_hook, rank 2, per DDP bucket",
                _hook(hooks.powersgd_hook, hooks.powersgd_state), {"rank": 2, "start_iter": 0},
                _start_iter),
+)
+
+
+
+def _post_local_start(steps: int) -> dict:
+  """Post-local SGD: gradient averaging for the first 10% of the steps (torch's start_localSGD_iter)."""
+  return {"start_iter": int(steps * _WARMUP_FRACTION)}
+
+
+def _diloco(compressor=None, **compressor_settings) -> Callable[..., optax.GradientTransformation]:
+  """A factory for ``diloco(inner, ...)`` whose pseudo-gradient goes through ``compressor`` on the
+  same axis."""
+
+  def factory(inner, axis_name, **settings):
+    on_axis = None if compressor is None else compressor(axis_name=axis_name, **compressor_settings)
+    return jaxcomp.diloco(inner, compressor=on_axis, axis_name=axis_name, **settings)
+
+  return factory
+
+
+_ENTRIES += (
+    Compressor("local_sgd_h8", "post-local SGD: parameters averaged every 8 steps, f32",
+               jaxcomp.local_sgd, {"sync_every": 8}, _post_local_start, wraps_optimizer=True),
+    Compressor("diloco_h20", "DiLoCo: 20 local steps, outer Nesterov on the f32 mean drift",
+               _diloco(), {"sync_every": 20}, wraps_optimizer=True),
+    Compressor("diloco_h20_fp16", "DiLoCo, H=20, pseudo-gradient sent as float16",
+               _diloco(jaxcomp.fp16_compress), {"sync_every": 20}, wraps_optimizer=True),
+    Compressor("diloco_h20_powersgd_r4", "DiLoCo, H=20, pseudo-gradient through PowerSGD rank 4",
+               _diloco(jaxcomp.powersgd, rank=4, start_iter=0), {"sync_every": 20},
+               wraps_optimizer=True),
 )
 
 REGISTRY = {entry.name: entry for entry in _ENTRIES}
