@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from compressors import optimizer
 from helpers import replicate
 
 W = 8
@@ -38,9 +39,11 @@ def loss_fn(params, x, y):
   return jnp.mean((forward(params, x) - y) ** 2)
 
 
-def make_step(compressor, lr=0.05, n_devices=W):
-  """A pmapped step; ``poison`` (per device, 0 or non-finite) is added to that device's gradient."""
-  tx = optax.chain(compressor, optax.apply_if_finite(optax.sgd(lr), max_consecutive_errors=10**6))
+def make_step(name, lr=0.05, n_devices=W):
+  """A pmapped step of the registry entry ``name`` around SGD guarded by ``apply_if_finite`` (after
+  a compressor, inside local SGD and DiLoCo); ``poison`` (per device, 0 or non-finite) is added to
+  that device's gradient."""
+  tx = optimizer(name, optax.apply_if_finite(optax.sgd(lr), max_consecutive_errors=10**6))
 
   def step(params, opt_state, x, y, poison):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)

@@ -33,8 +33,8 @@ def main():
   args = parser.parse_args()
   checkpointer = ocp.StandardCheckpointer()
   results = {}
-  for name, make in sorted(COMPRESSORS.items()):
-    tx, pstep = make_step(make())
+  for name in sorted(COMPRESSORS):
+    tx, pstep = make_step(name)
     params, opt_state = start(tx)
     first = args.resume_from or 0
     path = os.path.join(os.path.abspath(args.ckpt or "."), name)
