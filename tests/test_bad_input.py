@@ -62,7 +62,8 @@ def test_all_zero_gradients_give_zeros_not_nan(name):
   out, state, start = pmap_steps(name, grads, steps=5)
   for leaf, before in zip(jax.tree.leaves(out), jax.tree.leaves(start)):
     # a compressor's output is zero; a wrapper's parameters did not move
-    np.testing.assert_array_equal(np.asarray(leaf), before[0] if name in WRAPPERS else 0)
+    np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(before, leaf.shape)
+                                  if name in WRAPPERS else 0)
   assert all(np.isfinite(np.asarray(x, np.float64)).all() for x in jax.tree.leaves(state)
              if jnp.issubdtype(np.asarray(x).dtype, jnp.inexact))
 
@@ -135,6 +136,21 @@ BAD_ARGUMENTS = [
     (lambda: hooks.powersgd_state(0), "rank"),
     (lambda: hooks.dgc_state(0.0), "ratio"),
     (lambda: jaxcomp.accumulate(jaxcomp.allreduce(), every_k=0), "every_k"),
+    (lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=0), "sync_every"),
+    (lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=2.5), "sync_every"),
+    (lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=4, start_iter=-1), "start_iter"),
+    (lambda: jaxcomp.local_sgd("sgd", sync_every=4), "inner"),
+    (lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=4, axis_name=["batch"]), "axis_name"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=0), "sync_every"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=jnp.int32(20)), "sync_every"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, outer_learning_rate=0.0),
+     "outer_learning_rate"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, outer_momentum=1.0), "outer_momentum"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, outer_momentum=-0.1), "outer_momentum"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, nesterov="yes"), "nesterov"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, compressor=jaxcomp.powersgd),
+     "compressor"),
+    (lambda: jaxcomp.diloco(None, sync_every=20), "inner"),
     (lambda: jaxcomp.allreduce(axis_name=0), "axis_name"),
     (lambda: jaxcomp.powersgd(1, axis_name=["batch"]), "axis_name"),
     (lambda: jaxcomp.dgc(0.01, axis_name=("batch", 2)), "axis_name"),
