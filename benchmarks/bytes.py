@@ -12,7 +12,11 @@ computed here from the algorithm's definition, independently of jaxcomp:
 * DGC: W·k·(4 value + 4 index bytes) per leaf with ndim > 1, k = ceil(numel·density), and 4·numel for
   the rest; coarse DGC: 4 bytes per chunk norm plus the chosen chunks, 4·numel for the rest;
 * stateful compressors add the 4-byte int32 all-reduce that checks that the gradient is finite on
-  every device (their state must not absorb a NaN step).
+  every device (their state must not absorb a NaN step);
+* local SGD and DiLoCo (``registry.PERIODIC``) send once every H steps: the parameters (local SGD) or
+  the pseudo-gradient (DiLoCo) in f32, or through their compressor by its formula above, divided by
+  H — amortised bytes per step. Their compiled step holds the sync in a conditional branch, which
+  ``Compressor.bytes_per_step`` divides by H.
 
 Payload bytes are those of ``comm_report``: the reduced buffer for all-reduce, the gathered result (W
 contributions) for all-gather. bf16 is read before optimisation (``stage="lowered"``): XLA:CPU widens
@@ -31,10 +35,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import optax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 from benchmarks import common  # noqa: E402
+from jaxcomp.train.registry import DEFAULT, PERIODIC  # noqa: E402
 
 W = 8
 FLAG = 4  # the int32 finiteness all-reduce of stateful compressors
@@ -77,10 +83,14 @@ def _coarse_min(tree, density, chunk=256):
   return total + FLAG
 
 
-def minimum(name: str, tree) -> int:
+def minimum(name: str, tree) -> float:
   """The algorithm's bytes per step per device (payload), computed from its definition."""
   numel = common.num_params(tree)
   return {
+      "local_sgd_h8": lambda: 4 * numel / 8,
+      "diloco_h20": lambda: 4 * numel / 20,
+      "diloco_h20_fp16": lambda: 2 * numel / 20,
+      "diloco_h20_powersgd_r4": lambda: _powersgd_min(tree, 4) / 20,
       "allreduce": lambda: 4 * numel,
       "fp16": lambda: 2 * numel,
       "bf16": lambda: 2 * numel,
@@ -95,14 +105,20 @@ def minimum(name: str, tree) -> int:
 
 def measure(compressor, tree):
   """``(compiled CommReport, lowered CommReport)`` of one update step on W devices."""
-  tx = compressor.make(common.AXIS)
+  inner = {"inner": optax.sgd(0.1)} if compressor.wraps_optimizer else {}
+  tx = compressor.make(common.AXIS, **inner)
   state = common.stacked(jax.eval_shape(tx.init, tree), W)
-  step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=common.AXIS,
+  step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS,
                   devices=jax.devices()[:W])
   grads = common.stacked(tree, W)
   from jaxcomp import comm_report
-  return (comm_report(step, grads, state, num_devices=W),
-          comm_report(step, grads, state, stage="lowered", num_devices=W))
+  return (comm_report(step, grads, state, grads, num_devices=W),
+          comm_report(step, grads, state, grads, stage="lowered", num_devices=W))
+
+
+def _amount(num_bytes: float) -> str:
+  """Bytes with thousands separators, one decimal where an amortised figure has a fraction."""
+  return f"{num_bytes:,.0f}" if num_bytes == int(num_bytes) else f"{num_bytes:,.1f}"
 
 
 def main(argv=None) -> int:
@@ -110,18 +126,20 @@ def main(argv=None) -> int:
   rows = []
   for model, tree in common.models(args.quick).items():
     numel = common.num_params(tree)
-    for c in common.compressors(args.compressors):
+    for c in common.compressors(args.compressors or ",".join(DEFAULT + PERIODIC)):
       start = time.perf_counter()
       compiled, lowered = measure(c, tree)
-      sent = lowered if c.name == "bf16" else compiled
+      compiled_bytes = c.bytes_per_step(compiled, "payload_bytes")
+      sent = c.bytes_per_step(lowered if c.name == "bf16" else compiled, "payload_bytes")
       lo = minimum(c.name, tree)
       ops = ", ".join(f"{n}× {op}" for op, n in sorted(
           {op: sum(x.op == op for x in compiled.collectives) for op in
            {x.op for x in compiled.collectives}}.items()))
-      rows.append([model, f"{numel:,}", c.name, f"{compiled.payload_bytes:,}",
-                   f"{sent.payload_bytes:,}", f"{lo:,}", f"{sent.payload_bytes / lo:.2f}",
-                   f"{4 * numel / sent.payload_bytes:.1f}×", ops])
-      print(f"  {model} {c.name}: {sent.payload_bytes:,} B vs minimum {lo:,} B "
+      if c.wraps_optimizer:
+        ops += f", once every {c.settings['sync_every']} steps"
+      rows.append([model, f"{numel:,}", c.name, _amount(compiled_bytes), _amount(sent),
+                   _amount(lo), f"{sent / lo:.2f}", f"{4 * numel / sent:.1f}×", ops])
+      print(f"  {model} {c.name}: {_amount(sent)} B vs minimum {_amount(lo)} B "
             f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
   table = common.markdown_table(
       ["model", "params", "compressor", "compiled B", "sent B", "minimum B", "ratio",
@@ -130,7 +148,8 @@ def main(argv=None) -> int:
           "buffer of an all-reduce, gathered result of an all-gather). \"sent\" is the compiled HLO's, "
           "except bf16: XLA:CPU widens bf16 collectives to f32 when compiling (\"compiled B\"), so its "
           "wire is read before optimisation. The minimum counts the 4-byte finiteness flag of the "
-          "stateful compressors (see the script's docstring for each formula).\n\n" + table)
+          "stateful compressors (see the script's docstring for each formula). Local SGD and DiLoCo "
+          "send once every H steps: their bytes are amortised (sync bytes / H).\n\n" + table)
   common.emit(args, "bytes", "Wire bytes per step against the algorithm's minimum", "bytes.py",
               body)
   return 0

@@ -183,3 +183,8 @@ REGISTRY = {entry.name: entry for entry in _ENTRIES}
 DEFAULT = ("allreduce", "fp16", "bf16", "powersgd_r1", "powersgd_r2", "powersgd_r4",
            "batched_powersgd_r1", "dgc", "coarse_dgc")
 """The compressors the main job and the benchmarks compare unless told otherwise."""
+
+PERIODIC = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
+"""Local SGD and DiLoCo: they wrap the optimizer and communicate once every H steps. The bytes
+benchmark compares them with ``DEFAULT``; the per-step benchmarks and the main job's default run
+compare gradient compressors only (``--compressors`` picks any entry)."""
