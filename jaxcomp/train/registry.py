@@ -1,8 +1,8 @@
 """The one registry of named compressors: the main job, the benchmarks and the tests all use it.
 
-Names follow one scheme: the algorithm, then ``_r<rank>`` for a rank, then a variant
-(``powersgd_r2``, ``batched_powersgd_r1``, ``dgc_exact_fp16``); ``hook_`` marks a ``comm_hook`` port of
-the same algorithm. Each entry is data: the factory, its settings, and how the settings change with the
+Names follow one scheme: the algorithm, then ``_r<rank>`` for a rank or ``_h<H>`` for a sync period,
+then a variant (``powersgd_r2``, ``batched_powersgd_r1``, ``dgc_exact_fp16``, ``diloco_h20_fp16``);
+``hook_`` marks a ``comm_hook`` port of the same algorithm. Each entry is data: the factory, its settings, and how the settings change with the
 length of a run (its recipe)::
 
   entry = REGISTRY["powersgd_r2"]
@@ -10,7 +10,12 @@ length of a run (its recipe)::
   tx = entry.make("batch", steps=3000)  # the recipe for a 3000-step run (start_iter=300)
 
 The recipes follow the papers and torch: PowerSGD runs the plain mean for the first 10% of the steps
-(``start_iter``); DGC ramps its density up through the paper's warm-up densities over the first 10%.
+(``start_iter``); DGC ramps its density up through the paper's warm-up densities over the first 10%;
+post-local SGD averages gradients for the first 10%.
+
+Local SGD and DiLoCo are not gradient compressors but wrappers of the whole optimizer
+(``wraps_optimizer``): ``entry.optimizer(inner)`` builds either kind around an inner optimizer —
+the compressor chained before it, or the wrapper around it.
 """
 
 from __future__ import annotations
