@@ -90,7 +90,7 @@ def minimum(name: str, tree) -> float:
       "local_sgd_h8": lambda: 4 * numel / 8,
       "diloco_h20": lambda: 4 * numel / 20,
       "diloco_h20_fp16": lambda: 2 * numel / 20,
-      "diloco_h20_powersgd_r4": lambda: _powersgd_min(tree, 4) / 20,
+      "diloco_h20_powersgd_r2": lambda: _powersgd_min(tree, 2) / 20,
       "allreduce": lambda: 4 * numel,
       "fp16": lambda: 2 * numel,
       "bf16": lambda: 2 * numel,

@@ -31,7 +31,7 @@ SMALL = {
     "local_sgd_h8": {"sync_every": 2, "start_iter": 1},
     "diloco_h20": {"sync_every": 4},
     "diloco_h20_fp16": {"sync_every": 4},
-    "diloco_h20_powersgd_r4": {"sync_every": 4},
+    "diloco_h20_powersgd_r2": {"sync_every": 4},
 }
 
 # The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient compressor.

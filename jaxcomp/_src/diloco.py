@@ -136,7 +136,8 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
 
   It is the whole optimizer: its update needs ``params`` and returns ``jaxcomp.Assign`` updates,
   which ``optax.apply_updates`` and ``nnx.Optimizer`` apply exactly — so the replicas are bitwise
-  identical after every outer step. Chain nothing after it; put gradient processing into ``inner``.
+  identical after every outer step. Integer, boolean and zero-size parameters are left as they are.
+  Chain nothing after it; put gradient processing into ``inner``.
 
   Example::
 
@@ -163,9 +164,9 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023,
     Algorithm 1.
   """
-  inner = local_steps.check_inner(inner)
+  inner = local_steps.check_transformation(inner, "inner", "optax.sgd(0.1, momentum=0.9)")
   if compressor is not None:
-    local_steps.check_inner(compressor, "compressor")
+    local_steps.check_transformation(compressor, "compressor", "jaxcomp.fp16_compress()")
   config = DiLoCoConfig(sync_every=sync_every, outer_learning_rate=outer_learning_rate,
                         outer_momentum=outer_momentum, nesterov=nesterov)
   axis_name = axis.check_axis_name(axis_name)
@@ -184,7 +185,7 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
   def outer_step(state: DiLoCoState, local: list) -> tuple:
     """Steps 3–6: the new parameter leaves, θ, the outer state and the compressor's state."""
     signature, theta = state.signature, state.outer_params
-    reduced = [i for i, t in enumerate(theta) if not isinstance(t, optax.MaskedNode)]
+    reduced = {i for i, t in enumerate(theta) if not isinstance(t, optax.MaskedNode)}
     # 3: Δᵢ = θ − θᵢ (leaves that are not reduced pass through the compressor as zeros).
     delta = [jnp.zeros_like(x) for x in local]
     for i in reduced:

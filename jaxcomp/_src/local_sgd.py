@@ -128,8 +128,8 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
 
   It is the whole optimizer: its update needs ``params`` and returns ``jaxcomp.Assign`` updates, which
   ``optax.apply_updates`` and ``nnx.Optimizer`` apply exactly — so the replicas are bitwise identical
-  after every averaging. Chain nothing after it; put gradient processing (clipping, weight decay)
-  into ``inner``.
+  after every averaging. Integer, boolean and zero-size parameters are left as they are. Chain
+  nothing after it; put gradient processing (clipping, weight decay) into ``inner``.
 
   Example::
 
@@ -156,7 +156,7 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
     Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020. PyTorch 2.13
     ``post_localSGD_hook``, ``PeriodicModelAverager``.
   """
-  inner = local_steps.check_inner(inner)
+  inner = local_steps.check_transformation(inner, "inner", "optax.sgd(0.1, momentum=0.9)")
   config = LocalSGDConfig(sync_every=sync_every, start_iter=start_iter)
   axis_name = axis.check_axis_name(axis_name)
 

@@ -82,9 +82,9 @@ def local_update(inner: optax.GradientTransformation, grads, inner_state, params
 
   A device whose new parameters are not finite keeps ``params`` and ``inner_state`` (the module
   docstring says why that needs no collective). Only reduced (floating-point, non-empty) parameters
-  move; the others keep their values, so they stay the same on every device. ``inner`` may itself communicate (an
-  ``allreduce`` over a fast axis): a NaN then reaches every device of that axis, which all keep
-  their parameters together.
+  move; the others keep their values, so they stay the same on every device. ``inner`` may itself
+  communicate (an ``allreduce`` over a fast axis): a NaN then reaches every device of that axis,
+  which all keep their parameters together.
   """
   updates, new_state = inner.update(grads, inner_state, params)
   # Integer, boolean and zero-size parameters are left as they are: never trained, never averaged,
@@ -139,12 +139,12 @@ def from_device(stored):
   return jax.tree.map(lambda x: x[0], stored)
 
 
-def check_inner(inner, name: str = "inner") -> optax.GradientTransformation:
-  """``inner`` if it is an optax ``GradientTransformation``, else a TypeError naming ``name``."""
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(f"{name} must be an optax.GradientTransformation, e.g. optax.sgd(0.1); got "
-                    f"{inner!r} ({type(inner).__name__})")
-  return inner
+def check_transformation(value, name: str, example: str) -> optax.GradientTransformation:
+  """``value`` if it is an optax ``GradientTransformation``, else a TypeError naming ``name``."""
+  if not isinstance(value, optax.GradientTransformation):
+    raise TypeError(f"{name} must be an optax.GradientTransformation, e.g. {example}; got "
+                    f"{value!r} ({type(value).__name__})")
+  return value
 
 
 def require_params(params, name: str):

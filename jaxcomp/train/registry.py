@@ -177,8 +177,8 @@ _ENTRIES += (
                _diloco(), {"sync_every": 20}, wraps_optimizer=True),
     Compressor("diloco_h20_fp16", "DiLoCo, H=20, pseudo-gradient sent as float16",
                _diloco(jaxcomp.fp16_compress), {"sync_every": 20}, wraps_optimizer=True),
-    Compressor("diloco_h20_powersgd_r4", "DiLoCo, H=20, pseudo-gradient through PowerSGD rank 4",
-               _diloco(jaxcomp.powersgd, rank=4, start_iter=0), {"sync_every": 20},
+    Compressor("diloco_h20_powersgd_r2", "DiLoCo, H=20, pseudo-gradient through PowerSGD rank 2",
+               _diloco(jaxcomp.powersgd, rank=2, start_iter=0), {"sync_every": 20},
                wraps_optimizer=True),
 )
 
