@@ -147,3 +147,12 @@ def test_orbax_resume_in_the_middle_of_a_period_is_bit_identical(tmp_path):
   params, state = run_with_state(tx, 6, state=restored["state"], params=restored["params"], first=7)
   chex.assert_trees_all_equal(params, full_params)
   chex.assert_trees_all_equal(state, full_state)
+
+
+def test_full_rank_powersgd_on_the_pseudo_gradient_is_the_exact_mean():
+  """Rank ≥ min(n, m): P̂ spans the mean's columns, so P̂·P̂ᵀ·mean(Δ) is mean(Δ) to rounding."""
+  inner = optax.sgd(LR, momentum=MOMENTUM)
+  exact, _ = run_with_state(jaxcomp.diloco(inner, sync_every=4), 12)
+  full_rank = jaxcomp.powersgd(8, start_iter=0, min_compression_rate=0.0)
+  compressed, _ = run_with_state(jaxcomp.diloco(inner, sync_every=4, compressor=full_rank), 12)
+  chex.assert_trees_all_close(compressed, exact, rtol=0, atol=1e-5)
