@@ -5,28 +5,27 @@ on its own data, without communicating. Then the devices average their *pseudo-g
 each moved from the parameters θ the period started from — and one outer optimizer step (SGD with
 Nesterov momentum) moves θ; every device restarts from the new θ. One all-reduce of the parameters' size
 per H steps: H times less traffic than data-parallel training, and with ``compressor`` (float16,
-PowerSGD with its error feedback, …) on the pseudo-gradient less still.
+PowerSGD, …) on the pseudo-gradient less still.
 
 Like ``local_sgd``, ``diloco`` is the whole optimizer: its update needs ``params`` and returns
 ``jaxcomp.Assign`` updates, which ``optax.apply_updates`` applies exactly, so every device holds
 bitwise the same θ after every outer step.
 
-The steps, per device (the ``# n:`` comments below point here; "Alg. 1 n" is line n of the paper's
-Algorithm 1, whose outer loop is t and inner loop h):
+The steps, per device (the ``# n:`` comments below point here; the names in quotes are those of the
+paper's Algorithm 1):
 
-1. Inner step: the inner optimizer steps on this device's gradient, θᵢ ← InnerOpt(θᵢ, ∇L) (Alg. 1
-   lines 4–8). No communication; a device whose new parameters are not finite keeps them and its inner
+1. Inner step: the inner optimizer steps on this device's gradient, θᵢ ← "InnerOpt"(θᵢ, ∇L). No
+   communication; a device whose new parameters are not finite keeps them and its inner
    state as they were (``local_steps``). The inner state persists across outer steps, per device.
 2. After every H-th step (steps H − 1, 2H − 1, … counted from 0), the outer step:
-3. the pseudo-gradient Δᵢ = θ − θᵢ (Alg. 1 line 9), θ being the parameters of the last outer step,
-   kept in the state and the same on every device;
-4. averaged, Δ = (1/W) Σᵢ Δᵢ (Alg. 1 line 11): ÷W, then one all-reduce SUM of all leaves packed per
-   dtype — or through ``compressor``, a jaxcomp transformation whose output is the cross-device mean
-   (``fp16_compress``, ``powersgd`` with error feedback, …), whose state persists across outer steps;
-5. the outer optimizer, SGD with (Nesterov) momentum μ and learning rate η (Alg. 1 line 12, "OuterOpt"
-   = Nesterov momentum, Section 2): m ← μ·m + Δ; θ ← θ − η·(Δ + μ·m) with Nesterov, θ − η·m without
-   (torch's and optax's ``sgd``; ``optax.sgd`` runs it);
-6. every device's parameters are set to the new θ (Alg. 1 line 3: θᵢ ← θ). If the new θ is not
+3. the "outer gradient" (pseudo-gradient) Δᵢ = θ − θᵢ, θ being the parameters of the last outer
+   step, kept in the state and the same on every device;
+4. averaged, Δ = (1/W) Σᵢ Δᵢ: ÷W, then one all-reduce SUM of all leaves packed per dtype — or through
+   ``compressor``, a jaxcomp transformation whose output is the cross-device mean (``fp16_compress``,
+   ``powersgd``, …), whose state persists across outer steps;
+5. the "OuterOpt", SGD with Nesterov momentum μ and learning rate η: m ← μ·m + Δ; θ ← θ − η·(Δ + μ·m)
+   (with ``nesterov=False``, θ ← θ − η·m), torch's and optax's ``sgd``, which runs it;
+6. every device's parameters are set to the new θ (each replica starts the next period from θ). If the new θ is not
    finite (the average overflowed), θ and m are kept and the devices restart from the old θ. Every
    quantity of steps 4–6 is identical on every device, so the decision is too.
 
@@ -39,7 +38,7 @@ are the first θ.
 References:
   Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen, "DiLoCo: Distributed
   Low-Communication Training of Language Models", 2023 (https://arxiv.org/abs/2311.08105),
-  Algorithm 1; outer learning rate 0.7 and Nesterov momentum 0.9 are its settings.
+  Algorithm 1; an outer learning rate of 0.7 with Nesterov momentum 0.9 are its settings.
 """
 
 from __future__ import annotations
@@ -142,7 +141,7 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
   Example::
 
     tx = jaxcomp.diloco(optax.adamw(4e-4, weight_decay=0.1), sync_every=500,
-                        compressor=jaxcomp.powersgd(4, start_iter=0))
+                        compressor=jaxcomp.powersgd(4, start_iter=0, error_feedback=False))
     updates, opt_state = tx.update(grads, opt_state, params)   # inside pmap / shard_map
     params = optax.apply_updates(params, updates)
 
@@ -154,8 +153,10 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     outer_momentum: μ of the outer SGD; 0 for none.
     nesterov: Nesterov momentum (the paper's) rather than heavy-ball.
     compressor: a jaxcomp transformation that averages the pseudo-gradient over the same axis, e.g.
-      ``jaxcomp.fp16_compress()`` or ``jaxcomp.powersgd(4, start_iter=0)`` (its ``start_iter``
-      counts outer steps); None sends the float32 mean.
+      ``jaxcomp.fp16_compress()`` or ``jaxcomp.powersgd(4, start_iter=0, error_feedback=False)``
+      (its ``start_iter`` counts outer steps; the outer momentum already carries what a step leaves
+      out, and error feedback on top of it made DiLoCo much worse in tests/test_diloco_training.py's
+      setting); None sends the float32 mean.
 
   Returns:
     A ``GradientTransformation`` with a ``DiLoCoState``, whose update requires ``params``.
