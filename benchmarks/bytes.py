@@ -21,7 +21,11 @@ computed here from the algorithm's definition, independently of jaxcomp:
 * 1-bit Adam (compressed stage): W shards of S = 8·ceil(L / (8·W)) signs, W·S/8 bytes through an
   all-to-all and an all-gather each, and one 4-byte scale per device through each: 2·W·S/8 + 2·4·W;
 * stateful compressors add the 4-byte int32 all-reduce that checks that the gradient is finite on
-  every device (their state must not absorb a NaN step).
+  every device (their state must not absorb a NaN step);
+* local SGD and DiLoCo (``registry.PERIODIC``) send once every H steps: the parameters (local SGD) or
+  the pseudo-gradient (DiLoCo) in f32, or through their compressor by its formula above, divided by
+  H — amortised bytes per step. Their compiled step holds the sync in a conditional branch, which
+  ``Compressor.bytes_per_step`` divides by H.
 
 Payload bytes are those of ``comm_report``: the reduced buffer for all-reduce, the gathered result (W
 contributions) for all-gather, the input for all-to-all. Under the ring algorithm an all-reduce sends
@@ -43,10 +47,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import optax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 from benchmarks import common  # noqa: E402
+from jaxcomp.train.registry import DEFAULT, PERIODIC  # noqa: E402
 
 W = 8
 FLAG = 4  # the int32 finiteness all-reduce of stateful compressors
@@ -113,10 +119,14 @@ def _onebit_min(tree):
   return 2 * W * shard // 8 + 2 * 4 * W + FLAG
 
 
-def minimum(name: str, tree) -> int:
+def minimum(name: str, tree) -> float:
   """The algorithm's bytes per step per device (payload), computed from its definition."""
   numel = common.num_params(tree)
   return {
+      "local_sgd_h8": lambda: 4 * numel / 8,
+      "diloco_h20": lambda: 4 * numel / 20,
+      "diloco_h20_fp16": lambda: 2 * numel / 20,
+      "diloco_h20_powersgd_r2": lambda: _powersgd_min(tree, 2) / 20,
       "allreduce": lambda: 4 * numel,
       "fp16": lambda: 2 * numel,
       "bf16": lambda: 2 * numel,
@@ -134,24 +144,22 @@ def minimum(name: str, tree) -> int:
   }[name]()
 
 
-def per_step(report, compressor, kind: str = "payload_bytes") -> float:
-  """Bytes of one step (``kind``: a ``Collective`` field): an alternating compressor runs one of its
-  conditional's two branches."""
-  if not compressor.settings.get("alternating"):
-    return getattr(report, kind)
-  return sum(getattr(c, kind) / (2 if c.in_conditional else 1) for c in report.collectives)
-
-
 def measure(compressor, tree):
   """``(compiled CommReport, lowered CommReport)`` of one update step on W devices."""
-  tx = compressor.make(common.AXIS)
+  inner = {"inner": optax.sgd(0.1)} if compressor.wraps_optimizer else {}
+  tx = compressor.make(common.AXIS, **inner)
   state = common.stacked(jax.eval_shape(tx.init, tree), W)
-  step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=common.AXIS,
+  step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS,
                   devices=jax.devices()[:W])
   grads = common.stacked(tree, W)
   from jaxcomp import comm_report
-  return (comm_report(step, grads, state, num_devices=W),
-          comm_report(step, grads, state, stage="lowered", num_devices=W))
+  return (comm_report(step, grads, state, grads, num_devices=W),
+          comm_report(step, grads, state, grads, stage="lowered", num_devices=W))
+
+
+def _amount(num_bytes: float) -> str:
+  """Bytes with thousands separators, one decimal where an amortised figure has a fraction."""
+  return f"{num_bytes:,.0f}" if num_bytes == int(num_bytes) else f"{num_bytes:,.1f}"
 
 
 def main(argv=None) -> int:
@@ -159,20 +167,22 @@ def main(argv=None) -> int:
   rows = []
   for model, tree in common.models(args.quick).items():
     numel = common.num_params(tree)
-    for c in common.compressors(args.compressors):
+    for c in common.compressors(args.compressors or ",".join(DEFAULT + PERIODIC)):
       start = time.perf_counter()
       compiled, lowered = measure(c, tree)
       report = lowered if c.name == "bf16" else compiled
-      sent = per_step(report, c)
+      compiled_bytes = c.bytes_per_step(compiled, "payload_bytes")
+      sent = c.bytes_per_step(report, "payload_bytes")
       lo = minimum(c.name, tree)
       ops = ", ".join(f"{n}× {op}" for op, n in sorted(
           {op: sum(x.op == op for x in compiled.collectives) for op in
            {x.op for x in compiled.collectives}}.items()))
-      rows.append([model, f"{numel:,}", c.name, f"{per_step(compiled, c):,.0f}",
-                   f"{sent:,.0f}", f"{lo:,.0f}", f"{sent / lo:.2f}",
-                   f"{4 * numel / sent:.1f}×", ops,
-                   f"{2 * (W - 1) / W * 4 * numel / per_step(report, c, 'ring_bytes'):.1f}×"])
-      print(f"  {model} {c.name}: {sent:,.0f} B vs minimum {lo:,.0f} B "
+      if c.wraps_optimizer:
+        ops += f", once every {c.settings['sync_every']} steps"
+      rows.append([model, f"{numel:,}", c.name, _amount(compiled_bytes), _amount(sent),
+                   _amount(lo), f"{sent / lo:.2f}", f"{4 * numel / sent:.1f}×", ops,
+                   f"{2 * (W - 1) / W * 4 * numel / c.bytes_per_step(report):.1f}×"])
+      print(f"  {model} {c.name}: {_amount(sent)} B vs minimum {_amount(lo)} B "
             f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
   table = common.markdown_table(
       ["model", "params", "compressor", "compiled B", "sent B", "minimum B", "ratio",
@@ -184,7 +194,8 @@ def main(argv=None) -> int:
           "stateful compressors (see the script's docstring for each formula). An all-reduce "
           "moves its buffer twice under the ring algorithm, an all-gather or all-to-all once: "
           "\"ring vs f32\" compares what each device sends (`CommReport.ring_bytes`) with a "
-          "float32 ring all-reduce's.\n\n" + table)
+          "float32 ring all-reduce's. Local SGD and DiLoCo send once every H steps: their bytes are "
+          "amortised (sync bytes / H).\n\n" + table)
   common.emit(args, "bytes", "Wire bytes per step against the algorithm's minimum", "bytes.py",
               body)
   return 0

@@ -27,6 +27,9 @@ from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import TopKExchange
 from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
+from jaxcomp._src.diloco import DiLoCoConfig
+from jaxcomp._src.diloco import DiLoCoState
+from jaxcomp._src.diloco import diloco
 from jaxcomp._src.distributed import ReplicaMismatchError
 from jaxcomp._src.distributed import all_have_data
 from jaxcomp._src.distributed import broadcast_replicated
@@ -36,6 +39,10 @@ from jaxcomp._src.guard import SkipIfNonfiniteState
 from jaxcomp._src.guard import skip_if_nonfinite
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
+from jaxcomp._src.local_sgd import LocalSGDConfig
+from jaxcomp._src.local_sgd import LocalSGDState
+from jaxcomp._src.local_sgd import local_sgd
+from jaxcomp._src.local_steps import Assign
 from jaxcomp._src.onebit_adam import OneBitAdamConfig
 from jaxcomp._src.onebit_adam import OneBitAdamState
 from jaxcomp._src.onebit_adam import onebit_adam
@@ -63,6 +70,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AccumulateState",
+    "Assign",
     "ChunkExchange",
     "Collective",
     "CommHookState",
@@ -71,7 +79,11 @@ __all__ = (
     "DGCState",
     "DataParallel",
     "DenseState",
+    "DiLoCoConfig",
+    "DiLoCoState",
     "GradBucket",
+    "LocalSGDConfig",
+    "LocalSGDState",
     "OneBitAdamConfig",
     "OneBitAdamState",
     "PAPER_WARMUP",
@@ -101,9 +113,11 @@ __all__ = (
     "comm_report",
     "data_parallel",
     "dgc",
+    "diloco",
     "fp16_compress",
     "fp16_compress_wrapper",
     "hooks",
+    "local_sgd",
     "onebit_adam",
     "per_device_mask",
     "powersgd",

@@ -6,10 +6,19 @@ compresses from step 3, so short runs cover both of its phases — and with the 
 make tiny leaves behave as big ones do: PowerSGD rank 4 compresses them, DGC sparsifies them from the
 first step (no warm-up: its dense stages are tested in test_dgc.py), hooks split them into several
 buckets, and 1-bit Adam compresses from step 2 (so that 4 steps cover both of its stages) with a
-learning rate for the tests' small regression.
+learning rate for the tests' small regression. Local SGD averages every 2 steps after one step of
+gradient averaging (after steps 0, 1, 3, 5, …) and DiLoCo every 4 (after steps 3, 7, …): 4 steps hold
+local steps and synchronizations of both, both synchronize after step 99 of every hundred (where the reliability test compares replicas), and
+neither after step 12 (where the resume test stops: mid-period).
+
+Local SGD and DiLoCo wrap the optimizer (``WRAPPERS``): ``COMPRESSORS[name]`` builds them around
+SGD (``INNER_LEARNING_RATE``); their update needs ``params`` and returns ``jaxcomp.Assign`` updates, and their replicas are
+identical right after a synchronization (``synced``), not in between.
 """
 
 import functools
+
+import optax
 
 from jaxcomp.train.registry import REGISTRY
 
@@ -21,10 +30,35 @@ SMALL = {
     "hook_fp16_allreduce": {"bucket_cap_mb": 0.01},
     "hook_powersgd_r2": {"bucket_cap_mb": 0.001},
     "onebit_adam": {"learning_rate": 0.01, "freeze_steps": 2},
+    "local_sgd_h8": {"sync_every": 2, "start_iter": 1},
+    "diloco_h20": {"sync_every": 4},
+    "diloco_h20_fp16": {"sync_every": 4},
+    "diloco_h20_powersgd_r2": {"sync_every": 4},
 }
 
+# The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient compressor.
+WRAPPERS = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
+
+INNER_LEARNING_RATE = 0.1
+
+
+def optimizer(name, inner, **overrides):
+  """The whole optimizer around ``inner`` at the scale of the tests: the compressor chained before
+  it, or the wrapper around it."""
+  return REGISTRY[name].optimizer(inner, steps=30, **{**SMALL.get(name, {}), **overrides})
+
+
 COMPRESSORS = {name: functools.partial(entry.make, steps=30, **SMALL.get(name, {}))
-               for name, entry in REGISTRY.items()}
+               for name, entry in REGISTRY.items() if not entry.wraps_optimizer}
+COMPRESSORS.update({name: functools.partial(optimizer, name, optax.sgd(INNER_LEARNING_RATE))
+                    for name in WRAPPERS})
+
+
+def synced(name, state, step) -> bool:
+  """Whether every device holds the same parameters (a wrapper) or output (a compressor) after the
+  update of step ``step`` (0-based) that started from ``state``."""
+  return name not in WRAPPERS or bool(state.config.syncs_after(step))
+
 
 # The dtype each compressor puts on the wire for float32 gradients (None: the gradient's own).
 WIRE_DTYPE = {name: entry.wire_dtype for name, entry in REGISTRY.items() if entry.wire_dtype}

@@ -5,29 +5,38 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxcomp
 from jaxcomp import axis, hooks
-from compressors import COMPRESSORS
+from compressors import COMPRESSORS, WRAPPERS
 from helpers import assert_identical_across_devices, replicate, rounding_tol
 
 W = 8
 
 
-def pmap_steps(tx, grads, steps=4):
+def pmap_steps(name, grads, steps=4):
+  """``steps`` pmapped updates: a compressor's output, or a wrapper's (local SGD, DiLoCo) new
+  parameters, which start as device 0's gradients on every device (``start``). Every wrapper at
+  test scale synchronizes after step 3."""
+  tx = COMPRESSORS[name]()
+  start = jax.tree.map(lambda g: g[:1], grads)
   state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads)))
+  params = replicate(jax.tree.map(lambda g: g[0], grads))
   step = jax.pmap(tx.update, axis_name="batch")
   for _ in range(steps):
-    out, state = jax.block_until_ready(step(grads, state))
-  return out, state
+    out, state = jax.block_until_ready(step(grads, state, params))
+    if name in WRAPPERS:
+      out = params = optax.apply_updates(params, out)
+  return out, state, start
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_empty_pytrees(name):
   tx = COMPRESSORS[name](axis_name=None)
   for empty in ({}, [], {"a": {}}):
-    out, _ = tx.update(empty, tx.init(empty))
+    out, _ = tx.update(empty, tx.init(empty), empty)
     assert jax.tree.structure(out) == jax.tree.structure(empty)
 
 
@@ -38,9 +47,10 @@ def test_integer_boolean_zero_d_and_zero_size_leaves(name):
   grads = {"scalar": rng.normal(size=(W,)).astype(np.float32),
            "count": np.arange(W, dtype=np.int32), "flag": np.ones((W, 3), bool),
            "empty": np.zeros((W, 0, 4), np.float32), "w": rng.normal(size=(W, 6, 5)).astype(np.float32)}
-  out, state = pmap_steps(COMPRESSORS[name](), grads)
-  np.testing.assert_array_equal(out["count"], grads["count"])
-  np.testing.assert_array_equal(out["flag"], grads["flag"])
+  out, state, start = pmap_steps(name, grads)
+  passed = start if name in WRAPPERS else grads  # a wrapper leaves such parameters as they were
+  np.testing.assert_array_equal(out["count"], np.broadcast_to(passed["count"], (W,)))
+  np.testing.assert_array_equal(out["flag"], np.broadcast_to(passed["flag"], (W, 3)))
   assert out["empty"].shape == (W, 0, 4)
   assert np.isfinite(np.asarray(out["scalar"])).all() and np.isfinite(np.asarray(out["w"])).all()
   assert_identical_across_devices({"scalar": out["scalar"], "w": out["w"]})
@@ -51,9 +61,11 @@ def test_integer_boolean_zero_d_and_zero_size_leaves(name):
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_all_zero_gradients_give_zeros_not_nan(name):
   grads = {"w": np.zeros((W, 16, 8), np.float32), "b": np.zeros((W, 8), np.float32)}
-  out, state = pmap_steps(COMPRESSORS[name](), grads, steps=5)
-  for leaf in jax.tree.leaves(out):
-    np.testing.assert_array_equal(np.asarray(leaf), 0)
+  out, state, start = pmap_steps(name, grads, steps=5)
+  for leaf, before in zip(jax.tree.leaves(out), jax.tree.leaves(start)):
+    # a compressor's output is zero; a wrapper's parameters did not move
+    np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(before, leaf.shape)
+                                  if name in WRAPPERS else 0)
   assert all(np.isfinite(np.asarray(x, np.float64)).all() for x in jax.tree.leaves(state)
              if jnp.issubdtype(np.asarray(x).dtype, jnp.inexact))
 
@@ -64,7 +76,7 @@ def test_all_zero_gradients_give_zeros_not_nan(name):
 def test_half_precision_params(name, dtype):
   rng = np.random.default_rng(1)
   grads = {"w": rng.normal(size=(W, 12, 6)).astype(dtype), "b": rng.normal(size=(W, 6)).astype(dtype)}
-  out, _ = pmap_steps(COMPRESSORS[name](), grads)
+  out, _, _ = pmap_steps(name, grads)  # a wrapper has just synchronized
   assert out["w"].dtype == dtype and out["b"].dtype == dtype
   assert np.isfinite(np.asarray(out["w"], np.float32)).all()
   assert_identical_across_devices(out)
@@ -90,8 +102,10 @@ def test_unbound_axis_runs_as_one_device_and_warns_once(name):
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for _ in range(4):
-      out, state = jax.jit(tx.update)(g, state)
+      out, state = jax.jit(tx.update)(g, state, g)
   assert sum("not bound" in str(w.message) for w in caught) == 1
+  if name in WRAPPERS:
+    out = optax.apply_updates(g, out)
   assert np.isfinite(np.asarray(out["w"])).all()
 
 
@@ -125,6 +139,21 @@ BAD_ARGUMENTS = [
     (lambda: hooks.powersgd_state(0), "rank"),
     (lambda: hooks.dgc_state(0.0), "ratio"),
     (lambda: jaxcomp.accumulate(jaxcomp.allreduce(), every_k=0), "every_k"),
+    (lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=0), "sync_every"),
+    (lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=2.5), "sync_every"),
+    (lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=4, start_iter=-1), "start_iter"),
+    (lambda: jaxcomp.local_sgd("sgd", sync_every=4), "inner"),
+    (lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=4, axis_name=["batch"]), "axis_name"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=0), "sync_every"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=jnp.int32(20)), "sync_every"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, outer_learning_rate=0.0),
+     "outer_learning_rate"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, outer_momentum=1.0), "outer_momentum"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, outer_momentum=-0.1), "outer_momentum"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, nesterov="yes"), "nesterov"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=20, compressor=jaxcomp.powersgd),
+     "compressor"),
+    (lambda: jaxcomp.diloco(None, sync_every=20), "inner"),
     (lambda: jaxcomp.allreduce(axis_name=0), "axis_name"),
     (lambda: jaxcomp.powersgd(1, axis_name=["batch"]), "axis_name"),
     (lambda: jaxcomp.dgc(0.01, axis_name=("batch", 2)), "axis_name"),

@@ -7,7 +7,8 @@ import optax
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from compressors import COMPRESSORS, ERROR_FEEDBACK, MEAN_COMPRESSORS, WIRE_DTYPE
+from compressors import (COMPRESSORS, ERROR_FEEDBACK, MEAN_COMPRESSORS, WIRE_DTYPE, WRAPPERS,
+                         synced)
 from helpers import assert_identical_across_devices, replicate
 
 pytestmark = pytest.mark.numeric
@@ -37,15 +38,25 @@ def make_grads(spec, seed, scale):
   return grads
 
 
-def run_steps(tx, grads, steps):
-  """``steps`` pmapped updates on the same per-device gradients; returns every (output, state)."""
+def run_steps(tx, grads, steps, sets_params=False):
+  """``steps`` pmapped updates on the same per-device gradients; returns every (output, old state,
+  new state). The parameters start as device 0's gradients on every device. A wrapper of the
+  optimizer (``sets_params``: local SGD, DiLoCo) moves them, and its output is the new parameters."""
+  params = replicate(jax.tree.map(lambda g: g[0], grads))
   state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads)))
-  step = jax.pmap(tx.update, axis_name="batch")
+
+  def update(grads, state, params):
+    out, state = tx.update(grads, state, params)
+    return (optax.apply_updates(params, out) if sets_params else out), state
+
+  step = jax.pmap(update, axis_name="batch")
   history = []
   for _ in range(steps):
-    out, new_state = jax.block_until_ready(step(grads, state))
+    out, new_state = jax.block_until_ready(step(grads, state, params))
     history.append((out, state, new_state))
     state = new_state
+    if sets_params:
+      params = out
   return history
 
 
@@ -59,16 +70,28 @@ def is_float_dtype(dtype):
 @example(spec={"a": ((), "float32"), "b": ((2,), "float16"), "c": ((3, 3), "float32")}, seed=0,
          scale=1.0)  # dtypes interleaved: batched PowerSGD once returned its outputs out of order
 def test_identical_finite_and_dtype_preserving(name, spec, seed, scale):
+  """A compressor's output is identical on every device at every step; a wrapper of the optimizer
+  (local SGD, DiLoCo) gives every device the same parameters right after each synchronization, and
+  its devices' parameters differ in between (each moved by its own gradient)."""
   grads = make_grads(spec, seed, scale)
-  for out, _, _ in run_steps(COMPRESSORS[name](), grads, 4):  # PowerSGD compresses from step 3
-    assert_identical_across_devices(out)
+  wrapper = name in WRAPPERS
+  history = run_steps(COMPRESSORS[name](), grads, 4, sets_params=wrapper)  # PowerSGD: from step 3
+  for step, (out, old_state, _) in enumerate(history):
+    if synced(name, old_state, step):
+      assert_identical_across_devices(out)
+    else:
+      moving = [k for k, g in grads.items() if is_float_dtype(g.dtype) and g[0].size
+                and np.abs(np.diff(g.astype(np.float64), axis=0)).max() > 0]
+      if moving:
+        assert max(float(np.abs(np.diff(np.asarray(out[k], np.float64), axis=0)).max())
+                   for k in moving) > 0, "a local step moved every device alike"
     for key, g in grads.items():
       o = np.asarray(out[key])
       assert o.dtype == g.dtype and o.shape == g.shape
       if is_float_dtype(g.dtype):
         assert np.isfinite(o.astype(np.float32)).all()
-      else:
-        np.testing.assert_array_equal(o, g)  # integers and booleans pass through untouched
+      else:  # integers and booleans pass through untouched (a wrapper leaves such parameters alone)
+        np.testing.assert_array_equal(o, np.broadcast_to(g[:1], g.shape) if wrapper else g)
 
 
 @pytest.mark.parametrize("name", MEAN_COMPRESSORS)

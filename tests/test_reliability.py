@@ -1,4 +1,8 @@
-"""Faults survived, replicas never drift, resume is exact — for every compressor."""
+"""Faults survived, replicas never drift, resume is exact — for every compressor.
+
+Local SGD and DiLoCo let replicas differ between synchronizations by design: they are compared right
+after one, where they must be bitwise identical, and resumed mid-period.
+"""
 
 import pathlib
 import subprocess
@@ -9,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from compressors import COMPRESSORS, OPTIMIZERS
+from compressors import COMPRESSORS
 from training import W, make_step, run, start
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "resume.py"
@@ -32,12 +36,13 @@ def test_2000_steps_with_random_faults_never_drift_or_poison_the_state(name):
   faults = [(int(s), int(d), float(v)) for s, d, v in zip(
       rng.choice(2000, size=25, replace=False), rng.integers(0, W, 25),
       rng.choice([np.nan, np.inf, -np.inf], 25))]
-  tx, pstep = make_step(COMPRESSORS[name](), is_optimizer=name in OPTIMIZERS)
+  tx, pstep = make_step(name)
   params, opt_state = start(tx)
   losses = []
   for chunk in range(20):
     params, opt_state, chunk_losses = run(pstep, params, opt_state, 100, 100 * chunk, faults)
     losses += chunk_losses
+    # Local SGD and DiLoCo synchronize after step 99 of every hundred (tests/compressors.py).
     assert max_drift(params) == 0.0, f"replicas drifted by step {100 * (chunk + 1)}"
     assert all_finite(params) and all_finite(opt_state), f"poisoned by step {100 * (chunk + 1)}"
   finite_losses = [l for l in losses[-100:] if np.isfinite(l)]
@@ -50,8 +55,9 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     subprocess.run([sys.executable, str(WORKER), "--steps", "30", *args], check=True, timeout=900)
 
   worker("--out", str(tmp_path / "full.npz"))
-  worker("--save-at", "12", "--ckpt", str(tmp_path / "ckpt"))
-  worker("--resume-from", "12", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed.npz"))
+  # Stopped after 13 steps: mid-period for local SGD and DiLoCo at test scale (tests/compressors.py).
+  worker("--save-at", "13", "--ckpt", str(tmp_path / "ckpt"))
+  worker("--resume-from", "13", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed.npz"))
   full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
   assert sorted(full.files) == sorted(resumed.files)
   assert {k.split("/")[0] for k in full.files} == set(COMPRESSORS)

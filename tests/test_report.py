@@ -145,3 +145,30 @@ ENTRY %main (p: f32[8]) -> f32[64] {
   assert report.collectives[0].payload_bytes == 32 + 8
   assert report.collectives[1].payload_bytes == 256
   assert report.collectives[2].group_size == 2 and report.collectives[2].ring_bytes == 32
+
+
+def test_replica_groups_are_read_and_filed_under_the_mesh_axes_they_span():
+  mesh = jax.make_mesh((2, 4), ("slow", "fast"), axis_types=(AxisType.Auto,) * 2)
+  text = """HloModule m
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %a = f32[8]{0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%add
+  %b = f32[2]{0} all-reduce(%p), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
+  %c = f32[1]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %d = f32[4]{0} all-reduce(%p), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+}
+"""
+  report = parse_hlo(text, default_group=8)
+  a, b, c, d = report.collectives
+  assert a.replica_groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and a.group_size == 4
+  assert b.replica_groups == ((0, 4), (1, 5), (2, 6), (3, 7)) and b.group_size == 2
+  assert c.group_size == 8
+  by_axes = report.by_axes(mesh)
+  assert {k: v.payload_bytes for k, v in by_axes.items()} == {
+      ("fast",): 32, ("slow",): 8 + 16, ("slow", "fast"): 4}
+
+
+def test_conditionals_are_found_before_optimisation_too():
+  f = jax.pmap(lambda x, n: lax.cond(n > 0, lambda: lax.psum(x, "d"), lambda: x), axis_name="d",
+               devices=jax.devices()[:2])
+  report = jaxcomp.comm_report(f, jnp.ones((2, 3)), jnp.ones(2, jnp.int32), stage="lowered")
+  assert [c.in_conditional for c in report.collectives] == [True]

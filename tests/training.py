@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from compressors import COMPRESSORS, OPTIMIZERS, optimizer
 from helpers import replicate
 
 W = 8
@@ -38,14 +39,16 @@ def loss_fn(params, x, y):
   return jnp.mean((forward(params, x) - y) ** 2)
 
 
-def make_step(compressor, lr=0.05, n_devices=W, is_optimizer=False):
-  """A pmapped step; ``poison`` (per device, 0 or non-finite) is added to that device's gradient.
-
-  A compressor is followed by SGD; a whole optimizer (``is_optimizer``, 1-bit Adam) by nothing but
-  the guard that skips a non-finite update.
-  """
-  after = optax.identity() if is_optimizer else optax.sgd(lr)
-  tx = optax.chain(compressor, optax.apply_if_finite(after, max_consecutive_errors=10**6))
+def make_step(name, lr=0.05, n_devices=W):
+  """A pmapped step of the registry entry ``name`` with ``apply_if_finite`` guarding what follows a
+  compressor (SGD), what a wrapper wraps (SGD, inside local SGD and DiLoCo) or what follows a whole
+  optimizer (nothing but the guard, after 1-bit Adam); ``poison`` (per device, 0 or non-finite) is
+  added to that device's gradient."""
+  guard = lambda inner: optax.apply_if_finite(inner, max_consecutive_errors=10**6)  # noqa: E731
+  if name in OPTIMIZERS:
+    tx = optax.chain(COMPRESSORS[name](), guard(optax.identity()))
+  else:
+    tx = optimizer(name, guard(optax.sgd(lr)))
 
   def step(params, opt_state, x, y, poison):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)

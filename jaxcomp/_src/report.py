@@ -26,12 +26,14 @@ import re
 from typing import Callable, Optional
 
 import jax
+import numpy as np
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
     r"(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\(")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+# A computation's header: "name (params) -> result {" when compiled, "name {" before optimisation.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s+->\s+.*)?\{\s*$")
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16|f8\w*|c64|c128)\[(?P<dims>[\d,]*)\]")
 _CALLEES = re.compile(
     r"\b(?P<kind>to_apply|calls|body|condition|true_computation|false_computation|"
@@ -50,6 +52,7 @@ class Collective:
   ring_bytes: float
   in_loop: bool
   in_conditional: bool
+  replica_groups: tuple = ()  # the device (or replica) ids of each group, where the HLO names them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,29 @@ class CommReport:
         out[d] = out.get(d, 0) + int(size * scale)
     return out
 
+  def by_axes(self, mesh) -> dict:
+    """The collectives grouped by the ``mesh`` axes their replica groups span.
+
+    On a mesh ``("slow", "fast")``, a mean over ``fast`` runs in groups whose devices differ only in
+    their ``fast`` coordinate: it is filed under ``("fast",)``; one over both axes under
+    ``("slow", "fast")``. Collectives whose groups the HLO does not name (pmap's) are filed under
+    ``mesh.axis_names``.
+
+    Returns:
+      ``{tuple of axis names: CommReport}``, axes in the mesh's order.
+    """
+    coordinates = {int(d.id): index for index, d in np.ndenumerate(mesh.devices)}
+    grouped: dict = {}
+    for c in self.collectives:
+      spanned = set()
+      for group in c.replica_groups:
+        points = np.array([coordinates[i] for i in group])
+        spanned |= {a for a in range(points.shape[1]) if len(set(points[:, a])) > 1}
+      key = (tuple(mesh.axis_names[a] for a in sorted(spanned)) if c.replica_groups
+             else tuple(mesh.axis_names))
+      grouped.setdefault(key, []).append(c)
+    return {key: CommReport(tuple(cs)) for key, cs in grouped.items()}
+
   def __str__(self) -> str:
     header = f"{'op':<19}{'dtypes':<12}{'shapes':<30}{'W':>4}{'payload B':>13}{'ring B/dev':>13}  where"
     rows = [header, "-" * len(header)]
@@ -95,13 +121,27 @@ def _itemsize(dtype: str) -> int:
   return max(int(re.sub(r"\D", "", dtype.split("e")[0]) or 8) // 8, 1)
 
 
+def _replica_groups(line: str) -> tuple:
+  """The ids of each replica group: ``{{0,1},{2,3}}``, or the iota form ``[G,S]<=[dims]T(perm)``."""
+  match = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)+)\}", line)
+  if match:
+    return tuple(tuple(int(x) for x in re.findall(r"\d+", g))
+                 for g in re.findall(r"\{([^}]*)\}", match.group(1)))
+  match = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  if match:
+    dims = [int(x) for x in match.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if match.group(4):
+      ids = ids.transpose([int(x) for x in match.group(4).split(",")])
+    return tuple(tuple(int(x) for x in row)
+                 for row in ids.reshape(int(match.group(1)), int(match.group(2))))
+  return ()
+
+
 def _group_size(line: str, default: int) -> int:
-  match = re.search(r"replica_groups=\{(\{[^}]*\})", line)
-  if match:
-    return len([x for x in match.group(1).strip("{}").split(",") if x.strip()])
-  match = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-  if match:
-    return int(match.group(2))
+  groups = _replica_groups(line)
+  if groups:
+    return len(groups[0])
   match = re.search(r"source_target_pairs=\{(.*?)\}\s*[,}]", line)
   if match:
     return len(set(re.findall(r"\d+", match.group(1))))
@@ -122,7 +162,7 @@ def _collective(op: str, name: str, line: str, shape_text: str, is_start: bool, 
   if op == "collective-permute" and group <= 1:
     ring = 0.0
   return Collective(op, name, tuple(d for d, _ in arrays), tuple(s for _, s in arrays), group,
-                    payload, ring, in_loop, in_conditional)
+                    payload, ring, in_loop, in_conditional, _replica_groups(line))
 
 
 def parse_hlo(text: str, default_group: int) -> CommReport:

@@ -3,10 +3,13 @@
 Every compressor trains the same model from the same initial parameters on the same batches, on N
 data-parallel devices (simulated CPU devices unless the host has accelerators), with
 ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum
-itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its paper; 1-bit Adam is a whole optimizer with its own learning rate, so
-nothing follows it). Each compressor runs the recipe of ``jaxcomp.train.registry`` for the run's length
-(PowerSGD's ``start_iter`` and DGC's warm-up over the first 10% of the steps, 1-bit Adam's dense Adam
-over the first 20%); the bytes are those of a compressed step. The compressors advance
+itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its paper; 1-bit Adam is a whole
+optimizer with its own learning rate, so nothing follows it); local SGD and DiLoCo wrap
+``chain(clip_by_global_norm(1), sgd(lr, momentum=0.9))`` as their inner optimizer, and their bytes per
+step are those of a sync step divided by its period. Each compressor runs the recipe of
+``jaxcomp.train.registry`` for the run's length (PowerSGD's ``start_iter`` and DGC's warm-up over the
+first 10% of the steps, 1-bit Adam's dense Adam over the first 20%); the bytes are those of a
+compressed step. The compressors advance
 side by side — step t of every compressor before step t + 1 of any — so their step times are measured
 under the same load.
 
@@ -166,29 +169,28 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   runs, states = [], []
   x0, y0 = task.batch(seed, 0, batch_size)
   shard = lambda a: a.reshape((n, -1) + a.shape[1:])
-  def chain(compressor, entry):
-    if entry.is_optimizer:  # 1-bit Adam: its own update, nothing after it
-      return compressor
-    return optax.chain(compressor, optax.clip_by_global_norm(1.0),
-                       optax.sgd(task.learning_rate, momentum=entry.sgd_momentum))
+  def optimizer(entry, **recipe):
+    inner = optax.chain(optax.clip_by_global_norm(1.0),
+                        optax.sgd(task.learning_rate, momentum=entry.sgd_momentum))
+    return entry.optimizer(inner, AXIS, **recipe)
 
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
-    tx = chain(entry.make(AXIS, steps=steps), entry)
+    tx = optimizer(entry, steps=steps)
     step = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
     params = _replicate(params0, n)
     opt_state = jax.pmap(tx.init, devices=devices)(params)
     # Bytes per step: comm_report's reading of the steady-state (compressing) step, in the wire
     # dtypes jaxcomp asks for (lowered) and as XLA compiles them.
-    steady = chain(entry.make(AXIS), entry)
+    steady = optimizer(entry)
     lowered = jax.pmap(make_step(task, steady), axis_name=AXIS, devices=devices).lower(
         params, jax.pmap(steady.init, devices=devices)(params), shard(x0), shard(y0))
-    requested = parse_hlo(lowered.as_text(dialect="hlo"), n)
-    sent = parse_hlo(lowered.compile().as_text(), n)
-    note = "" if sent.ring_bytes == requested.ring_bytes else (
-        f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent.ring_bytes)} after "
+    requested = entry.bytes_per_step(parse_hlo(lowered.as_text(dialect="hlo"), n))
+    sent = entry.bytes_per_step(parse_hlo(lowered.compile().as_text(), n))
+    note = "" if sent == requested else (
+        f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after "
         "compiling (it widens the wire dtype)")
-    runs.append(Run(name, requested.ring_bytes, note, [], []))
+    runs.append(Run(name, requested, note, [], []))
     states.append([step, params, opt_state])
 
   bar = tqdm.tqdm(total=steps * len(names), desc=f"{task.name} x{len(names)}", unit="step",

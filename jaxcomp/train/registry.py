@@ -1,8 +1,8 @@
 """The one registry of named compressors: the main job, the benchmarks and the tests all use it.
 
-Names follow one scheme: the algorithm, then ``_r<rank>`` for a rank, then a variant
-(``powersgd_r2``, ``batched_powersgd_r1``, ``dgc_exact_fp16``); ``hook_`` marks a ``comm_hook`` port of
-the same algorithm. Each entry is data: the factory, its settings, and how the settings change with the
+Names follow one scheme: the algorithm, then ``_r<rank>`` for a rank or ``_h<H>`` for a sync period,
+then a variant (``powersgd_r2``, ``batched_powersgd_r1``, ``dgc_exact_fp16``, ``diloco_h20_fp16``);
+``hook_`` marks a ``comm_hook`` port of the same algorithm. Each entry is data: the factory, its settings, and how the settings change with the
 length of a run (its recipe)::
 
   entry = REGISTRY["powersgd_r2"]
@@ -11,10 +11,14 @@ length of a run (its recipe)::
 
 The recipes follow the papers and torch: PowerSGD runs the plain mean for the first 10% of the steps
 (``start_iter``); DGC ramps its density up through the paper's warm-up densities over the first 10%;
-1-bit Adam runs dense Adam for the first 20% (``freeze_steps``; DeepSpeed advises 15–25%). 8-bit
-quantization and EF-SignSGD need no warm-up; EF-SignSGD's paper trains it with SGD without momentum
-(``momentum_free``). ``onebit_adam`` is an optimizer, not a compressor
-(``is_optimizer``): the main job and the tests chain nothing after it.
+1-bit Adam runs dense Adam for the first 20% (``freeze_steps``; DeepSpeed advises 15–25%);
+post-local SGD averages gradients for the first 10%. 8-bit quantization and EF-SignSGD need no
+warm-up; EF-SignSGD's paper trains it with SGD without momentum (``momentum_free``).
+
+Not every entry is a gradient compressor: ``onebit_adam`` is a whole optimizer (``is_optimizer``),
+and local SGD and DiLoCo wrap the whole optimizer (``wraps_optimizer``). ``entry.optimizer(inner)``
+builds any of the three kinds around an inner optimizer: the compressor chained before it, the
+wrapper around it, or the optimizer alone.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class Compressor:
     error_feedback: torch-style error feedback: output + new error = gradient + old error.
     is_optimizer: the entry is a whole optimizer that averages the gradient itself (1-bit Adam):
       its output is the parameter update, so nothing is chained after it.
+    wraps_optimizer: the factory wraps the whole optimizer, ``factory(inner, axis_name=...,
+      **settings)`` (local SGD, DiLoCo): its update needs ``params`` and returns ``jaxcomp.Assign``
+      updates that set them; it communicates only after every ``settings["sync_every"]``-th step
+      (``bytes_per_step`` amortises that), and the replicas are identical only right after such a
+      step (``state.config.syncs_after(step)``), not in between.
   """
   name: str
   about: str
@@ -63,6 +72,7 @@ class Compressor:
   is_mean: bool = False
   error_feedback: bool = False
   is_optimizer: bool = False
+  wraps_optimizer: bool = False
 
   @property
   def sgd_momentum(self) -> Optional[float]:
@@ -70,14 +80,42 @@ class Compressor:
     and after EF-SignSGD (its paper's), 0.9 otherwise."""
     return None if self.has_momentum or self.momentum_free else 0.9
 
-  def make(self, axis_name="batch", steps: Optional[int] = None,
+  def make(self, axis_name="batch", steps: Optional[int] = None, *,
+           inner: Optional[optax.GradientTransformation] = None,
            **overrides) -> optax.GradientTransformation:
-    """The transformation: the steady state, or the recipe for ``steps`` steps; ``overrides`` last."""
+    """The transformation: the steady state, or the recipe for ``steps`` steps; ``overrides`` last.
+
+    A wrapper of the optimizer needs the ``inner`` optimizer it wraps; a compressor takes none.
+    """
     settings = dict(self.settings)
     if steps is not None and self.recipe is not None:
       settings.update(self.recipe(steps))
     settings.update(overrides)
+    if self.wraps_optimizer != (inner is not None):
+      raise TypeError(f"{self.name}: " + ("wraps the optimizer: pass inner=" if self.wraps_optimizer
+                                          else "is a gradient compressor: it takes no inner="))
+    if self.wraps_optimizer:
+      return self.factory(inner, axis_name=axis_name, **settings)
     return self.factory(axis_name=axis_name, **settings)
+
+  def optimizer(self, inner: optax.GradientTransformation, axis_name="batch",
+                steps: Optional[int] = None, **overrides) -> optax.GradientTransformation:
+    """The whole optimizer around ``inner``: the compressor chained before it, or the wrapper; an
+    entry that is an optimizer itself (``is_optimizer``) ignores ``inner``."""
+    if self.is_optimizer:
+      return self.make(axis_name, steps, **overrides)
+    if self.wraps_optimizer:
+      return self.make(axis_name, steps, inner=inner, **overrides)
+    return optax.chain(self.make(axis_name, steps, **overrides), inner)
+
+  def bytes_per_step(self, report, kind: str = "ring_bytes") -> float:
+    """What the steady state sends per step on average, from ``report`` (``jaxcomp.comm_report``
+    of one step). The collectives in a conditional's branch run once every ``sync_every`` steps in a
+    wrapper (its sync step) and every other step in alternating PowerSGD (one of two branches);
+    everything else on every step. ``kind``: ``"ring_bytes"`` or ``"payload_bytes"``."""
+    every = (self.settings["sync_every"] if self.wraps_optimizer
+             else 2 if self.settings.get("alternating") else 1)
+    return sum(getattr(c, kind) / (every if c.in_conditional else 1) for c in report.collectives)
 
 
 def _start_iter(steps: int) -> dict:
@@ -154,9 +192,47 @@ _ENTRIES = (
                is_optimizer=True),
 )
 
+
+
+def _post_local_start(steps: int) -> dict:
+  """Post-local SGD: gradient averaging for the first 10% of the steps (torch's start_localSGD_iter)."""
+  return {"start_iter": int(steps * _WARMUP_FRACTION)}
+
+
+def _diloco(compressor=None, **compressor_settings) -> Callable[..., optax.GradientTransformation]:
+  """A factory for ``diloco(inner, ...)`` whose pseudo-gradient goes through ``compressor`` on the
+  same axis."""
+
+  def factory(inner, axis_name, **settings):
+    on_axis = None if compressor is None else compressor(axis_name=axis_name, **compressor_settings)
+    return jaxcomp.diloco(inner, compressor=on_axis, axis_name=axis_name, **settings)
+
+  return factory
+
+
+_ENTRIES += (
+    Compressor("local_sgd_h8", "post-local SGD: parameters averaged every 8 steps, f32",
+               jaxcomp.local_sgd, {"sync_every": 8}, _post_local_start, wraps_optimizer=True),
+    Compressor("diloco_h20", "DiLoCo: 20 local steps, outer Nesterov on the f32 mean drift",
+               _diloco(), {"sync_every": 20}, wraps_optimizer=True),
+    Compressor("diloco_h20_fp16", "DiLoCo, H=20, pseudo-gradient sent as float16",
+               _diloco(jaxcomp.fp16_compress), {"sync_every": 20}, wraps_optimizer=True),
+    # Without error feedback: the outer momentum already carries what one outer step leaves out,
+    # and error feedback's late release of it, amplified by that momentum, made the held-out loss
+    # far worse on the chars task (tests/test_diloco_training.py measures this entry).
+    Compressor("diloco_h20_powersgd_r2", "DiLoCo, H=20, pseudo-gradient through PowerSGD rank 2",
+               _diloco(jaxcomp.powersgd, rank=2, start_iter=0, error_feedback=False),
+               {"sync_every": 20}, wraps_optimizer=True),
+)
+
 REGISTRY = {entry.name: entry for entry in _ENTRIES}
 """Every named compressor, by name."""
 
 DEFAULT = ("allreduce", "fp16", "bf16", "powersgd_r1", "powersgd_r2", "powersgd_r4",
            "batched_powersgd_r1", "dgc", "coarse_dgc")
 """The compressors the main job and the benchmarks compare unless told otherwise."""
+
+PERIODIC = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
+"""Local SGD and DiLoCo: they wrap the optimizer and communicate once every H steps. The bytes
+benchmark compares them with ``DEFAULT``; the per-step benchmarks and the main job's default run
+compare gradient compressors only (``--compressors`` picks any entry)."""

@@ -1,0 +1,155 @@
+"""Local steps: the mechanics local SGD and DiLoCo share.
+
+Both run an inner optimizer on each device's own gradient, with no communication, and every few steps
+set every device's parameters to one synchronized value. Three pieces serve both:
+
+* ``Assign``, the update that sets a parameter exactly. An optax update is *added* to the parameters
+  (``optax.apply_updates`` computes ``params + updates``), and in floating point ``p + (t − p)`` is not
+  always ``t``: with W = 8 replicas that drifted by N(0, 0.01) from N(0, 0.1) weights, 8% of the
+  elements land one rounding away from the average on some device. No additive update can avoid it:
+  from ``p₁ = −(0.5 − 2⁻²⁵)`` the float32 sums ``p₁ + u`` near 2⁻²¹ are odd multiples of 2⁻²⁵, from
+  ``p₂ = −(0.5 − 2⁻²⁴)`` even ones, so no value near their average is reachable from both.
+  ``params + Assign(t)`` is ``t`` itself, so ``optax.apply_updates``, ``nnx.Optimizer`` and any
+  hand-written ``params + updates`` leave every device bitwise the same parameters.
+* ``local_update``: one step of the inner optimizer on this device's gradient, under the non-finite
+  policy of local steps: a device whose new parameters are not finite keeps its parameters and its
+  inner state as they were. The decision is this device's alone and needs no collective — a local step
+  runs none that the devices must keep in step — so the other devices go on, and the next
+  synchronization, to which the device brings its unchanged (finite) parameters, brings it back. A NaN
+  on one device never reaches the average, and replicas are identical after every synchronization all
+  the same. (Step counters advance on every step regardless, so that all devices agree on when to
+  communicate.)
+* ``to_device`` / ``from_device``: the inner optimizer's state is kept with a leading axis of length 1.
+  It differs from device to device (momenta, Adam's moments, the count of a device that skipped a
+  step), and under ``shard_map`` every per-device leaf is sharded along its first dimension
+  (``jaxcomp.state_partition_specs``): the extra axis gives every leaf one, 0-d counts included.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp._src import axis, finite
+from jaxcomp._src import tree as tree_lib
+
+
+@jax.tree_util.register_pytree_node_class
+class Assign:
+  """An update that sets a parameter: ``params + Assign(value)`` is ``value``, exactly.
+
+  ``jaxcomp.local_sgd`` and ``jaxcomp.diloco`` return one for every parameter leaf, so that
+  ``optax.apply_updates`` (which computes ``params + updates``), ``nnx.Optimizer`` and hand-written
+  ``params + updates`` give every device bitwise the synchronized parameters. It supports nothing
+  else: ``updates - x`` or ``2 * updates`` raise ``TypeError``. A transformation chained after
+  ``local_sgd`` or ``diloco`` would receive the new parameters as its input, so nothing may follow
+  them: they are the whole optimizer.
+
+  Attributes:
+    value: the parameter's new value.
+  """
+  __array_ufunc__ = None  # NumPy arrays, too, leave ``ndarray + Assign`` to ``__radd__``
+
+  def __init__(self, value):
+    self.value = value
+
+  def __radd__(self, params):
+    if jnp.shape(params) != jnp.shape(self.value):
+      raise ValueError(f"params + Assign: the parameter has shape {jnp.shape(params)}, the value "
+                       f"assigned {jnp.shape(self.value)}")
+    return self.value
+
+  def tree_flatten(self):
+    return (self.value,), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux
+    return cls(*children)
+
+  def __repr__(self) -> str:
+    return f"Assign({self.value!r})"
+
+
+def assign(params):
+  """``params`` as updates that set them: an ``Assign`` at every leaf."""
+  return jax.tree.map(Assign, params)
+
+
+def local_update(inner: optax.GradientTransformation, grads, inner_state, params) -> tuple:
+  """One step of ``inner`` on this device's gradient: ``(new params, new inner state)``.
+
+  A device whose new parameters are not finite keeps ``params`` and ``inner_state`` (the module
+  docstring says why that needs no collective). Only reduced (floating-point, non-empty) parameters
+  move; the others keep their values, so they stay the same on every device. ``inner`` may itself
+  communicate (an ``allreduce`` over a fast axis): a NaN then reaches every device of that axis,
+  which all keep their parameters together.
+  """
+  updates, new_state = inner.update(grads, inner_state, params)
+  # Integer, boolean and zero-size parameters are left as they are: never trained, never averaged,
+  # so they stay the same on every device.
+  new_params = jax.tree.map(lambda p, new: new if tree_lib.is_reduced(p) else p, params,
+                            optax.apply_updates(params, updates))
+  ok = finite.all_finite(new_params, None)  # this device's parameters only: no collective
+  return finite.keep_if_finite(ok, new_params, params), finite.keep_if_finite(ok, new_state,
+                                                                              inner_state)
+
+
+def mean_reduced(tree, axis_name: axis.AxisName):
+  """The mean over the axis of ``tree``'s reduced leaves, one all-reduce per dtype; others as is."""
+  leaves, treedef = jax.tree.flatten(tree)
+  reduced = [i for i, x in enumerate(leaves) if tree_lib.is_reduced(x)]
+  for i, mean in zip(reduced, axis.mean_many([leaves[i] for i in reduced], axis_name)):
+    leaves[i] = mean
+  return treedef.unflatten(leaves)
+
+
+def _varying_axes(x) -> frozenset:
+  """The manual axes along which ``x`` varies (``shard_map(check_vma=True)``), else empty."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # jax 0.6 – 0.9
+  if vma is None:  # jax 0.10: the aval's manual-axis type
+    vma = getattr(getattr(aval, "mat", None), "varying", ())
+  return frozenset(vma)
+
+
+def varying_like(tree, like):
+  """``tree`` marked varying along every axis along which ``like`` (same structure) varies.
+
+  The two branches of a ``lax.cond`` must agree on it under ``shard_map(check_vma=True)``: an
+  average (invariant) on one side, this device's parameters (varying) on the other. Elsewhere (pmap,
+  ``check_vma=False``, no mapping) nothing varies and nothing changes.
+  """
+
+  def one(x, ref):
+    missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(one, tree, like)
+
+
+def to_device(inner_state):
+  """``inner_state`` with a leading axis of length 1 on every leaf (this device's copy)."""
+  return jax.tree.map(lambda x: jnp.expand_dims(x, 0), inner_state)
+
+
+def from_device(stored):
+  """The inner state stored by ``to_device``, leading axis removed."""
+  return jax.tree.map(lambda x: x[0], stored)
+
+
+def check_transformation(value, name: str, example: str) -> optax.GradientTransformation:
+  """``value`` if it is an optax ``GradientTransformation``, else a TypeError naming ``name``."""
+  if not isinstance(value, optax.GradientTransformation):
+    raise TypeError(f"{name} must be an optax.GradientTransformation, e.g. {example}; got "
+                    f"{value!r} ({type(value).__name__})")
+  return value
+
+
+def require_params(params, name: str):
+  """``params`` (unwrapped from Flax NNX Variables), or a ValueError saying ``name`` needs them."""
+  if params is None:
+    raise ValueError(f"{name} sets the parameters, so its update needs them: call "
+                     "tx.update(grads, state, params) (nnx.Optimizer and the usual optax loop do)")
+  return tree_lib.unwrap(params)

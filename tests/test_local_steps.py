@@ -1,0 +1,202 @@
+"""What local SGD and DiLoCo share: ``Assign`` updates, the local non-finite policy, and the places they
+run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``, ``nnx.Optimizer``."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import jaxcomp
+from helpers import assert_identical_across_devices, replicate
+
+W = 4
+
+
+def init_params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"w": rng.normal(0, 0.5, (5, 3)).astype(np.float32), "b": np.zeros(3, np.float32)}
+
+
+def loss_fn(params, x, y):
+  return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
+
+
+def batch(step, n=W):
+  rng = np.random.default_rng(100 + step)
+  return (rng.normal(size=(n, 6, 5)).astype(np.float32),
+          rng.normal(size=(n, 6, 3)).astype(np.float32))
+
+
+WRAPPERS = {
+    "local_sgd": lambda: jaxcomp.local_sgd(optax.sgd(0.1, momentum=0.9), sync_every=3,
+                                           start_iter=2),
+    "diloco": lambda: jaxcomp.diloco(optax.adam(0.05), sync_every=3,
+                                     compressor=jaxcomp.powersgd(1, start_iter=0)),
+}
+
+
+def pmap_run(tx, steps, poison=None):
+  """``steps`` pmapped steps from identical parameters; ``poison[step]`` is added to the gradient
+  (one value per device). Returns the parameters after every step."""
+
+  def step(params, state, x, y, bad):
+    grads = jax.tree.map(lambda g: g + bad, jax.grad(loss_fn)(params, x, y))
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  params, state = replicate(init_params(), W), replicate(tx.init(init_params()), W)
+  history = []
+  for t in range(steps):
+    bad = np.zeros(W, np.float32) if poison is None or t not in poison else poison[t]
+    params, state = jax.block_until_ready(pstep(params, state, *batch(t), bad))
+    history.append(params)
+  return history
+
+
+# ------------------------------------------------------------------------------------- Assign
+
+
+def test_assign_sets_parameters_exactly_where_adding_a_difference_cannot():
+  # Two replicas, their float32 average t: no update u gives p + u == t on both.
+  p1, p2 = np.float32(-(0.5 - 2**-25)), np.float32(-(0.5 - 2**-24))
+  t = np.float32(2**-21)
+  assert p1 + (t - p1) != t or p2 + (t - p2) != t
+  for p in (p1, p2, jnp.asarray(p1), np.asarray([p2])):
+    np.testing.assert_array_equal(p + jaxcomp.Assign(np.asarray(t, np.float32).reshape(np.shape(p))),
+                                  t)
+  params = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}
+  target = {"a": jnp.full(3, 7.0), "b": jnp.zeros((2, 2))}
+  updates = jax.tree.map(jaxcomp.Assign, target)
+  chex.assert_trees_all_equal(optax.apply_updates(params, updates), target)
+  chex.assert_trees_all_equal(jax.jit(optax.apply_updates)(params, updates), target)
+
+
+def test_adding_the_difference_to_the_average_misses_it_on_many_elements():
+  """Why ``Assign``: 8 float32 replicas of N(0, 0.1) weights that drifted apart by N(0, 0.01)."""
+  rng = np.random.default_rng(0)
+  weights = rng.normal(0, 0.1, 100_000).astype(np.float32)
+  replicas = (weights + rng.normal(0, 0.01, (8, weights.size))).astype(np.float32)
+  average = replicas.mean(0, dtype=np.float32)
+  landed = replicas + (average - replicas)  # what optax.apply_updates would compute
+  missed = (landed != average).any(0).mean()
+  assert 0.07 < missed < 0.09  # 8% of the elements differ from the average on some device
+  np.testing.assert_array_equal(replicas + jaxcomp.Assign(np.broadcast_to(average, replicas.shape)),
+                                np.broadcast_to(average, replicas.shape))
+
+
+def test_assign_supports_nothing_but_params_plus_update():
+  update = jaxcomp.Assign(jnp.ones(3))
+  for bad in (lambda: jnp.ones(3) - update, lambda: 2.0 * update, lambda: update + jnp.ones(3),
+              lambda: np.ones(3) * update):
+    with pytest.raises(TypeError):
+      bad()
+  with pytest.raises(ValueError, match="shape"):
+    jnp.ones(4) + update
+
+
+def test_update_without_params_is_refused():
+  for name, make in WRAPPERS.items():
+    tx = make()
+    params = init_params()
+    with pytest.raises(ValueError, match=f"{name} sets the parameters.*tx.update\\(grads, state, "
+                                         "params\\)"):
+      tx.update(params, tx.init(params))
+
+
+# --------------------------------------------------------------------------- non-finite steps
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_a_nan_on_one_device_stays_there_and_the_next_sync_brings_it_back(name):
+  # Step 3 is local for both (local SGD averages after 2 and 5, DiLoCo after 2 and 5).
+  poison = {3: np.array([0, np.nan, 0, 0], np.float32)}
+  clean = pmap_run(WRAPPERS[name](), 6)
+  hit = pmap_run(WRAPPERS[name](), 6, poison)
+  for leaf_hit, leaf_before, leaf_clean in zip(*(map(np.asarray, jax.tree.leaves(h))
+                                                 for h in (hit[3], hit[2], clean[3]))):
+    np.testing.assert_array_equal(leaf_hit[1], leaf_before[1])  # device 1 kept its parameters
+    np.testing.assert_array_equal(leaf_hit[[0, 2, 3]], leaf_clean[[0, 2, 3]])  # the others moved
+  for step in (5,):  # the next synchronization: every device the same, finite
+    assert_identical_across_devices(hit[step])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(hit[step]))
+
+
+def test_a_nan_during_gradient_averaging_keeps_every_device_in_step():
+  tx = WRAPPERS["local_sgd"]()  # steps 0 and 1 average gradients
+  hit = pmap_run(tx, 3, {1: np.array([0, 0, np.inf, 0], np.float32)})
+  for before, after in zip(jax.tree.leaves(hit[0]), jax.tree.leaves(hit[1])):
+    np.testing.assert_array_equal(after, before)  # the mean is not finite: nobody moved
+  assert_identical_across_devices(hit[1])
+  assert_identical_across_devices(hit[2])
+
+
+# ----------------------------------------------------------------------- where they run
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_shard_map_with_check_vma_matches_pmap(name):
+  """Per-device parameters (they differ between syncs) as a leading axis sharded over the mesh."""
+  tx = WRAPPERS[name]()
+  mesh = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices()[:W])
+  specs = jaxcomp.state_partition_specs(tx, init_params(), axis_name="batch")
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(init_params())
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("batch"), specs, P("batch"), P("batch")),
+                     out_specs=(P("batch"), specs))
+  def step(params, state, x, y):
+    params = jax.tree.map(lambda p: p[0], params)
+    updates, state = tx.update(jax.grad(loss_fn)(params, x[0], y[0]), state, params)
+    return jax.tree.map(lambda p: p[None], optax.apply_updates(params, updates)), state
+
+  params = replicate(init_params(), W)
+  expected = pmap_run(tx, 6)
+  for t in range(6):
+    params, state = jax.block_until_ready(step(params, state, *batch(t)))
+    # Two compiled programs: equal to float32 rounding (a few ulp per step).
+    chex.assert_trees_all_close(params, expected[t], rtol=0, atol=1e-5)
+  assert_identical_across_devices(params)  # step 5 synchronizes
+  # The local steps send nothing: every collective sits in the sync branch.
+  report = jaxcomp.comm_report(step, params, state, *batch(0))
+  assert report.collectives and all(c.in_conditional for c in report.collectives)
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_nnx_optimizer_gives_the_parameters_of_plain_arrays(name):
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+
+    def __init__(self):
+      self.w = nnx.Param(jnp.asarray(init_params()["w"]))
+      self.b = nnx.Param(jnp.asarray(init_params()["b"]))
+
+    def __call__(self, x):
+      return jnp.tanh(x @ self.w + self.b)
+
+  tx = WRAPPERS[name]()
+  model = Model()
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def step(state, x, y):
+    model, optimizer = nnx.merge(graphdef, state)
+    grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  state = replicate(state, W)
+  expected = pmap_run(tx, 6)
+  for t in range(6):
+    state = jax.block_until_ready(pstep(state, *batch(t)))
+    model_state = nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
+    got = {"w": np.asarray(model_state["w"].get_value()), "b": np.asarray(model_state["b"].get_value())}
+    chex.assert_trees_all_close(got, expected[t], rtol=0, atol=1e-5)
+  assert_identical_across_devices(got)
