@@ -11,6 +11,12 @@ length of a run (its recipe)::
 
 The recipes follow the papers and torch: PowerSGD runs the plain mean for the first 10% of the steps
 (``start_iter``); DGC ramps its density up through the paper's warm-up densities over the first 10%.
+A recipe also names its phases — which steps behave like which steady-state program — so that the
+bytes and the wall-clock of a whole run can be added up phase by phase (``entry.phases(steps)``)::
+
+  REGISTRY["powersgd_r2"].phases(3000)
+  # (Phase(first_step=0, name='allreduce', settings={}),      the plain mean until start_iter
+  #  Phase(first_step=300, name='powersgd_r2', settings={}))  then the steady state
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ class Compressor:
     factory: ``factory(axis_name=..., **settings) -> GradientTransformation``.
     settings: the factory's settings in the steady state (compressing from the first step).
     recipe: ``recipe(steps) -> settings`` that replace the steady-state ones for a run of ``steps``
-      steps (warm-up phases), or None.
+      steps (warm-up phases), or None. A ``Recipe`` also knows its phases.
     has_momentum: the compressor applies momentum itself (DGC's momentum correction), so the
       optimizer after it has none.
     wire_dtype: the dtype it sends float32 gradients in, where it is not the gradient's own.
@@ -62,15 +68,76 @@ class Compressor:
     settings.update(overrides)
     return self.factory(axis_name=axis_name, **settings)
 
+  def phases(self, steps: int) -> tuple:
+    """The ``Phase``s of a run of ``steps`` steps under the recipe, first step first.
 
-def _start_iter(steps: int) -> dict:
-  return {"start_iter": int(steps * _WARMUP_FRACTION)}
+    A ``Recipe`` names them; without a recipe the run is one phase, the steady state; a recipe that
+    is a plain function is one phase too, its own program from step 0 (its warm-up steps are then
+    costed as the whole program, which is all that is known of them).
+    """
+    if isinstance(self.recipe, Recipe):
+      return tuple(Phase(first, name or self.name, settings)
+                   for first, name, settings in self.recipe.phases(steps))
+    if self.recipe is None:
+      return (Phase(0, self.name, {}),)
+    return (Phase(0, self.name, dict(self.recipe(steps))),)
 
 
-def _dgc_warmup(steps: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """From ``first_step`` on (until the next phase), a run's steps send and cost what the steady state
+  of ``REGISTRY[name]``, with ``settings`` replacing its own, sends and costs."""
+  first_step: int
+  name: str
+  settings: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a compressor's settings follow the length of a run.
+
+  Attributes:
+    settings: ``settings(steps) -> dict``, what ``Compressor.make(steps=...)`` applies.
+    phases: ``phases(steps) -> ((first_step, name, settings), ...)``: the steady-state program each
+      stretch of the run behaves like; ``name`` None means the compressor's own.
+  """
+  settings: Callable[[int], dict]
+  phases: Callable[[int], tuple]
+
+  def __call__(self, steps: int) -> dict:
+    return self.settings(steps)
+
+
+def _warmup_steps(steps: int) -> int:
+  return int(steps * _WARMUP_FRACTION)
+
+
+# PowerSGD (and any compressor with torch's ``start_iter``): the plain mean, then compression. A
+# start_iter step sends exactly what allreduce sends, so it is costed as allreduce's step.
+_start_iter = Recipe(
+    settings=lambda steps: {"start_iter": _warmup_steps(steps)},
+    phases=lambda steps: (((0, "allreduce", {}),) if _warmup_steps(steps) else ())
+    + ((_warmup_steps(steps), None, {}),))
+
+
+def _dgc_stages(steps: int) -> tuple:
   """The paper's four warm-up densities, in equal stages over the first 10% of the run."""
-  stage = max(int(steps * _WARMUP_FRACTION) // len(jaxcomp.PAPER_WARMUP), 1)
-  return {"warmup": tuple((stage * (i + 1), d) for i, d in enumerate(jaxcomp.PAPER_WARMUP))}
+  stage = max(_warmup_steps(steps) // len(jaxcomp.PAPER_WARMUP), 1)
+  return tuple((stage * (i + 1), d) for i, d in enumerate(jaxcomp.PAPER_WARMUP))
+
+
+def _dgc_phases(steps: int) -> tuple:
+  """Each warm-up stage behaves like the steady state at its density (``ratio``; a stage too dense
+  to pay off sends the dense mean, as the warm-up program does), then the steady state."""
+  stages = _dgc_stages(steps)
+  starts = (0,) + tuple(end for end, _ in stages[:-1])
+  return (tuple((start, None, {"ratio": density, "warmup": None})
+                for start, (_, density) in zip(starts, stages))
+          + ((stages[-1][0], None, {}),))
+
+
+# DGC (and coarse DGC, whose ratio counts chunks): the density ramps up through the warm-up stages.
+_dgc_warmup = Recipe(settings=lambda steps: {"warmup": _dgc_stages(steps)}, phases=_dgc_phases)
 
 
 def _hook(hook, make_state=None) -> Callable[..., optax.GradientTransformation]:
