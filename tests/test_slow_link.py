@@ -108,9 +108,10 @@ def test_the_link_is_rate_limited_and_removed_after_the_block():
                              text=True).stdout
       assert ("tbf" in qdisc) == (rate != "none")
     assert name not in _namespaces()
-  # 100 Mbit/s is 12.5 MB/s; an unlimited loopback moves hundreds of MB/s even on a busy machine.
-  assert measured["100mbit"]["beta"] < 16e6
-  assert measured["none"]["beta"] > 5 * measured["100mbit"]["beta"]
+  # 100 Mbit/s is 12.5 MB/s. Unlimited, one Python stream moves more (hundreds of MB/s on an idle
+  # machine; only tens when the CPU is starved, so the bound is loose).
+  assert 5e6 < measured["100mbit"]["beta"] < 16e6
+  assert measured["none"]["beta"] > 1.5 * measured["100mbit"]["beta"]
 
 
 @needs_link

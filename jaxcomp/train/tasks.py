@@ -96,6 +96,13 @@ class Task:
     logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
+  def optimizer(self, entry, steps=None, **overrides) -> optax.GradientTransformation:
+    """What every compressor trains with: ``chain(compressor, clip_by_global_norm(1), sgd(lr,
+    momentum 0.9))``, the compressor a registry entry (``jaxcomp.train.registry``) with its recipe
+    for ``steps`` steps, or its steady state; DGC applies the momentum itself: plain SGD after it."""
+    return optax.chain(entry.make("batch", steps=steps, **overrides), optax.clip_by_global_norm(1.0),
+                       optax.sgd(self.learning_rate, momentum=None if entry.has_momentum else 0.9))
+
   def evaluate(self, params):
     """(loss, accuracy) on the held-out set."""
     loss, accuracy = self._evaluate(params)
