@@ -19,7 +19,7 @@ What runs (one command):
 2. **Step times over each link.** The W workers time every phase's steady-state step of every
    compressor (``registry.Phase``: a PowerSGD warm-up step is allreduce's step, a DGC warm-up stage is
    DGC at that density) and torch 2.13 ``DistributedDataParallel`` steps of the same model on the same
-   batch (default all-reduce, ``fp16_compress_hook``, ``powerSGD_hook`` rank 1 and 4;
+   batches (a fresh batch every step for both, input pipeline included, as in training; default all-reduce, ``fp16_compress_hook``, ``powerSGD_hook`` rank 1 and 4;
    ``bucket_cap_mb=100``: one bucket, since torch 2.13's PowerSGD hook hangs on gloo with several),
    interleaved round by round, over each ``--rates`` link in turn (the workers re-rate the link in
    place). The link's throughput (one TCP stream) and latency (ping-pong) are measured first.
@@ -69,7 +69,8 @@ GOALS = {"powersgd": 0.2, "dgc": 0.3, "fp16": 0.6}  # wall-clock to target / all
 
 def torch_programs(worker) -> dict:
   """``{"torch:NAME": run(k)}``: DDP steps of the task's MLP (the JAX initial parameters, the same
-  step-0 batch rows), one DDP model per hook, over a gloo group inside the namespace."""
+  fresh batch rows per step as the jaxcomp steps), one DDP model per hook, over a gloo group inside
+  the namespace."""
   import torch
   import torch.distributed as dist
   from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
@@ -80,10 +81,6 @@ def torch_programs(worker) -> dict:
                           rank=worker.rank, world_size=job.world)
   params = worker.task.init(job.seed)
   layers = sorted(params)  # Dense_0, Dense_1, Dense_2
-  inputs, targets = worker.task.batch(job.seed, 0, job.batch_size)
-  mine = slice(worker.rank * worker.rows, (worker.rank + 1) * worker.rows)
-  x = torch.from_numpy(np.asarray(inputs[mine]))
-  y = torch.from_numpy(np.asarray(targets[mine]).astype(np.int64))
   runners = {}
   for name in job.extra["torch"]:
     _, hook, rank = TORCH[name]
@@ -107,6 +104,8 @@ def torch_programs(worker) -> dict:
 
     def run(k, model=model, opt=opt):
       for _ in range(k):
+        inputs, targets = worker.local_batch(worker.next_step())
+        x, y = torch.from_numpy(inputs), torch.from_numpy(targets.astype(np.int64))
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()  # DDP's hook averages the gradient here

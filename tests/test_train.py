@@ -115,13 +115,13 @@ def test_recipes_name_their_phases():
   assert registry.REGISTRY["powersgd_r1"].phases(5) == (registry.Phase(0, "powersgd_r1", {}),)
 
 
-def _run(name="x", phases=((0, "a"), (3, "b")), evals=((0, 2.0, 0.1),), steps=6):
+def _fake_run(name="x", phases=((0, "a"), (3, "b")), evals=((0, 2.0, 0.1),), steps=6):
   return job.Run(name, steps, list(phases), {"a": 100.0, "b": 1.0}, 1.0, "",
                  losses=[1.0] * steps, evals=list(evals), link_seconds={"a": 2.0, "b": 0.5})
 
 
 def test_bytes_and_wall_clock_add_up_phase_by_phase():
-  run = _run()
+  run = _fake_run()
   assert run.phase_at(0) == run.phase_at(2) == "a" and run.phase_at(3) == "b"
   assert run.bytes_to(5) == 3 * 100.0 + 2 * 1.0
   assert run.link_seconds_to(5) == 3 * 2.0 + 2 * 0.5
@@ -129,7 +129,7 @@ def test_bytes_and_wall_clock_add_up_phase_by_phase():
 
 def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
   evals = [(0, 3.0, 0.0)] + [(s, 3.0 - 0.1 * s, 0.1 * s) for s in range(1, 21)]
-  run = _run(evals=evals, steps=20)
+  run = _fake_run(evals=evals, steps=20)
   window = [3.0 - 0.1 * s for s in range(11, 21)]
   assert run.final[0] == pytest.approx(sum(window) / 10)
   assert run.held_out(1) == pytest.approx((2.9, 0.1))  # only one evaluation yet
@@ -137,8 +137,8 @@ def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
   assert run.steps_to(target) == 20 and run.steps_to(target + 0.05) == 19
   assert run.steps_to(0.0) is None
   assert not run.diverged
-  assert _run(evals=[(0, 2.0, 0.1), (6, 2.5, 0.1)]).diverged  # ended above where it started
-  assert _run(evals=[(0, 2.0, 0.1), (6, float("nan"), 0.1)]).diverged
+  assert _fake_run(evals=[(0, 2.0, 0.1), (6, 2.5, 0.1)]).diverged  # ended above where it started
+  assert _fake_run(evals=[(0, 2.0, 0.1), (6, float("nan"), 0.1)]).diverged
 
 
 def test_link_needs_ip_and_tc_and_says_so_in_one_line(tmp_path):

@@ -426,15 +426,25 @@ class _Worker:
     from jax.experimental import multihost_utils
     return [int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))]
 
+  def local_batch(self, step: int) -> tuple:
+    """This worker's rows of the step's global batch (numpy), as a data loader would hand them."""
+    inputs, targets = self.task.batch(self.job.seed, step, self.job.batch_size)
+    mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
+    return inputs[mine], targets[mine]
+
+  def next_step(self) -> int:
+    """A fresh step number for a timed step: every timed step feeds a new batch, as training does
+    (the input pipeline's cost is part of a step). All workers count alike."""
+    self.steps_timed = getattr(self, "steps_timed", 0) + 1
+    return self.steps_timed
+
   def batch(self, step: int):
     """This step's global batch as arrays sharded over the workers (each feeds its own rows)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
-    inputs, targets = self.task.batch(self.job.seed, step, self.job.batch_size)
-    mine = slice(self.rank * self.rows, (self.rank + 1) * self.rows)
     sharding = NamedSharding(self.mesh, P(AXIS))
-    return tuple(jax.make_array_from_process_local_data(sharding, a[mine], a.shape)
-                 for a in (inputs, targets))
+    return tuple(jax.make_array_from_process_local_data(
+        sharding, rows, (self.job.batch_size,) + rows.shape[1:]) for rows in self.local_batch(step))
 
   def compressor_step(self, name: str, steps: Optional[int] = None, settings: Optional[dict] = None):
     """``(step, params, opt_state, collectives)`` of one compressor: its recipe for ``steps``
@@ -474,16 +484,16 @@ class _Worker:
     return compiled, params, opt_state, collectives
 
   def jax_programs(self) -> tuple:
-    """``({key: run(k)}, {key: collectives})``: each ``run(k)`` takes ``k`` steps, blocking."""
+    """``({key: run(k)}, {key: collectives})``: each ``run(k)`` takes ``k`` steps on fresh batches,
+    blocking."""
     runners, collectives = {}, {}
-    inputs = self.batch(0)
     for key, (name, settings) in self.job.programs.items():
       compiled, params, opt_state, collectives[key] = self.compressor_step(name, settings=settings)
       state = [params, opt_state]
 
       def run(k, compiled=compiled, state=state):
         for _ in range(k):
-          state[0], state[1], loss = compiled(state[0], state[1], *inputs)
+          state[0], state[1], loss = compiled(state[0], state[1], *self.batch(self.next_step()))
           float(loss.addressable_data(0))  # blocks: every worker finished the step
       runners[key] = run
       self.say(f"compiled {key}")
