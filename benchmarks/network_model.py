@@ -19,6 +19,13 @@ Gropp 2005), taking the faster of the ring and recursive doubling, as collective
 * all-reduce of N bytes: min(2(W−1)·(α + N/(W·β)), log2(W)·(α + N/β));
 * all-gather of c bytes per worker: min((W−1)·(α + c/β), log2(W)·α + (W−1)·c/β).
 
+On ONE SHARED MEDIUM (a rate-limited loopback, a hub: every worker's traffic passes one queue of rate
+β; ``benchmarks/slow_link.py`` measures such a link), gloo's ring algorithms put W workers' chunks
+through the queue at each of their steps, so each worker gets β/W (``shared_medium_time``):
+
+* all-reduce of N bytes: 2(W−1)·(α + N/β);
+* all-gather of c bytes per worker: (W−1)·(α + W·c/β).
+
 Step time = forward/backward + compression compute + Σ collectives; speedup = allreduce's step time /
 the compressor's. α = ``--alpha-us`` (default 5 µs), β = 1, 10 and 100 Gbit/s, W = 8 … 1024. The plot
 (``benchmarks/payoff.png``) shows the speedup against W per bandwidth: where a line is above 1 the
@@ -36,13 +43,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-from benchmarks import bytes as bytes_bench  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.compute_vs_torch import jax_runner  # noqa: E402
 
 GBITS = (1, 10, 100)
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -78,8 +79,26 @@ def comm_time(collectives, world, alpha, beta):
   return total
 
 
+def shared_medium_time(collectives, world, alpha, beta):
+  """Seconds for ``(op, bytes)`` collectives (all-reduce bytes N, all-gather bytes per worker) on one
+  medium of rate ``beta`` bytes/s shared by all ``world`` workers, with gloo's ring algorithms: every
+  ring step moves one chunk per worker through the same queue."""
+  if world <= 1:
+    return 0.0
+  total = 0.0
+  for op, nbytes in collectives:
+    if op == "all-reduce":
+      total += 2 * (world - 1) * (alpha + nbytes / beta)
+    elif op == "all-gather":
+      total += (world - 1) * (alpha + world * nbytes / beta)
+    else:
+      raise ValueError(f"the model has no formula for {op}")
+  return total
+
+
 def measured_collectives(compressor, tree) -> list:
   """``(op, bytes)`` per compiled collective; bf16 at its requested width (XLA:CPU widens it)."""
+  from benchmarks import bytes as bytes_bench
   compiled, lowered = bytes_bench.measure(compressor, tree)
   scale = lowered.payload_bytes / compiled.payload_bytes if compressor.name == "bf16" else 1.0
   return [(c.op, scale * c.payload_bytes / (c.group_size if c.op == "all-gather" else 1))
@@ -119,6 +138,9 @@ def plot(path, compressor_names, speedups, compute_ms, alpha_us):
 
 
 def main(argv=None) -> int:
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts; importing the formulas does not
+  from benchmarks.compute_vs_torch import jax_runner
   p = common.parser(__doc__.split("\n\n")[0])
   p.add_argument("--compute-ms", type=float, default=100.0,
                  help="assumed forward+backward time per step (ms)")

@@ -102,6 +102,29 @@ def test_network_model():
   assert len(rows) == 3 * 8  # 1, 10, 100 Gbit/s × W = 8 … 1024
 
 
+@pytest.mark.slow
+def test_slow_link_time_to_accuracy_against_torch():
+  from jaxcomp.train import link
+  reason = link.unavailable_reason()
+  if reason:
+    pytest.skip(f"no network namespaces here: {reason}")
+  out = run_script("slow_link.py")
+  goals = table_rows(out.split("**Goals**")[1])
+  assert any("α-β model" in r[0] for r in goals)
+  rows = table_rows(out.split("**Time to target.**")[1])
+  assert [r[0] for r in rows] == ["allreduce", "fp16", "powersgd_r1"]
+  assert rows[0][4].endswith("(1.00×)")  # allreduce's own wall-clock to its own target
+  model = table_rows(out.split("**α-β model")[1])
+  assert {r[0] for r in model} == {"allreduce", "fp16", "powersgd_r1"}
+  assert all(float(r[-1]) > 0 for r in model)
+  checks = table_rows(out.split("**End-to-end check**")[1])
+  assert [r[0] for r in checks] == ["powersgd_r1", "fp16"]
+  if "**Against torch" in out:
+    torch_rows = table_rows(out.split("**Against torch")[1])
+    assert {r[0] for r in torch_rows} == {"allreduce", "fp16", "powersgd_r1"}
+    assert all(float(r[-1]) > 0 for r in torch_rows)
+
+
 def test_alpha_beta_formulas():
   model = pytest.importorskip("benchmarks.network_model")
   beta, n = 1e9, 1e8
@@ -111,6 +134,11 @@ def test_alpha_beta_formulas():
   assert model.allreduce_time(4, 1024, 1e-5, beta) == pytest.approx(10 * (1e-5 + 4 / beta))
   assert model.allgather_time(100, 4, 0.0, beta) == pytest.approx(3 * 100 / beta)
   assert model.allreduce_time(n, 1, 1.0, beta) == 0.0
+  # One shared medium: the ring's 2(W−1) steps each move W chunks of N/W through one queue.
+  assert model.shared_medium_time([("all-reduce", n)], 4, 0.0, beta) == pytest.approx(6 * n / beta)
+  assert model.shared_medium_time([("all-gather", 100)], 4, 1e-5, beta) == pytest.approx(
+      3 * (1e-5 + 400 / beta))
+  assert model.shared_medium_time([("all-reduce", n)], 1, 1.0, beta) == 0.0
   # DGC sends the dense mean once W·density·2 >= 1, as jaxcomp.dgc does.
   measured = {"allreduce": [("all-reduce", 40)], "dgc": [("all-gather", 8), ("all-reduce", 4)]}
   assert model.collectives_at("dgc", measured, 256) == measured["dgc"]

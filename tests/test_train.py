@@ -27,18 +27,25 @@ def test_quick_run_prints_the_table_and_writes_its_files(tmp_path):
   proc = _run("--quick", "--steps", "6", "--devices", "4", "--out", str(out))
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.splitlines()
-  header = lines.index("| compressor | sent/step/device | compression | step time | loss | accuracy |")
-  rows = {line.split("|")[1].strip(): line for line in lines[header + 2:] if line.startswith("|")}
+  header = lines.index("| compressor | sent/step/device | compression | step time | steps to target "
+                       "| sent to target | held-out loss | accuracy |")
+  rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
+          for line in lines[header + 2:] if line.startswith("|")}
   assert list(rows) == list(registry.DEFAULT)
-  assert "| 1.0x | 1.00x |" in rows["allreduce"]
-  assert "| 2.0x |" in rows["fp16"]
+  assert [c.strip() for c in rows["allreduce"][1:3]] == ["1.0x", "1.00x"]
+  assert rows["fp16"][1].strip() == "2.0x"
+  # allreduce reaches its own final held-out loss by the last step, at its own bytes.
+  steps, ratio = rows["allreduce"][3].split()
+  assert int(steps) <= 6 and ratio == "(1.00x)"
+  assert rows["allreduce"][4].strip().endswith("(1.00x)")
   assert "step" in proc.stderr  # the progress bar
   assert (out / "loss.png").stat().st_size > 0
   assert "| compressor |" in (out / "results.md").read_text()
   results = json.loads((out / "results.json").read_text())
   assert results["devices"] == 4
   for run in results["runs"]:
-    assert len(run["losses"]) == 6
+    assert 6 <= len(run["losses"]) <= 9  # --max-steps defaults to 1.5 x --steps
+    assert run["evals"][0][0] == 0 and run["evals"][-1][0] == len(run["losses"])
   # Every compressor saw the same batches from the same start, so the first loss is the same: each
   # compressor's own compiled step computes it, to float32 rounding of the widest (256-long) sums.
   first = [run["losses"][0] for run in results["runs"]]
@@ -58,7 +65,9 @@ def test_digits_task_trains(tmp_path):
     (["--steps", "-3"], "--steps must be a positive number of steps; got -3"),
     (["--devices", "0"], "--devices must be a positive number of devices; got 0"),
     (["--devices", "64"], "--batch-size must be a positive multiple of --devices 64"),
-    (["--task", "mnist"], "argument --task: invalid choice: 'mnist'"),
+    (["--task", "cifar"], "argument --task: invalid choice: 'cifar'"),
+    (["--link", "fast"], "--link: rate must be 'none' or a number with kbit, mbit or gbit"),
+    (["--steps", "10", "--max-steps", "5"], "--max-steps must be at least --steps 10; got 5"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
   with pytest.raises(SystemExit) as exit_info:
@@ -87,7 +96,82 @@ def test_bad_arguments_from_the_command_line_are_not_tracebacks():
 
 def test_help_explains_each_option():
   text = _run("--help").stdout
-  for option in ("--task", "--steps", "--devices", "--compressors", "--out", "--batch-size",
-                 "--seed", "--quick"):
+  for option in ("--task", "--steps", "--max-steps", "--devices", "--compressors", "--out",
+                 "--batch-size", "--seed", "--quick", "--link"):
     assert option in text
   assert "standard library" in text and "8x8 digits" in text
+
+
+def test_recipes_name_their_phases():
+  assert registry.REGISTRY["allreduce"].phases(300) == (registry.Phase(0, "allreduce", {}),)
+  # PowerSGD: plain-mean steps (allreduce's program) until start_iter = 10% of the run.
+  assert registry.REGISTRY["powersgd_r2"].phases(300) == (
+      registry.Phase(0, "allreduce", {}), registry.Phase(30, "powersgd_r2", {}))
+  assert registry.REGISTRY["powersgd_r2"].make("batch", steps=300) is not None
+  # DGC: the paper's warm-up densities in four equal stages over the first 10%, then the steady state.
+  dgc = registry.REGISTRY["dgc"].phases(400)
+  assert [p.first_step for p in dgc] == [0, 10, 20, 30, 40]
+  assert [p.settings.get("ratio") for p in dgc] == [0.25, 0.0625, 0.015625, 0.004, None]
+  assert registry.REGISTRY["dgc"].recipe(400) == {
+      "warmup": ((10, 0.25), (20, 0.0625), (30, 0.015625), (40, 0.004))}
+  # Too short for a warm-up: one phase.
+  assert registry.REGISTRY["powersgd_r1"].phases(5) == (registry.Phase(0, "powersgd_r1", {}),)
+
+
+def _fake_run(name="x", phases=((0, "a"), (3, "b")), evals=((0, 2.0, 0.1),), steps=6):
+  return job.Run(name, steps, list(phases), {"a": 100.0, "b": 1.0}, 1.0, "",
+                 losses=[1.0] * steps, evals=list(evals), link_seconds={"a": 2.0, "b": 0.5})
+
+
+def test_bytes_and_wall_clock_add_up_phase_by_phase():
+  run = _fake_run()
+  assert run.phase_at(0) == run.phase_at(2) == "a" and run.phase_at(3) == "b"
+  assert run.bytes_to(5) == 3 * 100.0 + 2 * 1.0
+  assert run.link_seconds_to(5) == 3 * 2.0 + 2 * 0.5
+
+
+def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
+  evals = [(0, 3.0, 0.0)] + [(s, 3.0 - 0.1 * s, 0.1 * s) for s in range(1, 21)]
+  run = _fake_run(evals=evals, steps=20)
+  window = [3.0 - 0.1 * s for s in range(11, 21)]
+  assert run.final[0] == pytest.approx(sum(window) / 10)
+  assert run.held_out(1) == pytest.approx((2.9, 0.1))  # only one evaluation yet
+  target = run.final[0]
+  assert run.steps_to(target) == 20 and run.steps_to(target + 0.05) == 19
+  assert run.steps_to(0.0) is None
+  assert not run.diverged
+  assert _fake_run(evals=[(0, 2.0, 0.1), (6, 2.5, 0.1)]).diverged  # ended above where it started
+  assert _fake_run(evals=[(0, 2.0, 0.1), (6, float("nan"), 0.1)]).diverged
+
+
+def test_link_needs_ip_and_tc_and_says_so_in_one_line(tmp_path):
+  (tmp_path / "python").symlink_to(sys.executable)
+  env = dict(os.environ, PYTHONPATH=ROOT, PATH=str(tmp_path))
+  proc = subprocess.run([sys.executable, "-m", "jaxcomp.train", "--quick", "--link", "100mbit"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("python -m jaxcomp.train: error: --link 100mbit: "
+                                                 "a slow link needs ")
+
+
+@pytest.mark.slow
+def test_quick_run_over_a_slow_link(tmp_path):
+  from jaxcomp.train import link
+  reason = link.unavailable_reason()
+  if reason:
+    pytest.skip(f"no network namespaces here: {reason}")
+  proc = _run("--quick", "--steps", "6", "--devices", "2", "--compressors", "allreduce,powersgd_r1",
+              "--link", "100mbit", "--out", str(tmp_path))
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  header = next(line for line in lines if line.startswith("| compressor |"))
+  assert "| step over link | wall-clock to target |" in header
+  rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
+          for line in lines[lines.index(header) + 2:] if line.startswith("|")}
+  assert list(rows) == ["allreduce", "powersgd_r1"]
+  assert rows["allreduce"][4].strip().endswith("s") and rows["allreduce"][5].strip().endswith("(1.00x)")
+  assert any(line.startswith("step times over a 100mbit link: 2 processes in a network namespace")
+             for line in lines)
+  assert not any(n.startswith(link.PREFIX) for n in
+                 subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())

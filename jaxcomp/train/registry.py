@@ -19,6 +19,13 @@ Not every entry is a gradient compressor: ``onebit_adam`` is a whole optimizer (
 and local SGD and DiLoCo wrap the whole optimizer (``wraps_optimizer``). ``entry.optimizer(inner)``
 builds any of the three kinds around an inner optimizer: the compressor chained before it, the
 wrapper around it, or the optimizer alone.
+
+A recipe also names its phases — which steps behave like which steady-state program — so that the
+bytes and the wall-clock of a whole run can be added up phase by phase (``entry.phases(steps)``)::
+
+  REGISTRY["powersgd_r2"].phases(3000)
+  # (Phase(first_step=0, name='allreduce', settings={}),      the plain mean until start_iter
+  #  Phase(first_step=300, name='powersgd_r2', settings={}))  then the steady state
 """
 
 from __future__ import annotations
@@ -44,8 +51,8 @@ class Compressor:
     about: one line: what it sends, for tables and ``--help``.
     factory: ``factory(axis_name=..., **settings) -> GradientTransformation``.
     settings: the factory's settings in the steady state (compressing from the first step).
-    recipe: ``recipe(steps) -> settings`` that replace the steady-state ones for a run of ``steps``
-      steps (warm-up phases), or None.
+    recipe: the ``Recipe``: settings that replace the steady-state ones for a run of ``steps`` steps
+      (warm-up phases), and those phases; or None.
     has_momentum: the compressor applies momentum itself (DGC's momentum correction), so the
       optimizer after it has none.
     momentum_free: its paper trains it with SGD without momentum (EF-SignSGD: error feedback
@@ -65,7 +72,7 @@ class Compressor:
   about: str
   factory: Callable[..., optax.GradientTransformation]
   settings: dict = dataclasses.field(default_factory=dict)
-  recipe: Optional[Callable[[int], dict]] = None
+  recipe: Optional[Recipe] = None
   has_momentum: bool = False
   momentum_free: bool = False
   wire_dtype: Optional[str] = None
@@ -117,15 +124,72 @@ class Compressor:
              else 2 if self.settings.get("alternating") else 1)
     return sum(getattr(c, kind) / (every if c.in_conditional else 1) for c in report.collectives)
 
+  def phases(self, steps: int) -> tuple:
+    """The ``Phase``s of a run of ``steps`` steps under the recipe, first step first.
 
-def _start_iter(steps: int) -> dict:
-  return {"start_iter": int(steps * _WARMUP_FRACTION)}
+    The ``Recipe`` names them; without a recipe the run is one phase, the steady state.
+    """
+    if self.recipe is None:
+      return (Phase(0, self.name, {}),)
+    return tuple(Phase(first, name or self.name, settings)
+                 for first, name, settings in self.recipe.phases(steps))
 
 
-def _dgc_warmup(steps: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """From ``first_step`` on (until the next phase), a run's steps send and cost what the steady state
+  of ``REGISTRY[name]``, with ``settings`` replacing its own, sends and costs."""
+  first_step: int
+  name: str
+  settings: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a compressor's settings follow the length of a run.
+
+  Attributes:
+    settings: ``settings(steps) -> dict``, what ``Compressor.make(steps=...)`` applies.
+    phases: ``phases(steps) -> ((first_step, name, settings), ...)``: the steady-state program each
+      stretch of the run behaves like; ``name`` None means the compressor's own.
+  """
+  settings: Callable[[int], dict]
+  phases: Callable[[int], tuple]
+
+  def __call__(self, steps: int) -> dict:
+    return self.settings(steps)
+
+
+def _warmup_steps(steps: int) -> int:
+  return int(steps * _WARMUP_FRACTION)
+
+
+# PowerSGD (and any compressor with torch's ``start_iter``): the plain mean, then compression. A
+# start_iter step sends exactly what allreduce sends, so it is costed as allreduce's step.
+_start_iter = Recipe(
+    settings=lambda steps: {"start_iter": _warmup_steps(steps)},
+    phases=lambda steps: (((0, "allreduce", {}),) if _warmup_steps(steps) else ())
+    + ((_warmup_steps(steps), None, {}),))
+
+
+def _dgc_stages(steps: int) -> tuple:
   """The paper's four warm-up densities, in equal stages over the first 10% of the run."""
-  stage = max(int(steps * _WARMUP_FRACTION) // len(jaxcomp.PAPER_WARMUP), 1)
-  return {"warmup": tuple((stage * (i + 1), d) for i, d in enumerate(jaxcomp.PAPER_WARMUP))}
+  stage = max(_warmup_steps(steps) // len(jaxcomp.PAPER_WARMUP), 1)
+  return tuple((stage * (i + 1), d) for i, d in enumerate(jaxcomp.PAPER_WARMUP))
+
+
+def _dgc_phases(steps: int) -> tuple:
+  """Each warm-up stage behaves like the steady state at its density (``ratio``; a stage too dense
+  to pay off sends the dense mean, as the warm-up program does), then the steady state."""
+  stages = _dgc_stages(steps)
+  starts = (0,) + tuple(end for end, _ in stages[:-1])
+  return (tuple((start, None, {"ratio": density, "warmup": None})
+                for start, (_, density) in zip(starts, stages))
+          + ((stages[-1][0], None, {}),))
+
+
+# DGC (and coarse DGC, whose ratio counts chunks): the density ramps up through the warm-up stages.
+_dgc_warmup = Recipe(settings=lambda steps: {"warmup": _dgc_stages(steps)}, phases=_dgc_phases)
 
 
 def _hook(hook, make_state=None) -> Callable[..., optax.GradientTransformation]:
@@ -144,9 +208,14 @@ def _powersgd(rank: int) -> Compressor:
                     error_feedback=True)
 
 
-def _freeze_steps(steps: int) -> dict:
-  """1-bit Adam's warm-up: dense Adam for the first 20% of the steps (DeepSpeed: 15–25%)."""
-  return {"freeze_steps": max(int(steps * _FREEZE_FRACTION), 1)}
+def _freeze_steps(steps: int) -> int:
+  return max(int(steps * _FREEZE_FRACTION), 1)
+
+
+# 1-bit Adam's warm-up: dense Adam for the first 20% of the steps (DeepSpeed: 15–25%); a dense step
+# sends the gradient's f32 mean, as allreduce's step does.
+_freeze = Recipe(settings=lambda steps: {"freeze_steps": _freeze_steps(steps)},
+                 phases=lambda steps: ((0, "allreduce", {}), (_freeze_steps(steps), None, {})))
 
 
 _ENTRIES = (
@@ -188,15 +257,10 @@ _ENTRIES = (
                jaxcomp.sign_compress, wire_dtype="uint8", momentum_free=True),
     Compressor("onebit_adam", "1-bit Adam (an optimizer, lr 1e-3): dense Adam for 20% of the steps, "
                "then sign bits of the momentum", jaxcomp.onebit_adam,
-               {"learning_rate": 1e-3, "freeze_steps": 0}, _freeze_steps, wire_dtype="uint8",
+               {"learning_rate": 1e-3, "freeze_steps": 0}, _freeze, wire_dtype="uint8",
                is_optimizer=True),
 )
 
-
-
-def _post_local_start(steps: int) -> dict:
-  """Post-local SGD: gradient averaging for the first 10% of the steps (torch's start_localSGD_iter)."""
-  return {"start_iter": int(steps * _WARMUP_FRACTION)}
 
 
 def _diloco(compressor=None, **compressor_settings) -> Callable[..., optax.GradientTransformation]:
@@ -212,7 +276,7 @@ def _diloco(compressor=None, **compressor_settings) -> Callable[..., optax.Gradi
 
 _ENTRIES += (
     Compressor("local_sgd_h8", "post-local SGD: parameters averaged every 8 steps, f32",
-               jaxcomp.local_sgd, {"sync_every": 8}, _post_local_start, wraps_optimizer=True),
+               jaxcomp.local_sgd, {"sync_every": 8}, _start_iter, wraps_optimizer=True),
     Compressor("diloco_h20", "DiLoCo: 20 local steps, outer Nesterov on the f32 mean drift",
                _diloco(), {"sync_every": 20}, wraps_optimizer=True),
     Compressor("diloco_h20_fp16", "DiLoCo, H=20, pseudo-gradient sent as float16",

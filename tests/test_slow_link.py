@@ -1,0 +1,181 @@
+"""The slow-link harness (``jaxcomp.train.link``): rates, the refusal messages, a link that is really
+rate-limited, and a namespace that is gone on every exit path.
+
+The namespace tests need root and the ``ip`` / ``tc`` commands; where they are missing they skip with
+that reason (CI runs as root, so there they run).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jaxcomp.train import link
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REASON = link.unavailable_reason()
+needs_link = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")
+
+
+def _namespaces():
+  return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _python(code, **kwargs):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.update(kwargs.pop("env", {}))
+  return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                        text=True, timeout=120, **kwargs)
+
+
+@pytest.mark.parametrize("rate", ["none", "100mbit", "1gbit", "2.5gbit", "500kbit"])
+def test_rates_that_tc_understands(rate):
+  assert link.check_rate(rate) == rate
+
+
+@pytest.mark.parametrize("rate", ["100", "fast", "100 mbit", "100MB", "", "1gbps"])
+def test_bad_rates_are_refused_with_the_fix(rate):
+  with pytest.raises(ValueError, match="rate must be 'none' or a number with kbit, mbit or gbit"):
+    link.check_rate(rate)
+
+
+def test_rate_bits():
+  assert link.rate_bits("100mbit") == 1e8
+  assert link.rate_bits("1gbit") == 1e9
+  assert link.rate_bits("none") is None
+
+
+def test_qdisc_commands_use_a_large_tbf_limit():
+  commands = link.qdisc_commands("100mbit")
+  assert commands[-1] == ["qdisc", "add", "dev", "lo", "root", "tbf", "rate", "100mbit", "burst",
+                          "256kb", "limit", "64mb"]
+  assert link.qdisc_commands("none") == [["qdisc", "del", "dev", "lo", "root"]]
+  with_delay = link.qdisc_commands("1gbit", latency_ms=5)
+  assert "netem" in with_delay[1] and with_delay[2][4:7] == ["parent", "1:", "handle"]
+
+
+def test_missing_ip_and_tc_is_one_line(tmp_path):
+  # A PATH with python but neither ip nor tc.
+  (tmp_path / "python").symlink_to(sys.executable)
+  proc = _python("""
+      from jaxcomp.train import link
+      print(link.unavailable_reason())
+      """, env={"PATH": str(tmp_path)})
+  assert proc.returncode == 0, proc.stderr
+  if os.geteuid() == 0:
+    assert proc.stdout.strip() == ("a slow link needs the ip and tc commands (iproute2: apt-get "
+                                   "install iproute2)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"),
+                    reason="needs root to run a check as another user")
+def test_not_root_is_one_line():
+  proc = subprocess.run(
+      ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+       "from jaxcomp.train import link; print(link.unavailable_reason())"],
+      env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+  if proc.returncode:
+    pytest.skip(f"this Python cannot run as nobody here: {proc.stderr.strip()[-200:]}")
+  assert proc.stdout.strip() == ("a slow link needs root (it creates a network namespace and "
+                                 "rate-limits its loopback with tc); run as root")
+
+
+def test_slow_link_refuses_when_unavailable(monkeypatch):
+  monkeypatch.setattr(link, "unavailable_reason", lambda: "a slow link needs root (...)")
+  with pytest.raises(link.LinkError, match="needs root"):
+    with link.SlowLink("100mbit"):
+      pass
+
+
+@needs_link
+def test_the_link_is_rate_limited_and_removed_after_the_block():
+  probe = "from jaxcomp.train import link; import json; print(json.dumps(link.probe(0.5)))"
+  measured = {}
+  for rate in ("100mbit", "none"):
+    with link.SlowLink(rate) as slow:
+      name = slow.name
+      assert name in _namespaces()
+      out = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", probe],
+                           env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                           timeout=120)
+      assert out.returncode == 0, out.stderr
+      measured[rate] = eval(out.stdout)  # a dict of two floats
+      qdisc = subprocess.run(["tc", "-n", name, "qdisc", "show", "dev", "lo"], capture_output=True,
+                             text=True).stdout
+      assert ("tbf" in qdisc) == (rate != "none")
+    assert name not in _namespaces()
+  # 100 Mbit/s is 12.5 MB/s. Unlimited, one Python stream moves more (hundreds of MB/s on an idle
+  # machine; only tens when the CPU is starved, so the bound is loose).
+  assert 5e6 < measured["100mbit"]["beta"] < 16e6
+  assert measured["none"]["beta"] > 1.5 * measured["100mbit"]["beta"]
+
+
+@needs_link
+def test_namespace_is_removed_when_the_block_raises():
+  with pytest.raises(KeyError):
+    with link.SlowLink("1gbit") as slow:
+      name = slow.name
+      raise KeyError("boom")
+  assert name not in _namespaces()
+
+
+@needs_link
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "exit"])
+def test_namespace_and_workers_are_gone_on_signals_and_exit(how):
+  holder = subprocess.Popen(
+      [sys.executable, "-c", textwrap.dedent(f"""
+          import sys, time
+          from jaxcomp.train import link
+          slow = link.SlowLink("100mbit").__enter__()       # no with-block: atexit must clean up
+          worker = slow.popen([sys.executable, "-c", "import time; time.sleep(600)"])
+          print(slow.name, worker.pid, flush=True)
+          if {how == "exit"!r}:
+            sys.exit(0)
+          time.sleep(600)
+          """)], env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+  name, worker = holder.stdout.readline().split()
+  assert name in _namespaces()
+  if how != "exit":
+    holder.send_signal(getattr(signal, how))
+  holder.wait(timeout=60)
+  assert name not in _namespaces()
+  deadline = time.time() + 10
+  while os.path.exists(f"/proc/{worker}") and time.time() < deadline:
+    time.sleep(0.1)
+  assert not os.path.exists(f"/proc/{worker}"), "the worker outlived the harness"
+
+
+@needs_link
+def test_a_namespace_left_by_sigkill_is_removed_by_the_next_link():
+  holder = subprocess.Popen(
+      [sys.executable, "-c", textwrap.dedent("""
+          import time
+          from jaxcomp.train import link
+          slow = link.SlowLink("none").__enter__()
+          print(slow.name, flush=True)
+          time.sleep(600)
+          """)], env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+  name = holder.stdout.readline().strip()
+  holder.kill()  # SIGKILL: no handler runs
+  holder.wait(timeout=60)
+  assert name in _namespaces()
+  with link.SlowLink("none"):
+    assert name not in _namespaces()
+
+
+@needs_link
+def test_added_latency_works_or_says_netem_is_missing():
+  try:
+    with link.SlowLink("100mbit", latency_ms=5) as slow:
+      qdisc = subprocess.run(["tc", "-n", slow.name, "qdisc", "show", "dev", "lo"],
+                             capture_output=True, text=True).stdout
+      assert "netem" in qdisc and "tbf" in qdisc
+  except link.LinkError as e:
+    assert "netem" in str(e) and "latency cannot be emulated here" in str(e)
+    assert "\n" not in str(e)
+  assert not any(n.startswith(link.PREFIX + str(os.getpid()))
+                 for n in _namespaces().split())
