@@ -394,7 +394,7 @@ def report(args, runs, result, task, names, rates, world, steps, batch_size, tor
       "",
       tta,
       "",
-      f"![held-out loss against wall-clock](benchmarks/slow_link.png)",
+      "![held-out loss against wall-clock](benchmarks/slow_link.png)",
   ]
   if torch_rows:
     text += ["", "**Against torch 2.13 DDP** (same model, initial parameters and batch rows, gloo, "
