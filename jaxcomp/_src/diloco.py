@@ -120,6 +120,7 @@ class DiLoCoState(NamedTuple):
   signature: tree_lib.TreeSignature
 
   PER_DEVICE_FIELDS = ("inner_state",)  # see jaxcomp.sharding
+  PARAMS_PER_DEVICE = True  # the parameters differ between synchronizations
 
 
 def diloco(inner: optax.GradientTransformation, *, sync_every: int,

@@ -115,6 +115,7 @@ class LocalSGDState(NamedTuple):
   signature: tree_lib.TreeSignature
 
   PER_DEVICE_FIELDS = ("inner_state",)  # see jaxcomp.sharding
+  PARAMS_PER_DEVICE = True  # the parameters differ between synchronizations
 
 
 def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_iter: int = 0,
