@@ -1,7 +1,8 @@
 """DDP's promises besides the hooks across two processes joined by jax.distributed on 127.0.0.1 (gloo):
 a different start stops the job naming the leaf, process 0's broadcast makes the replicas identical,
-a process with fewer batches ends the job for all at the same step, and BatchNorm statistics follow
-the chosen policy. Every job runs under a timeout, so a hang fails instead of blocking."""
+a process with fewer batches ends the job for all at the same step, BatchNorm statistics follow
+the chosen policy (pmap, shard_map, data_parallel), and data_parallel's make_state starts every process
+from process 0's state. Every job runs under a timeout, so a hang fails instead of blocking."""
 
 import os
 import pathlib
@@ -73,11 +74,11 @@ def test_batchnorm_statistics_follow_each_policy_across_two_processes():
                         timeout=2 * TIMEOUT)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   lines = [line for line in proc.stdout.splitlines() if "BatchNorm_0 statistics" in line]
-  assert len(lines) == 2 * 2 * 4, proc.stdout  # processes x mappings x policies
+  assert len(lines) == 2 * 3 * 4, proc.stdout  # processes x mappings x policies
   for process in range(2):
-    for mapping in ("pmap", "shard_map"):
+    for mapping in ("pmap", "shard_map", "data_parallel"):
       for policy in ("local", "mean", "first", "mean every 3"):
-        line = next(l for l in lines if l.startswith(f"process {process}: {mapping:9s} {policy:12s} "))
+        line = next(l for l in lines if l.startswith(f"process {process}: {mapping:13s} {policy:12s} "))
         assert "after every step match NumPy" in line, line
         outcome = "differ" if policy == "local" else "identical"
         assert f"both layers' statistics {outcome} on the 4 devices" in line, line
