@@ -285,3 +285,5 @@ def test_data_parallel_refuses_replicated_parameters_under_local_steps():
   with pytest.raises(ValueError, match=r"state\[0\]\['b'\] differs from device to device.*"
                                        r"local_sgd, diloco.*jaxcomp.PerDevice\(params\)"):
     dp.step(state, *dp.shard(_flat(*batch(0))))
+  with pytest.raises(ValueError, match="make_params places the parameters of the loss-function form"):
+    dp.make_params(init_params())

@@ -146,6 +146,9 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     updates, opt_state = tx.update(grads, opt_state, params)   # inside pmap / shard_map
     params = optax.apply_updates(params, updates)
 
+  The parameters differ between outer steps, so they are per device, as for ``jaxcomp.local_sgd``
+  (``jaxcomp.data_parallel`` keeps them stacked per device itself: see ``make_params``).
+
   Args:
     inner: the optimizer each device runs between outer steps (the paper: AdamW).
     sync_every: H, inner steps per outer step.
