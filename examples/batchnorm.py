@@ -6,8 +6,9 @@ each device keeps the statistics of its own shard of the batch — they drift ap
 ``jaxcomp.sync_buffers`` called inside the step chooses otherwise: their mean over the devices, device
 0's on every device (PyTorch DDP's ``broadcast_buffers``), either on every step or every k steps.
 
-The script trains a small Linen MLP with two BatchNorm layers under ``jax.pmap`` and under
-``jax.jit`` + ``jax.shard_map``, with every policy. The first BatchNorm normalises the raw pixels, so
+The script trains a small Linen MLP with two BatchNorm layers under ``jax.pmap``, under
+``jax.jit`` + ``jax.shard_map``, and under ``jaxcomp.data_parallel`` (the per-device-step form), with
+every policy. The first BatchNorm normalises the raw pixels, so
 its running statistics depend on the data alone: the script recomputes them in NumPy for every device
 and step, applying the policy, and compares. For both layers it then says whether the statistics are
 the same on every device (and process)::
@@ -17,7 +18,10 @@ the same on every device (and process)::
 
 Under ``shard_map`` the statistics are kept per device (``PartitionSpec("batch")``, stacked over the
 devices), as pmap keeps them; with ``every_k=1`` and ``"mean"`` or ``"first"`` they are the same on
-every device after each step and could be replicated (``PartitionSpec()``) instead.
+every device after each step and could be replicated (``PartitionSpec()``) instead. Under
+``data_parallel`` the state wraps them in ``jaxcomp.PerDevice``, which makes ``make_state`` stack them
+over the devices and the step keep them per device; the step counter that ``every_k`` needs lives in
+the state (the batch arguments are split over the devices).
 """
 
 import argparse
@@ -34,6 +38,8 @@ parser.add_argument("--devices", type=int, default=4, help="CPU devices this pro
 parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
 parser.add_argument("--num-processes", type=int, default=1, help="processes in the job")
 parser.add_argument("--process-id", type=int, default=0, help="this process's index")
+parser.add_argument("--mappings", default="pmap,shard_map,data_parallel",
+                    help="comma-separated: pmap, shard_map, data_parallel")
 args = parser.parse_args()
 
 if args.launch:
@@ -41,7 +47,8 @@ if args.launch:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   workers = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--steps", str(args.steps),
-                               "--every-k", str(args.every_k), "--devices", "2", "--coordinator",
+                               "--every-k", str(args.every_k), "--devices", "2",
+                               "--mappings", args.mappings, "--coordinator",
                                f"127.0.0.1:{port}", "--num-processes", str(args.launch),
                                "--process-id", str(i)]) for i in range(args.launch)]
   try:
@@ -59,9 +66,8 @@ if args.num_processes > 1:
   jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                              process_id=args.process_id, heartbeat_timeout_seconds=30)
 
-import functools  # noqa: E402
-
 import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
@@ -114,6 +120,18 @@ def grads_and_stats(params, stats, images, labels):
   return jax.grad(loss_fn, has_aux=True)(params)
 
 
+def make_data_parallel_step(sync):
+  """The per-device step for ``jaxcomp.data_parallel``: the statistics are per device."""
+  def step_fn(state, images, labels):
+    params, stats, opt_state, step = state
+    grads, new_stats = grads_and_stats(lax.pcast(params, "batch", to="varying"), stats.tree, images,
+                                       labels)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), jaxcomp.PerDevice(sync(new_stats, step)),
+            opt_state, step + 1), None
+  return jaxcomp.data_parallel(step_fn, mesh)
+
+
 def make_step(sync, mapping):
   def step_fn(params, stats, opt_state, images, labels, step):
     grad_params = lax.pcast(params, "batch", to="varying") if mapping == "shard_map" else params
@@ -157,7 +175,23 @@ def local_rows(x):
   return np.concatenate([np.asarray(s.data).reshape((-1,) + x.shape[1:]) for s in shards])
 
 
+def train_data_parallel(policy):
+  dp = make_data_parallel_step(POLICIES[policy])
+  # Every device starts from the same state (process 0's, with several processes).
+  state = dp.make_state((params, jaxcomp.PerDevice(variables["batch_stats"]), tx.init(params),
+                         jnp.zeros([], jnp.int32)))
+  history = []
+  for step in range(args.steps):
+    images, labels = (x[mine] for x in global_batch(step))
+    state, _ = dp.step(state, *dp.shard((images.reshape(-1, 64), labels.reshape(-1))))
+    # This process's devices' statistics, one row per device (reading them blocks).
+    history.append(jax.tree.map(local_rows, state[1].tree))
+  return history
+
+
 def train(policy, mapping):
+  if mapping == "data_parallel":
+    return train_data_parallel(policy)
   stats = variables["batch_stats"]
   if mapping == "pmap":
     stack = lambda tree: jax.tree.map(lambda x: np.stack([np.asarray(x)] * n_local), tree)
@@ -183,7 +217,7 @@ def train(policy, mapping):
   return history
 
 
-for mapping in ("pmap", "shard_map"):
+for mapping in args.mappings.split(","):
   for policy in POLICIES:
     history, expected = train(policy, mapping), numpy_statistics(policy)
     # XLA's float32 against NumPy's float64. The pixels are multiples of 1/16, so sums and means of
@@ -199,7 +233,7 @@ for mapping in ("pmap", "shard_map"):
     except jaxcomp.ReplicaMismatchError:
       identical = False
     sys.stdout.write(  # one write per line: the processes share the launcher's output
-        f"process {jax.process_index()}: {mapping:9s} {policy:12s} BatchNorm_0 statistics after "
+        f"process {jax.process_index()}: {mapping:13s} {policy:12s} BatchNorm_0 statistics after "
         f"every step {'match' if worst < 1e-5 else 'DO NOT MATCH'} NumPy (largest difference "
         f"{worst:.1e}); at the end both layers' statistics {'identical' if identical else 'differ'} "
         f"on the {n_global} devices\n")

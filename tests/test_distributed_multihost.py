@@ -1,7 +1,8 @@
 """DDP's promises besides the hooks across two processes joined by jax.distributed on 127.0.0.1 (gloo):
 a different start stops the job naming the leaf, process 0's broadcast makes the replicas identical,
-a process with fewer batches ends the job for all at the same step, and BatchNorm statistics follow
-the chosen policy. Every job runs under a timeout, so a hang fails instead of blocking."""
+a process with fewer batches ends the job for all at the same step, BatchNorm statistics follow
+the chosen policy (pmap, shard_map, data_parallel), and data_parallel's make_state starts every process
+from process 0's state. Every job runs under a timeout, so a hang fails instead of blocking."""
 
 import os
 import pathlib
@@ -73,11 +74,44 @@ def test_batchnorm_statistics_follow_each_policy_across_two_processes():
                         timeout=2 * TIMEOUT)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   lines = [line for line in proc.stdout.splitlines() if "BatchNorm_0 statistics" in line]
-  assert len(lines) == 2 * 2 * 4, proc.stdout  # processes x mappings x policies
+  assert len(lines) == 2 * 3 * 4, proc.stdout  # processes x mappings x policies
   for process in range(2):
-    for mapping in ("pmap", "shard_map"):
+    for mapping in ("pmap", "shard_map", "data_parallel"):
       for policy in ("local", "mean", "first", "mean every 3"):
-        line = next(l for l in lines if l.startswith(f"process {process}: {mapping:9s} {policy:12s} "))
+        line = next(l for l in lines if l.startswith(f"process {process}: {mapping:13s} {policy:12s} "))
         assert "after every step match NumPy" in line, line
         outcome = "differ" if policy == "local" else "identical"
         assert f"both layers' statistics {outcome} on the 4 devices" in line, line
+
+
+def test_data_parallel_make_state_starts_every_process_from_process_0(tmp_path):
+  """tests/workers/data_parallel_start.py: each process initialises from its own seed."""
+  port = free_port()
+  outs, logs = [tmp_path / f"p{i}.npz" for i in range(2)], [tmp_path / f"p{i}.log" for i in range(2)]
+  procs = [subprocess.Popen(
+      [sys.executable, "-u", str(ROOT / "tests" / "workers" / "data_parallel_start.py"),
+       "--coordinator", f"127.0.0.1:{port}", "--process-id", str(i), "--out", str(outs[i])],
+      cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(logs[i], "w"),
+      stderr=subprocess.STDOUT) for i in range(2)]
+  try:
+    codes = [p.wait(timeout=TIMEOUT) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  text = [log.read_text() for log in logs]
+  assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
+  for log in text:  # the loss form cannot replace the caller's parameters: it names the leaf
+    assert "loss form refused: tree: leaf ['b'] (float32[]) differs between processes" in log, log
+  first, second = np.load(outs[0]), np.load(outs[1])
+  assert not np.array_equal(first["start/w"], second["start/w"])  # the starts really differed
+  for key in first.files:
+    if key.startswith("start/"):
+      continue
+    # Bit for bit, on every local device of both processes (one row each).
+    for got in (first[key], second[key]):
+      assert got.shape[0] == 2, key
+      np.testing.assert_array_equal(got, np.broadcast_to(first[key][0], got.shape), err_msg=key)
+    np.testing.assert_array_equal(second[key], first[key], err_msg=key)
+  for prefix in ("made", "local"):  # process 0's parameters, unchanged, on every device
+    np.testing.assert_array_equal(first[f"{prefix}/params['w']"][0].reshape(6, 4), first["start/w"])

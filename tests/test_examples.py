@@ -56,3 +56,14 @@ def test_checkpoint_resume_example_matches_the_uninterrupted_run():
   out = run_example("checkpoint_resume.py", "--steps", "14", "--devices", "4")
   assert "accumulator holds 1 micro-batch(es)" in out  # interrupted mid-accumulation (7 % 3)
   assert "resumed run equals the uninterrupted run, bit for bit" in out
+
+
+def test_batchnorm_example_follows_each_policy_under_data_parallel():
+  out = run_example("batchnorm.py", "--devices", "4", "--mappings", "data_parallel")
+  lines = [line for line in out.splitlines() if "BatchNorm_0 statistics" in line]
+  assert len(lines) == 4, out
+  for policy in ("local", "mean", "first", "mean every 3"):
+    line = next(l for l in lines if l.startswith(f"process 0: data_parallel {policy:12s} "))
+    assert "after every step match NumPy" in line, line  # the script also exits non-zero if not
+    outcome = "differ" if policy == "local" else "identical"
+    assert f"both layers' statistics {outcome} on the 4 devices" in line, line

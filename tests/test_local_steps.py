@@ -1,5 +1,6 @@
 """What local SGD and DiLoCo share: ``Assign`` updates, the local non-finite policy, and the places they
-run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``, ``nnx.Optimizer``."""
+run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``, ``nnx.Optimizer``,
+``jaxcomp.data_parallel`` (parameters per device, both forms)."""
 
 import functools
 
@@ -12,7 +13,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate
+from helpers import assert_identical_across_devices, replicate, rounding_tol
 
 W = 4
 
@@ -200,3 +201,89 @@ def test_nnx_optimizer_gives_the_parameters_of_plain_arrays(name):
     got = {"w": np.asarray(model_state["w"].get_value()), "b": np.asarray(model_state["b"].get_value())}
     chex.assert_trees_all_close(got, expected[t], rtol=0, atol=1e-5)
   assert_identical_across_devices(got)
+
+
+def _flat(x, y):
+  """The global batch of ``batch(t)``: device d's shard is rows d·6 … d·6 + 5, as under pmap."""
+  return x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+
+
+def _check_against_pmap(name, run_dp):
+  """``run_dp(tx, t)`` gives data_parallel's stacked parameters after step t; compared with pmap's
+  step for step over three periods, the copies bitwise identical after every sync and not all
+  identical in between."""
+  tx = WRAPPERS[name]()
+  syncs_after = tx.init(init_params()).config.syncs_after
+  steps = 9
+  expected = pmap_run(tx, steps)
+  for t in range(steps):
+    params = run_dp(tx, t)
+    assert params["w"].shape == (W, 5, 3) and tuple(params["w"].sharding.spec)[:1] == ("batch",)
+    # Two compiled programs: equal to float32 rounding, which Adam's division and the steps
+    # accumulate (the weights are of order 1).
+    chex.assert_trees_all_close(params, expected[t], **rounding_tol(16 * (t + 1)))
+    if syncs_after(t):
+      assert_identical_across_devices(params)
+    else:
+      w = np.asarray(params["w"])
+      assert not np.array_equal(w[0], w[1]), t
+
+
+def _mesh():
+  return jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:W])
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_data_parallel_loss_form_keeps_the_parameters_per_device_and_matches_pmap(name):
+  tx = WRAPPERS[name]()
+  dp = jaxcomp.data_parallel(loss_fn, _mesh(), tx=tx)
+  state = {"opt_state": dp.make_state(init_params()), "params": dp.make_params(init_params())}
+
+  def run(tx, t):
+    state["params"], state["opt_state"], loss = dp.step(state["params"], state["opt_state"],
+                                                        *dp.shard(_flat(*batch(t))))
+    jax.block_until_ready(loss)
+    return state["params"]
+
+  _check_against_pmap(name, run)
+  # Parameters not stacked are refused by shape, with the fix.
+  with pytest.raises(ValueError, match=r"params\['b'\] is per device and must be stacked along a "
+                                       r"leading axis of 4.*make_params"):
+    dp.step(init_params(), state["opt_state"], *dp.shard(_flat(*batch(0))))
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_data_parallel_step_form_with_per_device_parameters_matches_pmap(name):
+  tx = WRAPPERS[name]()
+
+  def train_step(state, x, y):  # the parameters are this device's own: no pcast
+    params, opt_state = state
+    updates, opt_state = tx.update(jax.grad(loss_fn)(params.tree, x, y), opt_state, params.tree)
+    return (jaxcomp.PerDevice(optax.apply_updates(params.tree, updates)), opt_state), None
+
+  dp = jaxcomp.data_parallel(train_step, _mesh())
+  holder = [dp.make_state((jaxcomp.PerDevice(init_params()), tx.init(init_params())))]
+
+  def run(tx, t):
+    holder[0], _ = jax.block_until_ready(dp.step(holder[0], *dp.shard(_flat(*batch(t)))))
+    return holder[0][0].tree
+
+  _check_against_pmap(name, run)
+
+
+def test_data_parallel_refuses_replicated_parameters_under_local_steps():
+  tx = WRAPPERS["local_sgd"]()
+
+  def train_step(state, x, y):
+    params, opt_state = state
+    grads = jax.grad(loss_fn)(jax.lax.pcast(params, "batch", to="varying"), x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), None
+
+  dp = jaxcomp.data_parallel(train_step, _mesh())
+  state = dp.make_state((init_params(), tx.init(init_params())))
+  with pytest.raises(ValueError, match=r"state\[0\]\['b'\] differs from device to device.*"
+                                       r"local_sgd, diloco.*jaxcomp.PerDevice\(params\)"):
+    dp.step(state, *dp.shard(_flat(*batch(0))))
+  with pytest.raises(ValueError, match="make_params places the parameters of the loss-function form"):
+    dp.make_params(init_params())

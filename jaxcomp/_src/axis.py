@@ -121,6 +121,23 @@ def bound_axis(axis_name: AxisName) -> AxisName:
   return None
 
 
+def varying_axes(x) -> frozenset:
+  """The manual axes along which ``x`` differs from device to device (``shard_map(check_vma=True)``'s
+  type of it); empty elsewhere (pmap, ``check_vma=False``, no mapping)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # jax 0.6 – 0.9
+  if vma is None:  # jax 0.10: the aval's manual-axis type
+    vma = getattr(getattr(aval, "mat", None), "varying", ())
+  return frozenset(vma)
+
+
+def make_varying(x, axes: tuple):
+  """``x`` marked varying along each of ``axes`` it does not already vary along (``lax.pcast``
+  refuses an axis it already varies along)."""
+  missing = tuple(a for a in axes if a not in varying_axes(x))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def axis_size(axis_name: AxisName) -> int:
   """The number of devices along ``axis_name`` (1 when it is None or nothing is mapped)."""
   name = bound_axis(axis_name)

@@ -24,9 +24,31 @@ returned as replicated — parameters a transformation did not average (``optax.
 compressor, a hook that does not communicate), a per-device state leaf no state declares — is an
 error naming the leaf, never a silent drift.
 
+Optimizers that let the parameters differ between synchronizations — ``jaxcomp.local_sgd`` and
+``jaxcomp.diloco``, whose states declare ``PARAMS_PER_DEVICE`` — need the parameters per device too.
+The loss-function form reads the declaration from the optimizer state and keeps the parameters the
+way it keeps per-device state leaves: stacked along a leading axis of W, sharded along it
+(``make_params`` places them so); the per-device-step form is told by the state, where the
+parameters are wrapped in ``jaxcomp.PerDevice``. The step returns them stacked, one copy per
+device: the copies are bitwise identical right after a synchronization and differ in between. A
+state without the declaration keeps replicated parameters, as before; parameters left replicated
+under such an optimizer are refused (they differ from device to device), and parameters not
+stacked are refused by shape — never averaged or reduced to one device's copy behind your back.
+
+In a job of several processes (``jax.process_count() > 1``) every process must start from the
+same state, as PyTorch DDP makes sure by broadcasting rank 0's at construction. The
+per-device-step form's ``make_state`` does the same: every leaf of the state it is given becomes
+process 0's (``jaxcomp.broadcast_replicated``'s mechanics, per-device leaves included: before
+they are stacked they are one device's start). The loss-function form cannot replace the
+parameters the caller keeps, so ``make_state`` and ``make_params`` check them
+(``jaxcomp.check_replicated``) and raise ``ReplicaMismatchError`` naming the first leaf that
+differs; ``params = jaxcomp.broadcast_replicated(params)`` before them is the fix. Leaves already
+sharded over the mesh (a global ``jax.Array``, one value by construction) are left as they are.
+
 The interface is small on purpose (other parts of jaxcomp build on it): ``make_state`` (the state,
-placed), ``step`` (the jitted global step), ``shard`` (a batch, placed) and ``shardings`` (of a state,
-e.g. as an orbax restore target).
+placed), ``make_params`` (the parameters of the loss-function form, placed), ``step`` (the jitted
+global step), ``shard`` (a batch, placed) and ``shardings`` (of a state, e.g. as an orbax restore
+target).
 """
 
 from __future__ import annotations
@@ -43,8 +65,8 @@ import optax
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxcomp._src import axis, validate
-from jaxcomp._src.sharding import per_device_mask
+from jaxcomp._src import axis, distributed, validate
+from jaxcomp._src.sharding import params_per_device, per_device_mask
 
 
 def _axes(axis_name) -> tuple:
@@ -84,17 +106,24 @@ def _constrain(x, sharding: NamedSharding):
   return lax.with_sharding_constraint(x, sharding)
 
 
-def _flat_with_mask(trees, names) -> tuple:
+def _flat_with_mask(trees, names, whole=()) -> tuple:
   """The leaves of all ``trees``, their per-device flags, paths (``names[i]`` + key path) and the
-  treedefs."""
+  treedefs. Every leaf of a tree named in ``whole`` is per device."""
   leaves, masks, paths, treedefs = [], [], [], []
   for name, tree in zip(names, trees):
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves += [x for _, x in with_path]
     paths += [name + jax.tree_util.keystr(p) for p, _ in with_path]
-    masks += jax.tree.leaves(per_device_mask(tree))
+    masks += [True] * len(with_path) if name in whole else jax.tree.leaves(per_device_mask(tree))
     treedefs.append(treedef)
   return leaves, masks, paths, treedefs
+
+
+def _whole(names, states) -> tuple:
+  """The trees that are per device as a whole: the loss-function form's parameters, when its
+  optimizer keeps them per device between synchronizations (a state declares
+  ``PARAMS_PER_DEVICE``)."""
+  return ("params",) if names == _LOSS_FORM and params_per_device(states[1]) else ()
 
 
 def _unflatten(treedefs, leaves) -> list:
@@ -105,26 +134,27 @@ def _unflatten(treedefs, leaves) -> list:
   return trees
 
 
-def _varying_axes(x) -> frozenset:
-  """The mapped axes along which ``x`` differs from device to device (``check_vma``'s type)."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+def _refuse_varying(leaves, masks, paths, axes, local_steps: bool) -> None:
+  """A replicated output that differs per device would be silently reduced to one device's copy.
 
-
-def _refuse_varying(leaves, masks, paths, axes) -> None:
-  """A replicated output that differs per device would be silently reduced to one device's copy."""
+  ``local_steps``: the state holds an optimizer that keeps the parameters per device.
+  """
   for x, per_device, path in zip(leaves, masks, paths):
-    if not per_device and set(axes) & _varying_axes(x):
+    if not per_device and set(axes) & axis.varying_axes(x):
+      why = ("The state holds an optimizer that moves each device's parameters on its own between "
+             "synchronizations (local_sgd, diloco): declare the parameters per device, "
+             "jaxcomp.PerDevice(params) (or PerDevice(model)) in the state, and make_state "
+             "stacks them" if local_steps else
+             "A parameter left out of the compressor (optax.masked: use powersgd(compress=...) "
+             "or dgc(sparsify=...) instead), a hook that does not average, or a per-device state "
+             "leaf that no state declares (declare it: PER_DEVICE_FIELDS, or wrap it in "
+             "jaxcomp.PerDevice)")
       raise ValueError(
           f"{path} differs from device to device after the step, but it is replicated: "
-          "it was not averaged over " + repr(axes[0] if len(axes) == 1 else axes) + ". A "
-          "parameter left out of the compressor (optax.masked: use powersgd(compress=...) or "
-          "dgc(sparsify=...) instead), a hook that does not average, or a per-device state leaf "
-          "that no state declares (declare it: PER_DEVICE_FIELDS, or wrap it in jaxcomp.PerDevice)")
+          "it was not averaged over " + repr(axes[0] if len(axes) == 1 else axes) + ". " + why)
 
 
-def _body(local, treedefs, masks, paths, axes, names, pins, leaves, batch):
+def _body(local, treedefs, masks, paths, axes, names, whole, pins, leaves, batch):
   """The per-device step inside ``shard_map``: unstack per-device leaves, run, stack them again.
 
   ``pins``: None, or for an Explicit mesh the spec over the other axes each returned leaf must have
@@ -132,11 +162,11 @@ def _body(local, treedefs, masks, paths, axes, names, pins, leaves, batch):
   """
   leaves = [x[0] if per_device else x for x, per_device in zip(leaves, masks)]
   *states, out = local(*_unflatten(treedefs, leaves), *batch)
-  new_leaves, new_masks, _, new_treedefs = _flat_with_mask(states, names)
+  new_leaves, new_masks, _, new_treedefs = _flat_with_mask(states, names, whole)
   if new_treedefs != treedefs or new_masks != masks:
     raise ValueError(f"the step must return {', '.join(names)} with the structure it received: "
                      f"got {new_treedefs}, expected {treedefs}")
-  _refuse_varying(new_leaves, masks, paths, axes)
+  _refuse_varying(new_leaves, masks, paths, axes, params_per_device(states))
   if pins is not None:
     mesh = jax.sharding.get_abstract_mesh()
     new_leaves = [lax.with_sharding_constraint(x, NamedSharding(mesh, pin))
@@ -154,13 +184,16 @@ def _global_step(local, mesh: Mesh, axes: tuple, names: tuple, *args):
   """
   states, batch = args[:len(names)], args[len(names):]
   world = math.prod(mesh.shape[a] for a in axes)
-  leaves, masks, paths, treedefs = _flat_with_mask(states, names)
+  whole = _whole(names, states)
+  leaves, masks, paths, treedefs = _flat_with_mask(states, names, whole)
   for x, per_device, path in zip(leaves, masks, paths):
     if per_device and (not np.shape(x) or np.shape(x)[0] != world):
+      fix = ("the optimizer keeps the parameters per device between synchronizations: place them "
+             "with make_params, which stacks them" if path.startswith("params") and whole else
+             "Make the state with make_state, which stacks it")
       raise ValueError(
           f"{path} is per device and must be stacked along a leading axis of {world} (one "
-          f"entry per device along {axes}); got shape {list(np.shape(x))}. Make the state with "
-          "make_state, which stacks it")
+          f"entry per device along {axes}); got shape {list(np.shape(x))}. {fix}")
   for path, x in jax.tree_util.tree_leaves_with_path(batch):
     if not np.shape(x) or np.shape(x)[0] % world:
       raise ValueError(f"batch{jax.tree_util.keystr(path)}: the leading axis is split over the "
@@ -185,7 +218,8 @@ def _global_step(local, mesh: Mesh, axes: tuple, names: tuple, *args):
         return x if spec is None else lax.with_sharding_constraint(x, NamedSharding(auto, spec))
       leaves, batch = jax.tree.map(to_auto, (leaves, batch))
     new_leaves, out = jax.shard_map(
-        functools.partial(_body, local, treedefs, masks, paths, axes, names, pins), mesh=auto,
+        functools.partial(_body, local, treedefs, masks, paths, axes, names, whole, pins),
+        mesh=auto,
         in_specs=(specs, PartitionSpec(axes)), out_specs=(specs, PartitionSpec(axes)),
         axis_names=set(axes), check_vma=True)(leaves, batch)
   if explicit:  # back to the caller's mesh
@@ -211,9 +245,13 @@ class _OnMesh:
       return self._jitted.lower(*args)
 
 
+_LOSS_FORM = ("params", "opt_state")
+
+
 def _loss_step(loss_fn, tx, axes, has_aux, params, opt_state, *batch):
   """The per-device step of the loss-function form: local gradient, compressed mean, update."""
-  local_params = lax.pcast(params, axes, to="varying")  # 2: no hidden all-reduce of the gradient
+  # 2: no hidden all-reduce of the gradient (per-device parameters already are a per-device copy).
+  local_params = jax.tree.map(lambda p: axis.make_varying(p, axes), params)
   value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local_params, *batch)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, value
@@ -228,7 +266,9 @@ class DataParallel:
       opt_state, loss)`` (``(params, opt_state, (loss, aux))`` with ``has_aux``); per-device-step
       form: ``step(state, *batch) -> (state, out)``. Per-device results (``loss``, ``aux``, ``out``)
       come back stacked, one entry per device along a new leading axis: no collective is spent on
-      them (``loss.mean()`` is the batch's mean loss for equal shards).
+      them (``loss.mean()`` is the batch's mean loss for equal shards). Under ``local_sgd`` or
+      ``diloco`` the parameters, too, come back stacked, one copy per device (see
+      ``make_params``).
     mesh: the mesh, as given.
     axis_name: the data axis (or tuple of axes) the step is mapped over and the compressor averages
       over.
@@ -261,23 +301,66 @@ class DataParallel:
   def make_state(self, tree):
     """The state ``step`` takes, placed on the mesh.
 
-    Loss-function form: ``tree`` is the parameters, and the result is ``tx.init(params)``.
-    Per-device-step form: ``tree`` is the state as made on one device (e.g. ``(params, opt_state)``
-    or a Flax ``(model, nnx.Optimizer)``). Either way every per-device leaf is stacked along a new
-    leading axis, one copy per device (every device starts from the same state), and sharded along
-    it; other leaves keep their shardings.
+    Loss-function form: ``tree`` is the parameters as made on one device, and the result is
+    ``tx.init(params)``. Per-device-step form: ``tree`` is the state as made on one device (e.g.
+    ``(params, opt_state)``, a Flax ``(model, nnx.Optimizer)``, or for ``local_sgd`` / ``diloco``
+    ``(jaxcomp.PerDevice(params), opt_state)``). Either way every per-device leaf is stacked along a
+    new leading axis, one copy per device (every device starts from the same state), and sharded
+    along it; other leaves keep their shardings.
+
+    With several processes every process starts from process 0's state, as DDP's construction
+    does: the per-device-step form broadcasts it (every leaf of ``tree`` becomes process 0's), the
+    loss-function form checks the parameters, which it cannot replace for the caller, and raises
+    ``jaxcomp.ReplicaMismatchError`` naming the first leaf that differs
+    (``params = jaxcomp.broadcast_replicated(params)`` first is the fix).
     """
     make = (lambda t: t) if self.tx is None else self.tx.init
+    return self._place(self._same_start(tree), make, per_device_mask)
+
+  def make_params(self, params):
+    """The parameters as the loss-function form's ``step`` takes them, placed on the mesh.
+
+    Replicated for an ordinary optimizer (host arrays are put on the mesh; arrays on it keep their
+    shardings; calling this is optional then). For an optimizer that keeps the parameters per device
+    between synchronizations (``local_sgd``, ``diloco``: a state that declares
+    ``PARAMS_PER_DEVICE``) stacked along a new leading axis of W and sharded along it, one copy per
+    device, as ``step`` takes and returns them. Make the optimizer state from the unstacked
+    parameters (``make_state(params)`` before this). With several processes the parameters are
+    checked as ``make_state`` checks them.
+    """
+    if self.tx is None:
+      raise ValueError("make_params places the parameters of the loss-function form (with tx); in "
+                       "the per-device-step form make_state places the whole state (wrap the "
+                       "parameters of local_sgd or diloco in jaxcomp.PerDevice there)")
+    per_device = params_per_device(jax.eval_shape(self.tx.init, params))
+    return self._place(self._same_start(params), lambda t: t,
+                       lambda t: jax.tree.map(lambda _: per_device, t))
+
+  def _same_start(self, tree):
+    """With several processes: ``tree`` with process 0's value in every leaf (per-device-step form)
+    or checked to hold it (loss-function form); in one process, ``tree``. Arrays already sharded
+    over the mesh are one global value and are left out."""
+    if jax.process_count() == 1:
+      return tree
+    copies = jax.tree.map(
+        lambda x: not (isinstance(x, jax.Array) and not x.sharding.is_fully_replicated), tree)
+    if self.tx is None:
+      return distributed.broadcast_where(tree, copies)
+    distributed.check_where(tree, copies)
+    return tree
+
+  def _place(self, tree, make, mask):
+    """``make(tree)`` on the mesh (jitted), each leaf where ``mask`` of it is True stacked along a
+    new leading axis of W and sharded along it."""
     per_device = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
     world = self.world_size
 
     def stacked(t):
       state = make(t)
       leaves, treedef = jax.tree.flatten(state)
-      masks = jax.tree.leaves(per_device_mask(state))
       return treedef.unflatten([
           _constrain(jnp.broadcast_to(x, (world,) + jnp.shape(x)), per_device) if m else x
-          for x, m in zip(leaves, masks)])
+          for x, m in zip(leaves, jax.tree.leaves(mask(state)))])
 
     # Host arrays go to the mesh first (replicated), so that the program runs on its devices.
     replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -318,6 +401,26 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
   ``(model, nnx.Optimizer)``); take gradients of ``lax.pcast(params, axis_name, to="varying")``,
   as the loss form does for you, or autodiff adds a full all-reduce of them.
 
+  ``jaxcomp.local_sgd`` and ``jaxcomp.diloco`` move each device's parameters on its own between
+  synchronizations, so the parameters are per device: stacked along a leading axis of W (one copy
+  per device), sharded over ``axis_name``. The step takes and returns them so, and the copies are
+  bitwise identical right after every synchronization (any one copy is then *the* parameters,
+  e.g. ``jax.tree.map(lambda p: np.asarray(p)[0], params)``) and differ in between. Loss-function form::
+
+    tx = jaxcomp.local_sgd(optax.sgd(0.1, momentum=0.9), sync_every=8)
+    dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+    opt_state = dp.make_state(params)       # from the parameters of one device
+    params = dp.make_params(params)         # stacked: (W, ...) per leaf
+    params, opt_state, loss = dp.step(params, opt_state, *dp.shard((x, y)))
+
+  Per-device-step form: wrap the parameters in ``jaxcomp.PerDevice`` in the state
+  (``(jaxcomp.PerDevice(params), opt_state)``, ``(jaxcomp.PerDevice(model), optimizer)``); inside
+  the step they are this device's own copy, already varying, so take the gradient of them directly
+  (no ``pcast``). Left replicated, they are refused with an error naming them.
+
+  In a job of several processes ``make_state`` starts every process from process 0's state (see
+  ``DataParallel.make_state``).
+
   Args:
     fn: the loss (with ``tx``) or the per-device step (without).
     mesh: the device mesh; its other axes (a model axis, say) are left to the partitioner.
@@ -327,7 +430,7 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
     has_aux: ``fn`` returns ``(loss, aux)`` (loss-function form only).
 
   Returns:
-    A ``DataParallel``: ``step``, ``make_state``, ``shard``, ``shardings``.
+    A ``DataParallel``: ``step``, ``make_state``, ``make_params``, ``shard``, ``shardings``.
 
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``.
@@ -352,5 +455,5 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(f"tx must be an optax.GradientTransformation; got {type(tx).__name__}")
     local = functools.partial(_loss_step, fn, tx, axes, has_aux)
-    step = functools.partial(_global_step, local, mesh, axes, ("params", "opt_state"))
+    step = functools.partial(_global_step, local, mesh, axes, _LOSS_FORM)
   return DataParallel(_OnMesh(jax.jit(step), mesh), mesh, axis_name, tx)

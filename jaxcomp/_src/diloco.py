@@ -120,6 +120,7 @@ class DiLoCoState(NamedTuple):
   signature: tree_lib.TreeSignature
 
   PER_DEVICE_FIELDS = ("inner_state",)  # see jaxcomp.sharding
+  PARAMS_PER_DEVICE = True  # the parameters differ between synchronizations
 
 
 def diloco(inner: optax.GradientTransformation, *, sync_every: int,
@@ -144,6 +145,9 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
                         compressor=jaxcomp.powersgd(4, start_iter=0, error_feedback=False))
     updates, opt_state = tx.update(grads, opt_state, params)   # inside pmap / shard_map
     params = optax.apply_updates(params, updates)
+
+  The parameters differ between outer steps, so they are per device, as for ``jaxcomp.local_sgd``
+  (``jaxcomp.data_parallel`` keeps them stacked per device itself: see ``make_params``).
 
   Args:
     inner: the optimizer each device runs between outer steps (the paper: AdamW).

@@ -67,13 +67,16 @@ def _local_copies(leaf, path: str) -> list:
   return [np.asarray(leaf)]
 
 
-def _replicated(tree):
-  """(paths, leaves) of every leaf not under a declared per-device field, and the tree's treedef."""
-  mask = jax.tree.leaves(sharding.per_device_mask(tree))
+def _replicated_mask(tree):
+  """True at every leaf not under a declared per-device field."""
+  return jax.tree.map(lambda per_device: not per_device, sharding.per_device_mask(tree))
+
+
+def _chosen(tree, chosen):
+  """(paths, leaves) of every leaf where ``chosen`` is True, and the tree's treedef."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  chosen = [(jax.tree_util.keystr(p), x) for (p, x), per_device in zip(flat, mask)
-            if not per_device]
-  return [p for p, _ in chosen], [x for _, x in chosen], treedef
+  pairs = [(jax.tree_util.keystr(p), x) for (p, x), c in zip(flat, jax.tree.leaves(chosen)) if c]
+  return [p for p, _ in pairs], [x for _, x in pairs], treedef
 
 
 def _value_hash(x: np.ndarray) -> np.ndarray:
@@ -108,14 +111,14 @@ def _gather(rows: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(rows))
 
 
-def _compare(tree, values: bool) -> tuple:
-  """Gathers every process's fingerprints of ``tree``'s replicated leaves; raises on the first leaf
+def _compare(tree, chosen, values: bool) -> tuple:
+  """Gathers every process's fingerprints of ``tree``'s leaves where ``chosen`` is True; raises on the first leaf
   that differs — in shape or dtype, and with ``values`` in any bit — on any process or device.
 
   Every process sees the same gathered table, so all of them raise together (none is left waiting
   in a later collective). Returns (paths, leaves, this process's copies of each leaf).
   """
-  paths, leaves, treedef = _replicated(tree)
+  paths, leaves, treedef = _chosen(tree, chosen)
   layout = _gather(np.array([len(paths), zlib.crc32("\n".join(paths).encode())], np.uint32))
   if len({tuple(r) for r in layout}) > 1:
     raise ReplicaMismatchError(
@@ -180,7 +183,12 @@ def check_replicated(tree) -> None:
       structures differ.
     ValueError: a leaf that is not under a per-device field is sharded across devices.
   """
-  _compare(tree, values=True)
+  check_where(tree, _replicated_mask(tree))
+
+
+def check_where(tree, chosen) -> None:
+  """``check_replicated`` of the leaves of ``tree`` where ``chosen`` (a tree of bools) is True."""
+  _compare(tree, chosen, values=True)
 
 
 def _rebuild(leaf, value: np.ndarray):
@@ -240,13 +248,19 @@ def broadcast_replicated(tree):
     ReplicaMismatchError: the processes' trees differ in structure, or a leaf in shape or dtype.
     ValueError: a leaf that is not under a per-device field is sharded across devices.
   """
-  _, leaves, copies = _compare(tree, values=False)
+  return broadcast_where(tree, _replicated_mask(tree))
+
+
+def broadcast_where(tree, chosen):
+  """``broadcast_replicated`` of the leaves of ``tree`` where ``chosen`` (a tree of bools) is True;
+  the others are returned as they are. ``data_parallel``'s ``make_state`` broadcasts every leaf of
+  a one-device state this way, per-device ones included (before they are stacked, they are that one
+  device's value, the start of every device)."""
+  copies = _compare(tree, chosen, values=False)[2]
   source = jax.process_index() == 0  # the others only need the shapes: they receive the bytes
   values = iter(_broadcast_bytes([np.asarray(c[0]) if source else np.zeros(c[0].shape, c[0].dtype)
                                   for c in copies]))
-  mask = sharding.per_device_mask(tree)
-  return jax.tree.map(lambda x, per_device: x if per_device else _rebuild(x, next(values)),
-                      tree, mask)
+  return jax.tree.map(lambda x, c: _rebuild(x, next(values)) if c else x, tree, chosen)
 
 
 # --- 2. Buffer sync -----------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ class LocalSGDState(NamedTuple):
   signature: tree_lib.TreeSignature
 
   PER_DEVICE_FIELDS = ("inner_state",)  # see jaxcomp.sharding
+  PARAMS_PER_DEVICE = True  # the parameters differ between synchronizations
 
 
 def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_iter: int = 0,
@@ -140,7 +141,8 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
   Under ``pmap`` give the parameters and the state a leading device axis, as usual; under
   ``shard_map`` the parameters differ between averagings, so they are per device too
   (``PartitionSpec(axis_name)`` on a leading device axis), and ``jaxcomp.state_partition_specs``
-  gives the state's specs.
+  gives the state's specs. ``jaxcomp.data_parallel`` does this itself (its state declares
+  ``PARAMS_PER_DEVICE``): it keeps the parameters stacked per device (``make_params``).
 
   Args:
     inner: the optimizer each device runs, e.g. ``optax.sgd(lr, momentum=0.9)``; it may itself

@@ -105,15 +105,6 @@ def mean_reduced(tree, axis_name: axis.AxisName):
   return treedef.unflatten(leaves)
 
 
-def _varying_axes(x) -> frozenset:
-  """The manual axes along which ``x`` varies (``shard_map(check_vma=True)``), else empty."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)  # jax 0.6 – 0.9
-  if vma is None:  # jax 0.10: the aval's manual-axis type
-    vma = getattr(getattr(aval, "mat", None), "varying", ())
-  return frozenset(vma)
-
-
 def varying_like(tree, like):
   """``tree`` marked varying along every axis along which ``like`` (same structure) varies.
 
@@ -121,12 +112,8 @@ def varying_like(tree, like):
   average (invariant) on one side, this device's parameters (varying) on the other. Elsewhere (pmap,
   ``check_vma=False``, no mapping) nothing varies and nothing changes.
   """
-
-  def one(x, ref):
-    missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-  return jax.tree.map(one, tree, like)
+  return jax.tree.map(lambda x, ref: axis.make_varying(x, tuple(sorted(axis.varying_axes(ref)))),
+                      tree, like)
 
 
 def to_device(inner_state):

@@ -18,7 +18,11 @@ The declarations, in one place:
 * ``PerDevice(tree)`` declares every leaf of ``tree`` per device: the way to declare a plain-array
   state, e.g. a user hook's (``comm_hook(hook, jaxcomp.PerDevice({"error": ...}))``);
 * ``optax.MultiStepsState``: its ``acc_grads`` (and ``skip_state``) are summed from each device's own
-  gradients, so they are per device.
+  gradients, so they are per device;
+* a state whose optimizer moves each device's parameters on its own between synchronizations
+  (``local_sgd``, ``diloco``) says so with ``PARAMS_PER_DEVICE = True``: the parameters it updates
+  are then per device too (``params_per_device``), which ``jaxcomp.data_parallel`` reads to stack
+  them.
 
 Everything else is replicated, optax's own states included. Flax NNX wrappers change nothing: an
 ``nnx.Optimizer`` is a JAX pytree that keeps the state NamedTuples, with every array in an
@@ -119,6 +123,13 @@ def per_device_mask(tree):
                         for name, value in zip(node._fields, node)))
 
   return jax.tree.map(lambda x: mark(x, False), tree, is_leaf=_declares)
+
+
+def params_per_device(tree) -> bool:
+  """Whether ``tree`` holds a state that declares ``PARAMS_PER_DEVICE = True``: its optimizer keeps
+  the parameters per device between synchronizations (``local_sgd``, ``diloco``)."""
+  declares = lambda node: getattr(type(node), "PARAMS_PER_DEVICE", False) is True
+  return any(declares(node) for node in jax.tree.leaves(tree, is_leaf=declares))
 
 
 def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
