@@ -3,6 +3,8 @@ compressor, every hook through ``comm_hook`` and ``accumulate``, and gives the p
 chain gives on plain arrays; ``state_partition_specs`` and ``data_parallel`` understand its state.
 Flax Linen's ``TrainState`` keeps working."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import hooks
-from compressors import COMPRESSORS
+from compressors import COMPRESSORS, optimizer
 
 W = 4
 
@@ -49,15 +51,21 @@ HOOKS = {
         hooks.batched_powersgd_hook, hooks.batched_powersgd_state(1, start_iter=1)),
     "dgc_hook": lambda: jaxcomp.comm_hook(hooks.dgc_hook, hooks.dgc_state(0.1)),
 }
-TRANSFORMATIONS = {**{f"registry:{name}": make for name, make in COMPRESSORS.items()},
-                   **{f"hook:{name}": make for name, make in HOOKS.items()},
-                   "accumulate(powersgd)": lambda: jaxcomp.accumulate(
-                       jaxcomp.powersgd(1, start_iter=1, min_compression_rate=1.0), every_k=2)}
+def _with_sgd(make):
+  return lambda inner: optax.chain(make(), inner)
 
 
-@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+# Each as a whole optimizer around momentum SGD: a compressor chained before it, local SGD and DiLoCo
+# around it, 1-bit Adam alone.
+OPTIMIZERS = {**{f"registry:{name}": functools.partial(optimizer, name) for name in COMPRESSORS},
+              **{f"hook:{name}": _with_sgd(make) for name, make in HOOKS.items()},
+              "accumulate(powersgd)": _with_sgd(lambda: jaxcomp.accumulate(
+                  jaxcomp.powersgd(1, start_iter=1, min_compression_rate=1.0), every_k=2))}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_nnx_optimizer_gives_the_parameters_of_plain_arrays(name):
-  tx = optax.chain(TRANSFORMATIONS[name](), optax.sgd(0.1, momentum=0.9))
+  tx = OPTIMIZERS[name](optax.sgd(0.1, momentum=0.9))
   model = MLP(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
-from compressors import COMPRESSORS
+from compressors import COMPRESSORS, optimizer
 from helpers import replicate
 
 W = 4
@@ -20,17 +20,20 @@ MESSAGE = r"axis_name 'batch' is not bound here; the bound axes are 'data'.*axis
 
 
 def setup(name):
-  tx = optax.chain(COMPRESSORS[name](), optax.sgd(0.1))  # on the default axis, "batch"
+  """The entry's whole optimizer on the default axis, "batch"; gradients, and its state and
+  parameters replicated (the parameters: local SGD and DiLoCo need them)."""
+  tx = optimizer(name, optax.sgd(0.1))
   rng = np.random.default_rng(0)
   grads = {"w": rng.normal(size=(W, 6, 5)).astype(np.float32),
            "b": rng.normal(size=(W, 5)).astype(np.float32)}
-  return tx, grads, replicate(tx.init(jax.tree.map(lambda g: g[0], grads)), W)
+  params = jax.tree.map(lambda g: g[0], grads)
+  return tx, grads, replicate((tx.init(params), params), W)
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_pmap_over_another_axis_raises_naming_both(name):
   tx, grads, state = setup(name)
-  step = jax.pmap(lambda g, s: tx.update(g, s), axis_name="data", devices=jax.devices()[:W])
+  step = jax.pmap(lambda g, s: tx.update(g, *s), axis_name="data", devices=jax.devices()[:W])
   with pytest.raises(jaxcomp.UnboundAxisError, match=MESSAGE):
     step(grads, state)
 
@@ -39,7 +42,7 @@ def test_pmap_over_another_axis_raises_naming_both(name):
 def test_vmap_with_an_axis_name_raises_naming_both(name):
   tx, grads, state = setup(name)
   with pytest.raises(jaxcomp.UnboundAxisError, match=MESSAGE):
-    jax.vmap(lambda g, s: tx.update(g, s), axis_name="data")(grads, state)
+    jax.vmap(lambda g, s: tx.update(g, *s), axis_name="data")(grads, state)
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
@@ -50,7 +53,7 @@ def test_shard_map_over_another_axis_raises_naming_both(name):
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P())
   def step(g, s):
     local = lambda tree: jax.tree.map(lambda x: x[0], tree)
-    return tx.update(local(g), local(s))[0]
+    return tx.update(local(g), *local(s))[0]
 
   with pytest.raises(jaxcomp.UnboundAxisError, match=MESSAGE):
     jax.jit(step)(grads, state)
