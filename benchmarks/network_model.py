@@ -5,7 +5,10 @@ Per compressor, for ResNet-50 shaped gradients:
 * communication, measured: the collectives of the compiled update at W = 8 (``jaxcomp.comm_report``):
   per op, how many there are and their bytes (bf16 at its requested width: XLA:CPU widens bf16
   collectives to f32, GPUs do not). An all-reduce of N bytes is the same N at any W; an
-  all-gather's per-worker contribution c = payload / 8 is gathered from all W workers. ``dgc`` sends
+  all-gather's per-worker contribution c = payload / 8 is gathered from all W workers; where the
+  step also has an all-to-all (``quantized``, ``onebit_adam``: a reduce-scatter of the whole gradient
+  in W shards, then an all-gather of the averaged shards), the all-to-all's input N is the same at
+  any W and the all-gather's contribution is a shard, c·8/W. ``dgc`` sends
   the dense mean where ``W·density·2 ≥ 1`` (W ≥ 500 at density 0.001; ``jaxcomp.dgc`` does the same),
   modelled as allreduce's collectives and compute plus its 4-byte flag.
 * compression compute, measured: the jitted ``update`` at world size 1 on this CPU (median of
@@ -17,14 +20,16 @@ Time of one collective at W workers with latency α and bandwidth β per link (T
 Gropp 2005), taking the faster of the ring and recursive doubling, as collective libraries choose:
 
 * all-reduce of N bytes: min(2(W−1)·(α + N/(W·β)), log2(W)·(α + N/β));
-* all-gather of c bytes per worker: min((W−1)·(α + c/β), log2(W)·α + (W−1)·c/β).
+* all-gather of c bytes per worker: min((W−1)·(α + c/β), log2(W)·α + (W−1)·c/β);
+* all-to-all of N bytes per worker (pairwise exchange, N/W to each other worker): (W−1)·(α + N/(W·β)).
 
 On ONE SHARED MEDIUM (a rate-limited loopback, a hub: every worker's traffic passes one queue of rate
 β; ``benchmarks/slow_link.py`` measures such a link), gloo's ring algorithms put W workers' chunks
 through the queue at each of their steps, so each worker gets β/W (``shared_medium_time``):
 
 * all-reduce of N bytes: 2(W−1)·(α + N/β);
-* all-gather of c bytes per worker: (W−1)·(α + W·c/β).
+* all-gather of c bytes per worker: (W−1)·(α + W·c/β);
+* all-to-all of N bytes per worker: (W−1)·(α + N/β).
 
 Step time = forward/backward + compression compute + Σ collectives; speedup = allreduce's step time /
 the compressor's. α = ``--alpha-us`` (default 5 µs), β = 1, 10 and 100 Gbit/s, W = 8 … 1024. The plot
@@ -66,21 +71,31 @@ def allgather_time(contribution, world, alpha, beta):
   return min(ring, doubling)
 
 
+def alltoall_time(nbytes, world, alpha, beta):
+  if world <= 1:
+    return 0.0
+  return (world - 1) * (alpha + nbytes / (world * beta))
+
+
 def comm_time(collectives, world, alpha, beta):
-  """Seconds for a list of ``(op, bytes)``: all-reduce bytes N, all-gather bytes per worker."""
+  """Seconds for a list of ``(op, bytes)``: all-reduce bytes N, all-gather bytes per worker,
+  all-to-all bytes N per worker."""
   total = 0.0
   for op, nbytes in collectives:
     if op == "all-reduce":
       total += allreduce_time(nbytes, world, alpha, beta)
     elif op == "all-gather":
       total += allgather_time(nbytes, world, alpha, beta)
+    elif op == "all-to-all":
+      total += alltoall_time(nbytes, world, alpha, beta)
     else:
       raise ValueError(f"the model has no formula for {op}")
   return total
 
 
 def shared_medium_time(collectives, world, alpha, beta):
-  """Seconds for ``(op, bytes)`` collectives (all-reduce bytes N, all-gather bytes per worker) on one
+  """Seconds for ``(op, bytes)`` collectives (all-reduce bytes N, all-gather bytes per worker,
+  all-to-all bytes N per worker) on one
   medium of rate ``beta`` bytes/s shared by all ``world`` workers, with gloo's ring algorithms: every
   ring step moves one chunk per worker through the same queue."""
   if world <= 1:
@@ -91,6 +106,8 @@ def shared_medium_time(collectives, world, alpha, beta):
       total += 2 * (world - 1) * (alpha + nbytes / beta)
     elif op == "all-gather":
       total += (world - 1) * (alpha + world * nbytes / beta)
+    elif op == "all-to-all":
+      total += (world - 1) * (alpha + nbytes / beta)
     else:
       raise ValueError(f"the model has no formula for {op}")
   return total
@@ -111,8 +128,11 @@ def dense_fallback(name, world) -> bool:
 
 
 def collectives_at(name, measured, world) -> list:
+  """The collectives of ``name``'s step at ``world`` workers, from those measured at W = 8."""
   if dense_fallback(name, world):
     return measured["allreduce"] + [("all-reduce", 4)]
+  if any(op == "all-to-all" for op, _ in measured[name]):  # shards of the gradient: 1/W each
+    return [(op, b * 8 / world if op == "all-gather" else b) for op, b in measured[name]]
   return measured[name]
 
 

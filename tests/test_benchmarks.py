@@ -133,6 +133,14 @@ def test_alpha_beta_formulas():
   # Latency-bound: recursive doubling's log2(W)·α beats the ring's 2(W−1)·α.
   assert model.allreduce_time(4, 1024, 1e-5, beta) == pytest.approx(10 * (1e-5 + 4 / beta))
   assert model.allgather_time(100, 4, 0.0, beta) == pytest.approx(3 * 100 / beta)
+  # All-to-all: N/W to each of the W−1 others; on one medium every round moves W chunks of N/W.
+  assert model.alltoall_time(800, 8, 1e-5, beta) == pytest.approx(7 * (1e-5 + 100 / beta))
+  assert model.shared_medium_time([("all-to-all", 800)], 8, 0.0, beta) == pytest.approx(
+      7 * 800 / beta)
+  # A reduce-scatter-style step's all-gather shrinks with W: each worker contributes a 1/W shard.
+  shards = {"q": [("all-to-all", 800), ("all-gather", 100), ("all-reduce", 4)]}
+  assert model.collectives_at("q", shards, 16) == [("all-to-all", 800), ("all-gather", 50),
+                                                   ("all-reduce", 4)]
   assert model.allreduce_time(n, 1, 1.0, beta) == 0.0
   # One shared medium: the ring's 2(W−1) steps each move W chunks of N/W through one queue.
   assert model.shared_medium_time([("all-reduce", n)], 4, 0.0, beta) == pytest.approx(6 * n / beta)

@@ -293,7 +293,8 @@ REGISTRY = {entry.name: entry for entry in _ENTRIES}
 """Every named compressor, by name."""
 
 DEFAULT = ("allreduce", "fp16", "bf16", "powersgd_r1", "powersgd_r2", "powersgd_r4",
-           "batched_powersgd_r1", "dgc", "coarse_dgc")
+           "batched_powersgd_r1", "powersgd_r1_alternating", "dgc", "coarse_dgc", "quantized_int8",
+           "quantized_fp8", "sign", "onebit_adam")
 """The compressors the main job and the benchmarks compare unless told otherwise."""
 
 PERIODIC = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
