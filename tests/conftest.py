@@ -7,3 +7,17 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops JAX's compiled programs after each test module. XLA:CPU maps memory for every executable
+  it keeps, and one process compiling the whole suite's thousands of programs reaches the kernel's
+  limit on memory mappings (vm.max_map_count, 65,530 by default), where compiling segfaults."""
+  yield
+  jax.clear_caches()
+  gc.collect()

@@ -191,6 +191,7 @@ def test_rank_above_min_n_m_is_clamped_to_the_exact_mean(rank):
   rng = np.random.default_rng(3)
   grads = {"w": rng.normal(size=(W, 4, 3)).astype(np.float32)}
   tx = jaxcomp.powersgd(rank, start_iter=0, min_compression_rate=0.0, error_feedback=False)
-  out, _ = pmap_steps(tx, grads, steps=1)
+  state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads)))
+  out, _ = jax.pmap(tx.update, axis_name="batch")(grads, state)
   # Full rank (QR): the mean, to rounding along the 4 + 3 sums of P and Q and the W devices.
   np.testing.assert_allclose(out["w"][0], grads["w"].mean(0), **rounding_tol(4 + 3 + W))
