@@ -38,7 +38,10 @@ def _read(path):
 
 def table_rows(text):
   """The data rows of the first Markdown table in ``text``, as lists of cells."""
-  rows = [line.strip().strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+  end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+  rows = [line.strip().strip("|").split("|") for line in lines[start:end]]
   return [[c.strip() for c in r] for r in rows[2:]]
 
 
