@@ -154,8 +154,10 @@ def step(state: SignState, leaves: list, axis_name) -> tuple:
   signs = tree_lib.unflatten(unpack_signs(all_bits, flat.size), [p.shape for p in ps])
   leaves = list(leaves)
   for k, (i, sign_k) in enumerate(zip(reduced, signs)):
-    scale = all_scales[:, k].reshape((-1,) + (1,) * (sign_k.ndim - 1))
-    leaves[i] = jnp.mean(scale * sign_k, axis=0).astype(leaves[i].dtype)
+    # Σ_w scale_w·sign_w / W as a (W,)·(W, …) product: XLA:CPU reduced the broadcast product over
+    # the device axis 80× slower (a 2.9M-parameter MLP at W = 8: 28 s against 0.35 s).
+    mean = jnp.tensordot(all_scales[:, k], sign_k, axes=1) / sign_k.shape[0]
+    leaves[i] = mean.astype(leaves[i].dtype)
   return leaves, state._replace(error=state.signature.unflatten(errors))
 
 
