@@ -14,6 +14,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxcomp
 from jaxcomp import hooks
 
+pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
+
 W = 8
 TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 

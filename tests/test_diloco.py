@@ -14,6 +14,8 @@ from helpers import assert_identical_across_devices, replicate
 from jaxcomp.train.registry import REGISTRY
 from test_local_sgd import batch, init_params, loss_fn, numpy_grad, pmap_run
 
+pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
+
 LR, MOMENTUM = 0.05, 0.9
 
 
