@@ -168,10 +168,13 @@ def test_quick_run_over_a_slow_link(tmp_path):
   lines = proc.stdout.splitlines()
   header = next(line for line in lines if line.startswith("| compressor |"))
   assert "| step over link | wall-clock to target |" in header
-  rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
-          for line in lines[lines.index(header) + 2:] if line.startswith("|")}
+  columns = [c.strip() for c in header.split("|")[1:-1]]
+  rows = {cells[0]: dict(zip(columns, cells)) for cells in (
+      [c.strip() for c in line.split("|")[1:-1]]
+      for line in lines[lines.index(header) + 2:] if line.startswith("|"))}
   assert list(rows) == ["allreduce", "powersgd_r1"]
-  assert rows["allreduce"][4].strip().endswith("s") and rows["allreduce"][5].strip().endswith("(1.00x)")
+  assert rows["allreduce"]["step over link"].endswith("s")
+  assert rows["allreduce"]["wall-clock to target"].endswith("(1.00x)")
   assert any(line.startswith("step times over a 100mbit link: 2 processes in a network namespace")
              for line in lines)
   assert not any(n.startswith(link.PREFIX) for n in
