@@ -24,17 +24,12 @@ def free_port():
     return s.getsockname()[1]
 
 
-def run_job(tmp_path, *extra):
-  """Runs examples/multihost.py as 2 processes x 2 CPU devices; returns (exit codes, logs)."""
-  port = free_port()
-  procs, logs = [], [tmp_path / f"process{i}.log" for i in range(2)]
-  for i in range(2):
-    procs.append(subprocess.Popen(
-        [sys.executable, "-u", str(EXAMPLES / "multihost.py"), "--coordinator", f"127.0.0.1:{port}",
-         "--num-processes", "2", "--process-id", str(i), "--local-devices", "2",
-         "--heartbeat-timeout", "10", *extra],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(logs[i], "w"),
-        stderr=subprocess.STDOUT))
+def run_two(command, logs):
+  """Runs ``command(i)`` (the arguments after the Python interpreter) for processes 0 and 1, each
+  writing to ``logs[i]``, under the timeout; returns (exit codes, log texts)."""
+  procs = [subprocess.Popen(
+      [sys.executable, "-u", *command(i)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+      stdout=open(logs[i], "w"), stderr=subprocess.STDOUT) for i in range(2)]
   try:
     codes = [p.wait(timeout=TIMEOUT) for p in procs]
   finally:
@@ -42,6 +37,15 @@ def run_job(tmp_path, *extra):
       if p.poll() is None:
         p.kill()
   return codes, [log.read_text() for log in logs]
+
+
+def run_job(tmp_path, *extra):
+  """Runs examples/multihost.py as 2 processes x 2 CPU devices; returns (exit codes, logs)."""
+  port = free_port()
+  return run_two(lambda i: [
+      str(EXAMPLES / "multihost.py"), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+      "--process-id", str(i), "--local-devices", "2", "--heartbeat-timeout", "10", *extra],
+      [tmp_path / f"process{i}.log" for i in range(2)])
 
 
 def test_a_different_start_stops_every_process_naming_the_leaf(tmp_path):
@@ -88,18 +92,9 @@ def test_data_parallel_make_state_starts_every_process_from_process_0(tmp_path):
   """tests/workers/data_parallel_start.py: each process initialises from its own seed."""
   port = free_port()
   outs, logs = [tmp_path / f"p{i}.npz" for i in range(2)], [tmp_path / f"p{i}.log" for i in range(2)]
-  procs = [subprocess.Popen(
-      [sys.executable, "-u", str(ROOT / "tests" / "workers" / "data_parallel_start.py"),
-       "--coordinator", f"127.0.0.1:{port}", "--process-id", str(i), "--out", str(outs[i])],
-      cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(logs[i], "w"),
-      stderr=subprocess.STDOUT) for i in range(2)]
-  try:
-    codes = [p.wait(timeout=TIMEOUT) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  text = [log.read_text() for log in logs]
+  codes, text = run_two(lambda i: [
+      str(ROOT / "tests" / "workers" / "data_parallel_start.py"), "--coordinator",
+      f"127.0.0.1:{port}", "--process-id", str(i), "--out", str(outs[i])], logs)
   assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
   for log in text:  # the loss form cannot replace the caller's parameters: it names the leaf
     assert "loss form refused: tree: leaf ['b'] (float32[]) differs between processes" in log, log
