@@ -9,6 +9,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxcomp
+import jaxcomp._src.phases
 from jaxcomp._src.report import parse_hlo
 from helpers import replicate
 
@@ -85,16 +86,46 @@ def shard_map_step(tx, pcast):
                                out_specs=(P(), P()), check_vma=True))
 
 
-@pytest.mark.parametrize("pcast", [False, True])
-def test_shard_map_check_vma_hidden_all_reduce_and_the_recipe_that_avoids_it(pcast):
+def test_shard_map_check_vma_the_pcast_recipe_sends_only_the_compressed_gradient():
   tx = optax.chain(jaxcomp.fp16_compress(), optax.sgd(0.1))
-  report = jaxcomp.comm_report(shard_map_step(tx, pcast), PARAMS, tx.init(PARAMS), *BATCH)
-  by_dtype = report.bytes_by_dtype()
-  assert by_dtype["f16"] == 2 * N_PARAMS
-  if pcast:
-    assert "f32" not in by_dtype
-  else:  # autodiff's transpose of the implicit pvary: a full-precision all-reduce of the gradient
-    assert by_dtype["f32"] == 4 * N_PARAMS
+  report = jaxcomp.comm_report(shard_map_step(tx, pcast=True), PARAMS, tx.init(PARAMS), *BATCH)
+  assert report.bytes_by_dtype() == {"f16": 2 * N_PARAMS}
+
+
+def test_shard_map_check_vma_without_pcast_the_summed_gradient_is_refused():
+  """Without the pcast, autodiff's transpose of the implicit pvary sums the gradient over the
+  devices in float32 before the compressor: averaged again, the update would be W times too large."""
+  tx = optax.chain(jaxcomp.fp16_compress(), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"fp16_compress: .*already the same on every device.*pcast"):
+    jaxcomp.comm_report(shard_map_step(tx, pcast=False), PARAMS, tx.init(PARAMS), *BATCH)
+
+
+def test_phases_are_reported_apart_and_the_totals_are_the_steady_state():
+  """A warm-up branch and the steady branch never run on the same step: the totals are the steady
+  state's, each phase reported on its own; a periodic phase counts with its share."""
+  def step(x, count):
+    warm = jaxcomp._src.phases.Phase("demo.warmup", 0.0)
+    steady = jaxcomp._src.phases.Phase("demo.steady", 1.0)
+    y = jaxcomp._src.phases.switch((count > 3).astype(jnp.int32), [warm, steady],
+                                   [lambda v: lax.psum(v, "d"),
+                                    lambda v: lax.psum(v.astype(jnp.float16), "d").astype(v.dtype)],
+                                   x)
+    sync = jaxcomp._src.phases.Phase("demo.sync", 0.25)
+    return jaxcomp._src.phases.cond(count % 4 == 0, sync, lambda v: lax.pmax(v, "d"),
+                                    lambda v: v, y), lax.psum(count, "d")
+
+  f = jax.pmap(step, axis_name="d", devices=jax.devices()[:4])
+  report = jaxcomp.comm_report(f, jnp.ones((4, 64)), jnp.ones(4, jnp.int32))
+  assert set(report.phase_names) == {"demo.warmup", "demo.steady", "demo.sync"}
+  assert report.every_step.payload_bytes == 4  # the int32 count
+  assert report.phase("demo.warmup").payload_bytes == 4 + 4 * 64
+  assert report.phase("demo.steady").payload_bytes == 4 + 2 * 64
+  assert report.phase("demo.sync").payload_bytes == 4 + 4 * 64
+  assert report.payload_bytes == 4 + 2 * 64 + 0.25 * 4 * 64
+  assert report.bytes_by_dtype() == {"s32": 4, "f16": 2 * 64, "f32": 64}
+  assert "demo.warmup (0)" in str(report) and "a step in demo.sync" in str(report)
+  with pytest.raises(KeyError, match="demo.warmup, demo.steady"):
+    report.phase("demo.cooldown")
 
 
 def test_loops_conditionals_and_group_sizes_are_reported():
@@ -167,8 +198,11 @@ ENTRY %main (p: f32[8]) -> f32[8] {
       ("fast",): 32, ("slow",): 8 + 16, ("slow", "fast"): 4}
 
 
-def test_conditionals_are_found_before_optimisation_too():
-  f = jax.pmap(lambda x, n: lax.cond(n > 0, lambda: lax.psum(x, "d"), lambda: x), axis_name="d",
-               devices=jax.devices()[:2])
+def test_conditionals_and_phases_are_found_before_optimisation_too():
+  sync = jaxcomp._src.phases.Phase("demo.sync", 0.5)
+  f = jax.pmap(lambda x, n: jaxcomp._src.phases.cond(n > 0, sync, lambda v: lax.psum(v, "d"),
+                                                     lambda v: v, x),
+               axis_name="d", devices=jax.devices()[:2])
   report = jaxcomp.comm_report(f, jnp.ones((2, 3)), jnp.ones(2, jnp.int32), stage="lowered")
-  assert [c.in_conditional for c in report.collectives] == [True]
+  assert [(c.in_conditional, c.phase, c.share) for c in report.collectives] == [
+      (True, "demo.sync", 0.5)]

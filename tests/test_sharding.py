@@ -32,7 +32,7 @@ def test_dense_state_has_no_per_device_leaves():
   params = init_params()
   tx = optax.chain(jaxcomp.fp16_compress(), optax.sgd(0.1, momentum=0.9))
   specs = jaxcomp.state_partition_specs(tx, params)
-  assert specs[0] == jaxcomp.DenseState(jaxcomp.TreeSignature.of(params))
+  assert not jax.tree.leaves(specs[0])  # the dense state holds no arrays
   assert jax.tree.leaves(specs[1]) == [P(), P()]  # the momentum: computed from the mean
 
 

@@ -116,8 +116,10 @@ def bound_axis(axis_name: AxisName) -> AxisName:
         f"{', '.join(map(repr, bound))}. Pass the mapped axis, e.g. axis_name={bound[0]!r} "
         "(a transformation averages over its own axis_name, not over whichever axis is mapped).")
   _warn_once_per_trace(axis_name, (
-      f"jaxcomp: axis {axis_name!r} is not bound here (no pmap/shard_map axis at all); running as "
-      "world size 1. Pass axis_name=None to do this without the warning."))
+      f"jaxcomp: axis {axis_name!r} is not bound here (no pmap/shard_map axis at all), so nothing is "
+      "averaged over devices: this runs as world size 1. Under jax.jit on a mesh, build the step with "
+      "jaxcomp.data_parallel(loss_fn, mesh, tx=tx), which maps it over the data axis; on one device "
+      "on purpose, pass axis_name=None to do this without the warning."))
   return None
 
 
@@ -129,6 +131,40 @@ def varying_axes(x) -> frozenset:
   if vma is None:  # jax 0.10: the aval's manual-axis type
     vma = getattr(getattr(aval, "mat", None), "varying", ())
   return frozenset(vma)
+
+
+def vma_checked(axis_name: AxisName) -> bool:
+  """Whether values are typed varying or invariant along the bound ``axis_name`` here:
+  ``shard_map(check_vma=True)`` (``jaxcomp.data_parallel``) types them, ``pmap``, ``vmap`` and
+  ``check_vma=False`` do not (there nothing is typed varying, not even a device's own index)."""
+  name = bound_axis(axis_name)
+  if name is None:
+    return False
+  names = name if isinstance(name, tuple) else (name,)
+  return set(names) <= varying_axes(lax.axis_index(name))
+
+
+def refuse_summed_gradient(leaves: Sequence, axis_name: AxisName, name: str) -> None:
+  """Raises if every leaf is already invariant along a vma-checked axis: autodiff summed it.
+
+  Under ``shard_map(check_vma=True)`` the gradient of replicated (invariant) parameters is the
+  transpose of their implicit ``pvary``, a ``psum``: the SUM of every device's gradient, sent in full
+  precision before any compressor sees it. Averaged again, the update is W times too large.
+
+  Raises:
+    ValueError: naming ``name`` (the transformation) and the fix.
+  """
+  if not leaves or not vma_checked(axis_name):
+    return
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if any(set(names) & varying_axes(x) for x in leaves):
+    return
+  raise ValueError(
+      f"{name}: the gradient it receives is already the same on every device along {axis_name!r}: "
+      "autodiff summed it over the devices (in float32, before any compression), because it was "
+      "taken of parameters that are replicated there. Averaged again, the update would be W times "
+      "too large. Take the gradient of a per-device copy, jax.grad(loss)(jax.lax.pcast(params, "
+      f"{axis_name!r}, to='varying'), ...), as jaxcomp.data_parallel's loss form does for you")
 
 
 def make_varying(x, axes: tuple):
@@ -188,7 +224,8 @@ def all_gather(x, axis_name: AxisName):
   if name is None:
     return x[None]
   bits, dtype = _as_bits(x)
-  return _from_bits(_all_gather_invariant()(bits, name), dtype)
+  gather = _all_gather_invariant() if vma_checked(name) else lax.all_gather  # vmap has no pvary
+  return _from_bits(gather(bits, name), dtype)
 
 
 def all_to_all(x, axis_name: AxisName):

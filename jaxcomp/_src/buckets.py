@@ -155,6 +155,8 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
     del params
     tree_lib.check_state(hook_state, init_fn, "comm_hook")
     leaves = list(hook_state.signature.check(updates))
+    axis.refuse_summed_gradient([leaves[i] for i in hook_state.signature.reduced], axis_name,
+                                getattr(hook, "__name__", "comm_hook"))
     new_states = []
     for (members, bucket), bucket_state in zip(buckets_of(hook_state.signature, leaves),
                                                hook_state.hook_states):

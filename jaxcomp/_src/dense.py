@@ -1,8 +1,9 @@
 """Dense gradient means: the baseline ``allreduce`` and the fp16 / bf16 wire casts.
 
-Each sits first in ``optax.chain`` where data-parallel code would call ``lax.pmean``. Integer, boolean
-and zero-size leaves pass through untouched. They keep no state to protect: a NaN on one device makes
-that coordinate of the mean NaN on every device (jaxcomp's non-finite policy, ``finite.py``).
+Each sits first in ``optax.chain`` where data-parallel code would call ``lax.pmean``. The step, per
+reduced leaf (torch's order): cast to the wire dtype → ÷W → all-reduce SUM → cast back. They keep no
+state to protect: a NaN on one device makes that coordinate of the mean NaN on every device
+(jaxcomp's non-finite policy, ``finite.py``), so no finiteness flag is sent.
 
 References:
   PyTorch, ``default_hooks.allreduce_hook`` / ``fp16_compress_hook`` / ``bf16_compress_hook``.
@@ -10,35 +11,56 @@ References:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis
+from jaxcomp._src import axis, compressor
 from jaxcomp._src import tree as tree_lib
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+  """A dense mean's setting.
+
+  Attributes:
+    wire_dtype: the dtype the sum runs in (None: the gradient's own). float16 halves the bytes and
+      keeps 11 bits of mantissa, bfloat16 keeps float32's range with 8.
+  """
+  wire_dtype: Optional[str] = None
+
+
 class DenseState(NamedTuple):
-  """State of the dense means: only the gradient signature, to catch a changed pytree."""
+  """State of the dense means: their setting and the gradient signature, to catch a changed pytree."""
+  config: DenseConfig
   signature: tree_lib.TreeSignature
 
   PER_DEVICE_FIELDS = ()  # no per-device leaves (see jaxcomp.sharding)
 
 
-def _dense_mean(name: str, wire_dtype, axis_name) -> optax.GradientTransformation:
-  axis_name = axis.check_axis_name(axis_name)
+def init(config: DenseConfig, signature: tree_lib.TreeSignature) -> DenseState:
+  return DenseState(config, signature)
 
-  def init_fn(params):
-    return DenseState(tree_lib.TreeSignature.of(params))
 
-  def update_fn(updates, state, params=None):
-    del params
-    tree_lib.check_state(state, init_fn, name)
-    state.signature.check(updates)
-    return tree_lib.map_reduced(lambda g: axis.mean(g, axis_name, wire_dtype), updates), state
+def step(config: DenseConfig, state: DenseState, leaves: list, axis_name, phase) -> tuple:
+  """Cast → ÷W → sum → cast back, one leaf at a time (XLA combines the all-reduces)."""
+  del phase
+  return [axis.mean(g, axis_name, config.wire_dtype) for g in leaves], state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+
+def _algorithm(name: str, wire_dtype: Optional[str]) -> compressor.Algorithm:
+  return compressor.Algorithm(name, DenseState, functools.partial(DenseConfig, wire_dtype), init,
+                              step, stateful=False)
+
+
+ALLREDUCE = _algorithm("allreduce", None)
+FP16 = _algorithm("fp16_compress", "float16")
+BF16 = _algorithm("bf16_compress", "bfloat16")
 
 
 def allreduce(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
@@ -50,7 +72,7 @@ def allreduce(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransforma
   Returns:
     A stateless ``GradientTransformation``.
   """
-  return _dense_mean("allreduce", None, axis_name)
+  return compressor.transformation(ALLREDUCE, axis_name)
 
 
 def fp16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
@@ -68,7 +90,7 @@ def fp16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransf
   References:
     PyTorch ``default_hooks.fp16_compress_hook``.
   """
-  return _dense_mean("fp16_compress", jnp.float16, axis_name)
+  return compressor.transformation(FP16, axis_name)
 
 
 def bf16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
@@ -84,4 +106,4 @@ def bf16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransf
   Returns:
     A stateless ``GradientTransformation``; outputs keep the gradients' dtypes.
   """
-  return _dense_mean("bf16_compress", jnp.bfloat16, axis_name)
+  return compressor.transformation(BF16, axis_name)

@@ -1,10 +1,16 @@
-"""The built-in per-bucket hooks; ``jaxcomp.hooks`` documents them and how to write one."""
+"""The built-in per-bucket hooks; ``jaxcomp.hooks`` documents them and how to write one.
+
+The dense hooks are torch's ``default_hooks``, a line each. Every other hook is derived from its
+algorithm by the compressor adapter (``compressor.hook``): the same step as the transformation, on
+the bucket's parameters; its state factory takes the transformation's own keyword arguments (but
+``axis_name``, which is the bucket's, and ``bucket_cap_mb``, which is ``comm_hook``'s).
+"""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomp._src import axis, dgc, onebit_adam, powersgd, quantized, sign
+from jaxcomp._src import axis, compressor, dgc, onebit_adam, powersgd, quantized, sign
 from jaxcomp._src import tree as tree_lib
 from jaxcomp._src.buckets import GradBucket, Hook
 
@@ -48,6 +54,9 @@ def bf16_compress_wrapper(hook: Hook) -> Hook:
   """Runs ``hook`` on the bucket cast to bfloat16 and casts its result back (torch's wrapper)."""
   return _cast_wrapper(hook, jnp.bfloat16, "bf16_compress_wrapper")
 
+
+
+# ---------------------------------------------------------------------------------------- PowerSGD
 
 def powersgd_state(rank: int = 1, *, start_iter: int = 1000, min_compression_rate: float = 2.0,
                    error_feedback: bool = True, warm_start: bool = True, epsilon: float = 0.0,
@@ -108,6 +117,8 @@ def batched_powersgd_hook(state, bucket: GradBucket):
   return buffer, state
 
 
+# ---------------------------------------------------------------------------------------- DGC
+
 def dgc_state(ratio: float = 0.001, **kwargs):
   """The per-bucket state of ``dgc_hook``: pass it as ``comm_hook``'s ``state``::
 
@@ -142,11 +153,15 @@ def dgc_hook(state, bucket: GradBucket):
   return dgc.update_bucket(state, bucket)
 
 
+# ---------------------------------------------------------------------------------------- quantized, sign, 1-bit Adam (shared check)
+
 def _check_state(state, kind: type, hook: str, maker: str) -> None:
   if not isinstance(state, kind):
     raise TypeError(f"{hook} needs the per-bucket state made by jaxcomp.hooks.{maker}(...), as in "
                     f"comm_hook({hook}, {maker}()); got {type(state).__name__}")
 
+
+# ---------------------------------------------------------------------------------------- quantized
 
 def quantized_state(bits=8, *, block_size: int = 256, error_feedback: bool = True,
                     stochastic_rounding: bool = False, seed: int = 0):
@@ -173,6 +188,8 @@ def quantized_hook(state, bucket: GradBucket):
   return buffer, state
 
 
+# ---------------------------------------------------------------------------------------- sign
+
 def sign_state(*, error_feedback: bool = True):
   """The per-bucket state of ``sign_hook`` (one scale per parameter): ``comm_hook``'s ``state``.
 
@@ -191,6 +208,8 @@ def sign_hook(state, bucket: GradBucket):
                            bucket.axis_name)
   return tree_lib.flatten(grads), state
 
+
+# ---------------------------------------------------------------------------------------- 1-bit Adam
 
 def onebit_adam_state(*, freeze_steps: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                       bias_correction: bool = True):

@@ -2,8 +2,19 @@
 
 The report lists every collective in the compiled module — the ones jaxcomp asked for, the ones the
 SPMD partitioner inserted and any all-reduce autodiff added — with its dtypes, shapes, group size and
-bytes, and whether it sits in a loop body or a conditional branch. It is the proof that compression
-reaches the wire.
+bytes, whether it sits in a loop body or a conditional branch, and the phase it belongs to. It is the
+proof that compression reaches the wire.
+
+**Phases.** A step's warm-up (PowerSGD's ``start_iter``, DGC's density stages, 1-bit Adam's dense
+Adam), the two halves of alternating PowerSGD and the synchronization of local SGD and DiLoCo are
+branches that run on some steps only; jaxcomp labels them (``jaxcomp._src.phases``) and the label
+reaches every collective inside. A collective's ``phases`` names the branches it sits in, outermost
+first, each with its share of the steady state. The report's totals (``payload_bytes``,
+``ring_bytes``, ``bytes_by_dtype``) are per step of the steady state, on average: every unlabelled
+collective counts in full, a labelled one times the product of its shares — a warm-up's collectives
+count 0, each half of alternating PowerSGD ½, a synchronization every H steps 1/H. ``phase(name)`` is
+the report of one step taken in a given phase (its own collectives and the unlabelled ones), e.g.
+``report.phase("powersgd.warmup")``; ``phase_names`` lists them.
 
 Bytes are counted two ways, per device:
 
@@ -27,6 +38,8 @@ from typing import Callable, Optional
 
 import jax
 import numpy as np
+
+from jaxcomp._src import phases as phases_lib
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
@@ -53,30 +66,77 @@ class Collective:
   in_loop: bool
   in_conditional: bool
   replica_groups: tuple = ()  # the device (or replica) ids of each group, where the HLO names them
+  phases: tuple = ()  # ((name, share), ...): the labelled branches it sits in, outermost first
+
+  @property
+  def share(self) -> float:
+    """The fraction of steady-state steps on which it runs: the product of its phases' shares."""
+    return math.prod(share for _, share in self.phases)
+
+  @property
+  def phase(self) -> str:
+    """Its phase path, ``"outer/inner"`` (``""``: every step)."""
+    return "/".join(name for name, _ in self.phases)
 
 
 @dataclasses.dataclass(frozen=True)
 class CommReport:
-  """Every collective of a compiled step, with totals."""
+  """Every collective of a compiled step, with totals per step of the steady state."""
   collectives: tuple
 
   @property
-  def payload_bytes(self) -> int:
-    return sum(c.payload_bytes for c in self.collectives)
+  def payload_bytes(self) -> float:
+    """Payload bytes per steady-state step (warm-up phases count 0, periodic ones their share)."""
+    return _total(c.payload_bytes * c.share for c in self.collectives)
 
   @property
   def ring_bytes(self) -> float:
-    return sum(c.ring_bytes for c in self.collectives)
+    """Ring-algorithm bytes each device sends per steady-state step."""
+    return sum(c.ring_bytes * c.share for c in self.collectives)
 
   def bytes_by_dtype(self) -> dict:
-    """Payload bytes per dtype, e.g. ``{"f16": 2048, "f32": 40}``."""
+    """Payload bytes per dtype per steady-state step, e.g. ``{"f16": 2048, "f32": 40}``."""
     out: dict = {}
     for c in self.collectives:
       sizes = [math.prod(s) * _itemsize(d) for d, s in zip(c.dtypes, c.shapes)]
       scale = c.payload_bytes / max(sum(sizes), 1)
       for d, size in zip(c.dtypes, sizes):
-        out[d] = out.get(d, 0) + int(size * scale)
-    return out
+        out[d] = _total((out.get(d, 0), size * scale * c.share))
+    return {d: b for d, b in out.items() if b}
+
+  @property
+  def phase_names(self) -> tuple:
+    """Every labelled phase path in the step (``"diloco.sync/powersgd.compressed"`` for nested
+    ones), each prefix of a path included, in order of first appearance."""
+    names: list = []
+    for c in self.collectives:
+      for depth in range(1, len(c.phases) + 1):
+        name = "/".join(n for n, _ in c.phases[:depth])
+        if name not in names:
+          names.append(name)
+    return tuple(names)
+
+  def phase(self, name: str) -> "CommReport":
+    """What one step taken in phase ``name`` sends: the unlabelled collectives, and those of the
+    phase and of the phases it is nested in, each once (a phase path, or its last part when that
+    names one phase only).
+
+    Raises:
+      KeyError: no collective sits in a phase of that name (the message lists those that do).
+    """
+    paths = [p for p in self.phase_names if p == name or p.split("/")[-1] == name]
+    if len(paths) != 1:
+      raise KeyError(f"phase {name!r}: the step's phases with collectives are "
+                     f"{', '.join(self.phase_names) or 'none'}" + (
+                         "; give the whole path" if paths else ""))
+    path = paths[0]
+    return CommReport(tuple(dataclasses.replace(c, phases=()) for c in self.collectives
+                            if not c.phase or path == c.phase or path.startswith(c.phase + "/")))
+
+  @property
+  def every_step(self) -> "CommReport":
+    """The collectives outside every labelled phase: they run on every step."""
+    return CommReport(tuple(c for c in self.collectives if not c.phases))
 
   def by_axes(self, mesh) -> dict:
     """The collectives grouped by the ``mesh`` axes their replica groups span.
@@ -102,17 +162,28 @@ class CommReport:
     return {key: CommReport(tuple(cs)) for key, cs in grouped.items()}
 
   def __str__(self) -> str:
-    header = f"{'op':<19}{'dtypes':<12}{'shapes':<30}{'W':>4}{'payload B':>13}{'ring B/dev':>13}  where"
+    header = (f"{'op':<19}{'dtypes':<12}{'shapes':<30}{'W':>4}{'payload B':>13}{'ring B/dev':>13}"
+              "  phase (share of steady steps)")
     rows = [header, "-" * len(header)]
     for c in self.collectives:
       shapes = ",".join("x".join(map(str, s)) or "()" for s in c.shapes)
-      where = "loop" if c.in_loop else "cond" if c.in_conditional else ""
-      if c.in_loop and c.in_conditional:
-        where = "loop+cond"
+      where = f"{c.phase} ({c.share:g})" if c.phases else "every step"
+      if c.in_loop:
+        where += ", in a loop"
       rows.append(f"{c.op:<19}{','.join(sorted(set(c.dtypes))):<12}{shapes[:29]:<30}"
                   f"{c.group_size:>4}{c.payload_bytes:>13,}{c.ring_bytes:>13,.0f}  {where}")
-    rows.append(f"{'total':<65}{self.payload_bytes:>13,}{self.ring_bytes:>13,.0f}")
+    for name in self.phase_names:
+      phase = self.phase(name)
+      rows.append(f"{'a step in ' + name:<65}{phase.payload_bytes:>13,.0f}{phase.ring_bytes:>13,.0f}")
+    rows.append(f"{'total per steady-state step':<65}{self.payload_bytes:>13,.0f}"
+                f"{self.ring_bytes:>13,.0f}")
     return "\n".join(rows)
+
+
+def _total(values) -> float:
+  """A sum that stays an int when every term is a whole number (bytes of unlabelled collectives)."""
+  total = sum(values)
+  return int(total) if float(total).is_integer() else total
 
 
 def _itemsize(dtype: str) -> int:
@@ -161,8 +232,10 @@ def _collective(op: str, name: str, line: str, shape_text: str, is_start: bool, 
   ring = {"all-reduce": 2 * share, "collective-permute": 1.0}.get(op, share) * payload
   if op == "collective-permute" and group <= 1:
     ring = 0.0
+  op_name = re.search(r'op_name="([^"]*)"', line)
   return Collective(op, name, tuple(d for d, _ in arrays), tuple(s for _, s in arrays), group,
-                    payload, ring, in_loop, in_conditional, _replica_groups(line))
+                    payload, ring, in_loop, in_conditional, _replica_groups(line),
+                    phases_lib.parse(op_name.group(1)) if op_name else ())
 
 
 def parse_hlo(text: str, default_group: int) -> CommReport:
@@ -222,5 +295,6 @@ def comm_report(fn: Callable, *args, stage: str = "compiled",
     raise ValueError(f"stage must be 'compiled' or 'lowered'; got {stage!r}")
   lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
   lowered = lower(*args, **kwargs)
-  text = lowered.compile().as_text() if stage == "compiled" else lowered.as_text(dialect="hlo")
+  text = (lowered.compile().as_text() if stage == "compiled"
+          else lowered.as_text(dialect="hlo", debug_info=True))
   return parse_hlo(text, num_devices or jax.device_count())

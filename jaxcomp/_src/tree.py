@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def shape_of(x) -> tuple:
@@ -70,25 +71,36 @@ def paths_of(tree) -> tuple:
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class TreeSignature:
-  """The structure, shapes and dtypes of a gradient pytree, kept in a state as a static node.
+  """The structure, shapes, dtypes and paths of a gradient pytree, kept in a state as a static node.
 
   It has no array leaves, so it costs nothing under ``jit`` and in checkpoints, and it lets ``update``
-  say exactly what changed when it receives a pytree other than the one ``init`` saw.
+  say exactly what changed when it receives a pytree other than the one ``init`` saw. ``paths`` name
+  the leaves for messages, for predicates (``powersgd(compress=...)``) and for the random draws keyed
+  by leaf: the pytree's own key paths, or a bucket's parameter paths (``GradBucket.paths``), so that a
+  leaf is treated alike whole and in a bucket.
   """
   treedef: Any
   shapes: tuple
   dtypes: tuple
+  paths: tuple
 
   @classmethod
-  def of(cls, tree) -> "TreeSignature":
-    """The signature of ``tree``, whose leaves may be arrays or ``jax.ShapeDtypeStruct``\\ s."""
+  def of(cls, tree, paths: Optional[Sequence[str]] = None) -> "TreeSignature":
+    """The signature of ``tree``, whose leaves may be arrays or ``jax.ShapeDtypeStruct``\\ s.
+
+    Args:
+      tree: the gradient pytree (or parameters shaped like it).
+      paths: a name for each leaf; default the leaves' ``jax.tree_util.keystr`` paths.
+    """
     tree = unwrap(tree)
     leaves, treedef = jax.tree.flatten(tree)
-    for path, leaf in zip(paths_of(tree), leaves):
+    paths = paths_of(tree) if paths is None else tuple(paths)
+    for path, leaf in zip(paths, leaves):
       if jnp.issubdtype(dtype_of(leaf), jnp.complexfloating):
         raise TypeError(f"params: leaf {path} is complex ({dtype_of(leaf).name}); jaxcomp reduces "
                         "real floating-point leaves only")
-    return cls(treedef, tuple(shape_of(x) for x in leaves), tuple(dtype_of(x).name for x in leaves))
+    return cls(treedef, tuple(shape_of(x) for x in leaves),
+               tuple(dtype_of(x).name for x in leaves), paths)
 
   def check(self, tree, name: str = "updates", dtypes: bool = True) -> list:
     """Returns ``tree``'s leaves, or raises ValueError saying how ``tree`` differs from this one.
@@ -101,7 +113,7 @@ class TreeSignature:
     if treedef != self.treedef:
       raise ValueError(f"{name}: the pytree structure changed between init and update: "
                        f"init saw {self.treedef}, update got {treedef}")
-    for path, leaf, shape, dtype in zip(paths_of(tree), leaves, self.shapes, self.dtypes):
+    for path, leaf, shape, dtype in zip(self.paths, leaves, self.shapes, self.dtypes):
       if shape_of(leaf) != shape or (dtypes and dtype_of(leaf).name != dtype):
         hint = _device_axis_hint(shape_of(leaf), shape, _UPDATES_HINTS)
         raise ValueError(f"{name}: leaf {path} changed between init and update: init saw "
@@ -115,9 +127,23 @@ class TreeSignature:
     return tuple(i for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes))
                  if is_reduced(jax.ShapeDtypeStruct(shape, dtype)))
 
-  @property
-  def paths(self) -> tuple:
-    return paths_of(jax.tree.unflatten(self.treedef, [0] * len(self.shapes)))
+  def reduced_structs(self) -> list:
+    """A ``jax.ShapeDtypeStruct`` for each reduced leaf, in order."""
+    return [jax.ShapeDtypeStruct(self.shapes[i], self.dtypes[i]) for i in self.reduced]
+
+  def pick(self, tree) -> list:
+    """The entries of ``tree`` (the gradient's structure, e.g. a state's error) at the reduced leaves."""
+    flat = self.treedef.flatten_up_to(tree)
+    return [flat[i] for i in self.reduced]
+
+  def place(self, values: Sequence, fill=None):
+    """A tree of the gradient's structure with ``values`` at the reduced leaves, in order, and
+    ``fill`` (default ``optax.MaskedNode()``, an empty node) at the others."""
+    fill = optax.MaskedNode() if fill is None else fill
+    flat = [fill] * len(self.shapes)
+    for i, value in zip(self.reduced, values):
+      flat[i] = value
+    return self.unflatten(flat)
 
   def unflatten(self, leaves: Sequence):
     return jax.tree.unflatten(self.treedef, list(leaves))

@@ -8,6 +8,8 @@ every message names the argument, says what was expected and shows what came::
 
 Hyperparameters that fix shapes (a rank, a density, a chunk count) are static: a traced value — from
 ``optax.inject_hyperparams``, say — is refused with a message that says why and what to do instead.
+The few that may be arrays (a momentum, a clipping norm) are ``traceable``: a configuration holds
+``TRACED`` in their place and the step receives the arrays (``jaxcomp._src.compressor``).
 """
 
 from __future__ import annotations
@@ -20,12 +22,44 @@ import jax
 import numpy as np
 
 
+class _Traced:
+  """The type of ``TRACED``."""
+
+  def __repr__(self) -> str:
+    return "TRACED"
+
+
+TRACED = _Traced()
+"""A configuration's value of a traceable hyperparameter that was given as an array: the
+transformation holds the array and hands it to each step; the static configuration records only this."""
+
+
+def is_array(value) -> bool:
+  """True for JAX and NumPy arrays and tracers: what ``optax.inject_hyperparams`` passes."""
+  return isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer))
+
+
+def traceable(value, check: Callable[[Any], Any]) -> Any:
+  """``check(value)`` for a Python value; ``TRACED`` and arrays are returned as they are (a scalar
+  array that is concrete is checked as its number would be; a tracer cannot be)."""
+  if value is TRACED:
+    return value
+  if is_array(value):
+    if np.ndim(value) != 0:
+      raise ValueError(f"a traced hyperparameter must be a scalar; got an array of shape "
+                       f"{np.shape(value)}")
+    if not isinstance(value, jax.core.Tracer):
+      check(float(value))
+    return value
+  return check(value)
+
+
 def _got(value) -> str:
   return f"got {value!r} ({type(value).__name__})"
 
 
 def _refuse_traced(value, name: str, static: Optional[str]) -> None:
-  if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
+  if is_array(value):
     why = f": it {static}" if static else ""
     raise TypeError(f"{name} is static{why}; give a Python number, not an array "
                     f"(got {type(value).__name__}). Under optax.inject_hyperparams list it in "

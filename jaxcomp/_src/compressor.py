@@ -1,0 +1,240 @@
+"""The compressor protocol, and the one adapter that derives everything else from it.
+
+Every jaxcomp compressor is an algorithm module that holds its math and nothing else:
+
+* a **configuration**: a frozen dataclass (data) that validates itself; it never holds ``axis_name``.
+  The settings that may be arrays (``optax.inject_hyperparams`` schedules) are listed in
+  ``Algorithm.traceable``; the configuration holds ``validate.TRACED`` in their place;
+* **``init(config, signature) -> state``**: the per-device state for gradients of that
+  ``tree.TreeSignature``, a NamedTuple with ``count`` (steps taken; stateful algorithms), ``config``
+  and ``signature``, and ``PER_DEVICE_FIELDS`` naming the fields that differ from device to device;
+* **a pure step** ``step(config, state, leaves, axis_name, phase) -> (means, new_state)``: the math
+  on the reduced leaves (floating point, non-empty, in the signature's order; any float dtype), every
+  collective through ``jaxcomp._src.axis``, returning the cross-device mean of each (the same on every
+  device) and the new state (``count`` is the adapter's); ``phase`` is the ``phases.Phase`` this step
+  is in (warm-up or steady), static.
+
+``Algorithm`` bundles them. From it the adapter derives, for every algorithm alike:
+
+1. ``transformation``: the optax ``GradientTransformation`` — the state and signature checks, the
+   refusal of a gradient that autodiff already summed over the devices, the phase switch (each
+   phase's collectives labelled for ``comm_report``), ``count``, and the non-finite policy of
+   ``finite.py``: a step whose gradient is not finite on some device runs no collective but the
+   4-byte flag, keeps the state exactly and returns NaN on every device (a ``lax.cond`` on the flag,
+   which is the same everywhere, so every device takes the same branch);
+2. with ``bucket_cap_mb``, the same on DDP's buckets: one state and one set of collectives per bucket
+   (``buckets.comm_hook`` with the algorithm's hook), so that each bucket's collectives depend on its
+   own gradients only;
+3. ``hook`` and ``bucket_state``: the per-bucket hook ``hook(state, bucket)`` of ``comm_hook`` and the
+   factory of its per-bucket state, running the same step on the bucket's parameters;
+4. traced hyperparameters: ``configure`` refuses every static setting given as an array in one error
+   that lists them all (the ``static_args`` that ``optax.inject_hyperparams`` needs), and hands the
+   traceable ones to the step as arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomp._src import axis, buckets, finite, phases, validate
+from jaxcomp._src import tree as tree_lib
+
+_MIB = 1024 * 1024
+STEADY = phases.Phase("steady", 1.0)
+
+
+def _one_phase(config) -> tuple:
+  del config
+  return (STEADY,)
+
+
+def _first_phase(config, count) -> jax.Array:
+  del config, count
+  return jnp.zeros([], jnp.int32)
+
+
+def _anywhere(config) -> Optional[str]:
+  del config
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """An algorithm, as the adapter sees it.
+
+  Attributes:
+    name: the public name of its transformation, for messages and phase labels (``"powersgd"``).
+    state: the type of its state.
+    configure: ``configure(**settings) -> config``: the configuration from the public factory's
+      keyword arguments (usually the configuration class itself).
+    init: ``init(config, signature) -> state``.
+    step: ``step(config, state, leaves, axis_name, phase) -> (means, state)``.
+    phases: ``phases(config) -> tuple of phases.Phase``, the branches of the step; one by default.
+    phase_of: ``phase_of(config, count) -> int32``: the index into ``phases(config)`` of the step
+      taken at ``count``.
+    stateful: it keeps a state that a non-finite gradient must not touch (and a ``count``). The
+      dense means keep none: a NaN on one device makes that coordinate of the mean NaN everywhere.
+    traceable: the settings that may be arrays (``optax.inject_hyperparams`` schedules).
+    unbucketable: ``unbucketable(config) -> reason or None``: why it cannot run bucket by bucket
+      (DGC's local clipping needs the whole gradient's norm).
+  """
+  name: str
+  state: type
+  configure: Callable
+  init: Callable
+  step: Callable
+  phases: Callable = _one_phase
+  phase_of: Callable = _first_phase
+  stateful: bool = True
+  traceable: tuple = ()
+  unbucketable: Callable = _anywhere
+
+
+def configure(algorithm: Algorithm, settings: dict) -> tuple:
+  """``(config, traced)``: the configuration, with ``validate.TRACED`` for the traceable settings
+  given as arrays, and those arrays by name.
+
+  Raises:
+    TypeError: static settings were given as arrays; the message lists all of them at once.
+  """
+  arrays = [name for name, value in settings.items() if validate.is_array(value)]
+  static = [name for name in arrays if name not in algorithm.traceable]
+  if static:
+    names = ", ".join(static)
+    listed = ", ".join(repr(n) for n in static) + ("," if len(static) == 1 else "")
+    raise TypeError(
+        f"{algorithm.name}: {names} {'is' if len(static) == 1 else 'are'} static (they fix shapes or "
+        "which program runs) and must be Python values, not arrays. Under optax.inject_hyperparams "
+        f"pass static_args=({listed})"
+        + (f"; only {', '.join(algorithm.traceable)} may be scheduled" if algorithm.traceable
+           else ""))
+  traced = {name: settings[name] for name in arrays}
+  config = algorithm.configure(**{name: validate.TRACED if name in traced else value
+                                  for name, value in settings.items()})
+  return config, traced
+
+
+def _live(config, traced: dict):
+  """The configuration the step computes with: the traced arrays in place of ``TRACED``."""
+  return dataclasses.replace(config, **traced) if traced else config
+
+
+def run_step(algorithm: Algorithm, config, state, leaves: list, axis_name) -> tuple:
+  """The phase switch, the step and the count, on the reduced ``leaves``; no non-finite policy."""
+  all_phases = algorithm.phases(config)
+  qualified = [p._replace(name=f"{algorithm.name}.{p.name}") for p in all_phases]
+  branches = [lambda s, g, p=p: algorithm.step(config, s, g, axis_name, p) for p in all_phases]
+  if len(all_phases) == 1 and all_phases[0] is STEADY:
+    means, new_state = branches[0](state, leaves)
+  else:
+    means, new_state = phases.switch(algorithm.phase_of(config, state.count), qualified, branches,
+                                     state, leaves)
+  if algorithm.stateful:
+    new_state = new_state._replace(count=state.count + 1)
+  return list(means), new_state
+
+
+def _skip(state, leaves: list) -> tuple:
+  """The non-finite branch: NaN outputs on every device, the state as it was."""
+  return [jnp.full(x.shape, jnp.nan, x.dtype) for x in leaves], state
+
+
+def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
+                   bucket_cap_mb: Optional[float] = None,
+                   **settings) -> optax.GradientTransformation:
+  """The optax transformation of ``algorithm`` with ``settings`` (the module docstring, 1–2 and 4).
+
+  Args:
+    algorithm: the algorithm.
+    axis_name: the mapped axis to average over.
+    bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one set of collectives per bucket.
+    **settings: the configuration's settings (``algorithm.configure``'s arguments).
+
+  Returns:
+    A ``GradientTransformation`` whose output is the cross-device mean, identical on every device.
+  """
+  axis_name = axis.check_axis_name(axis_name)
+  config, traced = configure(algorithm, settings)
+  if bucket_cap_mb is not None:
+    cap = validate.number(bucket_cap_mb, "bucket_cap_mb", 0, low_open=True,
+                          static="decides which leaves share a collective")
+    reason = algorithm.unbucketable(config)
+    if reason:
+      raise ValueError(f"{algorithm.name}: bucket_cap_mb cannot be used here: {reason}")
+    return buckets.comm_hook(hook(algorithm, traced), bucket_state(algorithm, config),
+                             axis_name=axis_name, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+
+  def init_fn(params):
+    return algorithm.init(config, tree_lib.TreeSignature.of(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    tree_lib.check_state(state, init_fn, algorithm.name)
+    leaves = state.signature.check(updates)
+    reduced = [leaves[i] for i in state.signature.reduced]
+    axis.refuse_summed_gradient(reduced, axis_name, algorithm.name)
+    live = _live(state.config, traced)
+    run = lambda s, g: run_step(algorithm, live, s, g, axis_name)  # noqa: E731
+    if algorithm.stateful and reduced:
+      means, new_state = lax.cond(finite.all_finite(reduced, axis_name), run, _skip, state, reduced)
+    else:
+      means, new_state = run(state, reduced)
+    for i, mean in zip(state.signature.reduced, means):
+      leaves[i] = mean
+    return tree_lib.like(updates, leaves), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def hook(algorithm: Algorithm, traced: Optional[dict] = None,
+         name: Optional[str] = None) -> buckets.Hook:
+  """``algorithm``'s per-bucket hook for ``comm_hook``: ``hook(state, bucket) -> (buffer, state)``.
+
+  The step runs on the bucket's parameters (their paths name them, as in the whole pytree), in the
+  bucket's dtype (a hook under ``fp16_compress_wrapper`` computes in float16; the state keeps its
+  own dtypes); ``comm_hook`` applies the non-finite policy. ``name`` is the public prefix of the
+  hook and its state factory in ``jaxcomp.hooks`` (default the algorithm's name).
+  """
+  name = name or algorithm.name
+
+  def run_hook(state, bucket: buckets.GradBucket):
+    if not isinstance(state, algorithm.state):
+      raise TypeError(f"{name}_hook needs the per-bucket state made by jaxcomp.hooks.{name}_state"
+                      f"(...), as in comm_hook(jaxcomp.hooks.{name}_hook, "
+                      f"jaxcomp.hooks.{name}_state()); got {type(state).__name__}")
+    leaves = state.signature.check(bucket.gradients(), "bucket", dtypes=False)
+    reduced = [leaves[i] for i in state.signature.reduced]
+    means, state = run_step(algorithm, _live(state.config, traced or {}), state, reduced,
+                            bucket.axis_name)
+    for i, mean in zip(state.signature.reduced, means):
+      leaves[i] = mean
+    return tree_lib.flatten(leaves), state
+
+  run_hook.__name__ = f"{name}_hook"
+  return run_hook
+
+
+def bucket_state(algorithm: Algorithm, config) -> Callable[[buckets.GradBucket], Any]:
+  """The per-bucket state factory of ``comm_hook``: ``init`` on the bucket's parameters."""
+  return lambda bucket: algorithm.init(
+      config, tree_lib.TreeSignature.of(bucket.gradients(), paths=bucket.paths))
+
+
+def hook_state(algorithm: Algorithm, settings: dict) -> Callable[[buckets.GradBucket], Any]:
+  """``bucket_state`` from the public factory's settings (``jaxcomp.hooks.*_state``)."""
+  config, traced = configure(algorithm, settings)
+  if traced:
+    raise TypeError(f"{algorithm.name}_state: {', '.join(traced)} must be Python values: a hook's "
+                    "state is made once, outside any step; schedule them with the transformation, "
+                    f"jaxcomp.{algorithm.name}(..., bucket_cap_mb=...), under optax.inject_hyperparams")
+  reason = algorithm.unbucketable(config)
+  if reason:
+    raise ValueError(f"{algorithm.name}_state: {reason}")
+  return bucket_state(algorithm, config)
+

@@ -1,0 +1,68 @@
+"""Phases: the branches of a step that run on some steps and not on others, labelled for the report.
+
+A compressor's warm-up (PowerSGD's ``start_iter``, DGC's density stages, 1-bit Adam's dense Adam), the
+two halves of alternating PowerSGD, the synchronization of local SGD and DiLoCo, the communicating
+micro-step of ``accumulate``: each is a branch of a ``lax.switch`` (or ``lax.cond``) over a counter, and
+the collectives inside a branch run only on the steps that take it. ``switch`` runs such a branch
+under a JAX name scope that names the phase and its share of the steady state — the fraction of
+steps, once warm-ups are over, that take it (0 for a warm-up, ½ for each half of alternating
+PowerSGD, 1/H for a synchronization every H steps). The label reaches every instruction of the
+branch as its ``op_name`` metadata, so ``jaxcomp.comm_report`` reads it back (``parse``) and reports
+each phase's collectives, and the steady state's bytes per step, instead of adding up branches that
+never run together.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+from jax import lax
+
+_LABEL = re.compile(r"jaxcomp_phase\[(?P<name>[^|\]]+)\|(?P<share>[0-9.e+-]+)\]")
+
+
+class Phase(NamedTuple):
+  """One branch of a step.
+
+  Attributes:
+    name: what the report calls it, ``"<transformation>.<phase>"`` (e.g. ``"powersgd.warmup"``).
+    share: the fraction of steady-state steps that take it: 0 for a warm-up phase, 1 for the only
+      steady phase, 1/H for a synchronization every H steps.
+    value: what the step needs to know of the phase (DGC's density), or None.
+  """
+  name: str
+  share: float
+  value: Any = None
+
+
+def label(phase: Phase) -> str:
+  """The name scope that marks ``phase``'s instructions."""
+  return f"jaxcomp_phase[{phase.name}|{phase.share!r}]"
+
+
+def parse(op_name: str) -> tuple:
+  """The ``(name, share)`` of every phase label in an instruction's ``op_name``, outermost first."""
+  return tuple((m.group("name"), float(m.group("share"))) for m in _LABEL.finditer(op_name))
+
+
+def run(phase: Phase, branch: Callable, *operands):
+  """``branch(*operands)`` with its instructions labelled as ``phase``."""
+  with jax.named_scope(label(phase)):
+    return branch(*operands)
+
+
+def switch(index, phases: Sequence[Phase], branches: Sequence[Callable], *operands):
+  """``lax.switch(index, branches, *operands)`` with branch i labelled as ``phases[i]``; a single
+  phase runs without a switch (still labelled)."""
+  if len(branches) == 1:
+    return run(phases[0], branches[0], *operands)
+  labelled = [lambda *ops, p=p, b=b: run(p, b, *ops) for p, b in zip(phases, branches)]
+  return lax.switch(index, labelled, *operands)
+
+
+def cond(predicate, phase: Phase, branch: Callable, otherwise: Callable, *operands):
+  """``lax.cond(predicate, branch, otherwise, *operands)`` with ``branch`` labelled as ``phase``
+  (``otherwise`` is the rest of the steps; it sends nothing)."""
+  return lax.cond(predicate, lambda *ops: run(phase, branch, *ops), otherwise, *operands)
