@@ -115,15 +115,19 @@ def test_collectives_sit_in_the_branch_that_runs_once_per_k():
   inner = lambda: optax.chain(jaxcomp.fp16_compress(), optax.sgd(0.1))
   plain = _step_report(inner())
   accumulated = _step_report(jaxcomp.accumulate(inner(), every_k=K))
-  assert plain.collectives and not any(c.in_conditional for c in plain.collectives)
-  assert accumulated.collectives and all(c.in_conditional for c in accumulated.collectives)
-  assert accumulated.payload_bytes == plain.payload_bytes
+  assert plain.collectives and not any(c.phases for c in plain.collectives)
+  assert accumulated.collectives and all(
+      c.phases == (("accumulate.communicate", 1 / K),) for c in accumulated.collectives)
+  # The step that communicates sends what the plain step sends; per micro-step, a k-th of it.
+  assert accumulated.phase("accumulate.communicate").payload_bytes == plain.payload_bytes
+  assert accumulated.payload_bytes == plain.payload_bytes / K
   assert set(accumulated.bytes_by_dtype()) == {"f16"}
   # optax.MultiSteps, by contrast, communicates on every micro-step: its collectives are
   # unconditional, and jaxcomp warns.
   with pytest.warns(UserWarning, match="optax.MultiSteps runs the jaxcomp transformation"):
     multi = _step_report(optax.MultiSteps(inner(), every_k_schedule=K).gradient_transformation())
   assert multi.collectives and not any(c.in_conditional for c in multi.collectives)
+  assert multi.payload_bytes == plain.payload_bytes
 
 
 def test_integer_leaves_pass_through_and_are_not_accumulated():

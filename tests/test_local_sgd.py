@@ -148,9 +148,11 @@ def test_hierarchical_mean_over_fast_every_step_and_parameters_over_slow_every_p
   numel = sum(x.size for x in jax.tree.leaves(init_params()))
   fast, slow = by_axes[("fast",)], by_axes[("slow",)]
   assert set(by_axes) == {("fast",), ("slow",)}
-  assert fast.payload_bytes == slow.payload_bytes == 4 * numel
-  assert not any(c.in_conditional for c in fast.collectives)  # the gradient mean, every step
-  assert all(c.in_conditional for c in slow.collectives)  # the parameter average, once a period
+  # The gradient mean over fast, every step; the parameter average over slow, once a period.
+  assert not any(c.phases for c in fast.collectives)
+  assert all(c.phases == (("local_sgd.sync", 1 / 3),) for c in slow.collectives)
+  assert fast.payload_bytes == slow.phase("local_sgd.sync").payload_bytes == 4 * numel
+  assert slow.payload_bytes == pytest.approx(4 * numel / 3)
 
 
 def test_nested_local_sgd_averages_at_two_periods():
@@ -167,7 +169,9 @@ def test_nested_local_sgd_averages_at_two_periods():
     else:
       assert max(float(np.abs(p[0, 1] - p[0, 0]).max()) for p in jax.tree.leaves(params)) > 0
   assert set(by_axes) == {("fast",), ("slow",)}
-  assert all(c.in_conditional for report in by_axes.values() for c in report.collectives)
+  # Each average is its own local_sgd's sync phase: every 2 steps over fast, every 6 over slow.
+  assert [(c.phase, c.share) for c in by_axes[("fast",)].collectives] == [("local_sgd.sync", 1 / 2)]
+  assert [(c.phase, c.share) for c in by_axes[("slow",)].collectives] == [("local_sgd.sync", 1 / 6)]
 
 
 def test_per_step_hierarchical_compression_sends_the_dense_mean_over_fast_and_powersgd_over_slow():

@@ -4,8 +4,8 @@
 it averages — and communicates — on every micro-step. ``accumulate`` instead sums this device's raw
 gradients for k − 1 micro-steps without any collective, and on the k-th runs the inner transformation,
 its collectives included, once, on the mean of the k local gradients. The inner update sits in the
-branch of a ``lax.cond`` that runs once per k steps: ``jaxcomp.comm_report`` lists its collectives with
-``in_conditional=True``.
+branch that runs once per k steps, labelled as the phase ``accumulate.communicate`` with a share of
+1/k: ``jaxcomp.comm_report`` counts its collectives once per k micro-steps.
 
 With micro-batches of equal size, k micro-steps give the update of one step on the k-times-larger batch.
 """
@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
+from jaxcomp._src import phases
 from jaxcomp._src import tree as tree_lib
 from jaxcomp._src import validate
 
@@ -92,7 +92,9 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
       zeros = jax.tree.map(lambda g: jnp.zeros(jnp.shape(g), jnp.result_type(g)), updates)
       return zeros, state.inner_state, acc
 
-    new_updates, inner_state, acc = lax.cond(state.micro_step == every_k - 1, communicate, hold)
+    new_updates, inner_state, acc = phases.cond(
+        state.micro_step == every_k - 1, phases.Phase("accumulate.communicate", 1 / every_k),
+        communicate, hold)
     return new_updates, AccumulateState((state.micro_step + 1) % every_k, acc, inner_state,
                                         state.signature)
 

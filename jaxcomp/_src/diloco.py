@@ -49,9 +49,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
-from jaxcomp._src import axis, finite, local_steps, validate
+from jaxcomp._src import axis, finite, local_steps, phases, validate
 from jaxcomp._src import tree as tree_lib
 
 
@@ -221,8 +220,9 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     local, inner_state = local_steps.local_update(
         inner, updates, local_steps.from_device(state.inner_state), params)
     # 2: the outer step after every H-th inner step.
-    new_leaves, theta, outer_state, compressor_state = lax.cond(
+    new_leaves, theta, outer_state, compressor_state = phases.cond(
         state.config.syncs_after(state.count),
+        phases.Phase("diloco.sync", 1 / state.config.sync_every),
         lambda leaves: outer_step(state, leaves),
         lambda leaves: (leaves, state.outer_params, state.outer_state, state.compressor_state),
         jax.tree.leaves(local))

@@ -117,12 +117,11 @@ class Compressor:
 
   def bytes_per_step(self, report, kind: str = "ring_bytes") -> float:
     """What the steady state sends per step on average, from ``report`` (``jaxcomp.comm_report``
-    of one step). The collectives in a conditional's branch run once every ``sync_every`` steps in a
-    wrapper (its sync step) and every other step in alternating PowerSGD (one of two branches);
-    everything else on every step. ``kind``: ``"ring_bytes"`` or ``"payload_bytes"``."""
-    every = (self.settings["sync_every"] if self.wraps_optimizer
-             else 2 if self.settings.get("alternating") else 1)
-    return sum(getattr(c, kind) / (every if c.in_conditional else 1) for c in report.collectives)
+    of one step): the report's own steady-state total, which counts a labelled phase's collectives
+    by its share (a wrapper's sync step once every ``sync_every`` steps, each half of alternating
+    PowerSGD every other step, a warm-up not at all). ``kind``: ``"ring_bytes"`` or
+    ``"payload_bytes"``."""
+    return getattr(report, kind)
 
   def phases(self, steps: int) -> tuple:
     """The ``Phase``s of a run of ``steps`` steps under the recipe, first step first.
