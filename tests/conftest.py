@@ -1,4 +1,8 @@
-"""Tests run real multi-device programs on 8 simulated CPU devices."""
+"""Tests run real multi-device programs on 8 simulated CPU devices.
+
+``--max-test-seconds S`` fails the session if any test (setup, call and teardown together) took longer
+than S seconds, naming them: the fast tier's per-test limit (``.ci/run``).
+"""
 
 import os
 
@@ -11,6 +15,28 @@ jax.config.update("jax_platforms", "cpu")
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+_durations: dict = {}
+
+
+def pytest_addoption(parser):
+  parser.addoption("--max-test-seconds", type=float, default=None,
+                   help="fail the session if a test takes longer than this many seconds")
+
+
+def pytest_runtest_logreport(report):
+  _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+  limit = session.config.getoption("--max-test-seconds")
+  over = sorted(((d, n) for n, d in _durations.items() if limit is not None and d > limit),
+                reverse=True)
+  if over:
+    lines = "\n".join(f"  {d:6.1f} s  {n}" for d, n in over)
+    session.config.get_terminal_writer().line(
+        f"\n{len(over)} test(s) over the per-test limit of {limit:g} s:\n{lines}", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)
