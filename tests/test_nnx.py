@@ -248,6 +248,16 @@ class Counted(nnx.Module):
     return self.linear(x)
 
 
+class WritesAParameter(nnx.Module):
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(6, 3, rngs=rngs)
+
+  def __call__(self, x):
+    self.linear.bias[...] = self.linear.bias[...] + 1.0
+    return self.linear(x)
+
+
 def test_nnx_loss_form_refuses_what_it_cannot_keep_and_names_the_fix():
   mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
   tx = optax.chain(jaxcomp.allreduce(), optax.sgd(0.1))
@@ -268,6 +278,10 @@ def test_nnx_loss_form_refuses_what_it_cannot_keep_and_names_the_fix():
     dp.step(model, tx.init(nnx.state(model, nnx.Param)), *batch)
   with pytest.raises(ValueError, match="another transformation than the tx given to data_parallel"):
     dp.step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), *batch)
+  written = WritesAParameter(nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"params\['linear'\]\['bias'\].*the forward pass wrote "
+                                       r"this parameter.*a Variable that wrt leaves out"):
+    dp.step(written, dp.make_state(written), *batch)
   with pytest.raises(ValueError, match="buffers must be 'mean', 'first' or 'per_device'; got 'sum'"):
     jaxcomp.data_parallel(loss_fn, mesh, tx=tx, buffers="sum")
 

@@ -367,6 +367,23 @@ def _synchronised(written, policy: str, axes: tuple):
   return treedef.unflatten([synced.get(jax.tree_util.keystr(path), x) for path, x in flat])
 
 
+def _refuse_written(params, after):
+  """The forward pass must not write a parameter: the optimizer computes the parameters.
+
+  An unwritten Variable still holds the very value it was given.
+
+  Raises:
+    ValueError: naming the first parameter written.
+  """
+  for (path, given), now in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(after)):
+    if now is not given:
+      raise ValueError(
+          f"params{jax.tree_util.keystr(path)}: the forward pass wrote this parameter (the "
+          "optimizer's wrt selects it), but the optimizer computes the parameters from their "
+          "gradients. Keep state the forward pass writes in a Variable that wrt leaves out "
+          "(nnx.BatchStat, nnx.Variable)")
+
+
 def _nnx_loss_step(loss_fn, tx, axes, has_aux, buffers, model, optimizer, *batch):
   """The loss form's per-device step for an nnx model and its ``nnx.Optimizer``.
 
@@ -375,8 +392,8 @@ def _nnx_loss_step(loss_fn, tx, axes, has_aux, buffers, model, optimizer, *batch
      Variables.
   2. Every random stream draws from its key folded with this device's index, so that each device
      has its own dropout masks; the keys kept are unchanged, the counters advance as on one device.
-  3. Every Variable the forward pass wrote (BatchNorm statistics, RNG counters, any Variable) is
-     written back into the model, made the same on every device by ``buffers`` unless the model
+  3. Every Variable other than a parameter that the forward pass wrote (BatchNorm statistics, RNG
+     counters, any Variable; writing a parameter is refused) is written back into the model, made the same on every device by ``buffers`` unless the model
      keeps them per device (``buffers="per_device"``, or an optimizer that keeps the parameters per
      device).
   4. ``optimizer.update(model, grads)``: the compressed mean and the optimizer.
@@ -392,7 +409,9 @@ def _nnx_loss_step(loss_fn, tx, axes, has_aux, buffers, model, optimizer, *batch
     local = nnx.merge(graphdef, params, own_keys, rest, copy=True)
     value = loss_fn(local, *batch)
     loss, aux = value if has_aux else (value, None)
-    return loss, (aux, nnx.split(local, optimizer.wrt, nnx.RngKey, ...)[3])
+    _, new_params, _, written = nnx.split(local, optimizer.wrt, nnx.RngKey, ...)
+    _refuse_written(params, new_params)
+    return loss, (aux, written)
 
   (loss, (aux, written)), grads = jax.value_and_grad(local_loss, has_aux=True)(local_params, rest)
   if buffers != "per_device" and not params_per_device(optimizer):  # 3
@@ -583,7 +602,8 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
     reduce them yourself to evaluate.
 
   A Variable that comes back identical on every device (an RNG counter, which advances alike) is
-  left as it is. Each device draws its own random numbers (dropout masks): the streams' keys are
+  left as it is; a parameter (a Variable the optimizer's ``wrt`` selects) that the forward pass
+  writes is refused, since the optimizer computes those. Each device draws its own random numbers (dropout masks): the streams' keys are
   folded with the device's index for the forward pass, and kept unchanged. Under ``local_sgd`` or
   ``diloco`` the whole model is per device, these Variables too.
 
