@@ -114,18 +114,21 @@ def _averaged(update_fn, updates) -> list:
   """
   update_fn = _unwrapped(update_fn)
   code, closure = _code(update_fn), _closure(update_fn)
+  nothing = [False] * len(jax.tree.leaves(updates))
   if code is _CHAIN:
-    by_element = [_averaged(fn, updates) for fn in closure["update_fns"]]
-    return [any(leaf) for leaf in zip(*by_element)]
+    by_element = [_averaged(fn, updates) for fn in closure.get("update_fns", ())]
+    return [any(leaf) for leaf in zip(nothing, *by_element)]
   if code is _MASKED:
+    if "mask" not in closure or "inner" not in closure:
+      return nothing
     return [selected and averaged for selected, averaged in
             zip(_selected(closure["mask"], updates), _averaged(closure["inner"].update, updates))]
   if _is_jaxcomp(update_fn):
     inner = closure.get("inner")
     if isinstance(inner, optax.GradientTransformation):
       return _averaged(inner.update, updates)
-    return [True] * len(jax.tree.leaves(updates))
-  return [False] * len(jax.tree.leaves(updates))
+    return [True] * len(nothing)
+  return nothing
 
 
 def _left_out(masked) -> Optional[list]:
@@ -208,13 +211,13 @@ def _is_guard(update_fn) -> bool:
   """Whether the transformation passes an update through or drops it whole: ``optax.identity()``,
   ``optax.apply_if_finite`` around a guard, a chain of guards."""
   update_fn = _unwrapped(update_fn)
-  code = _code(update_fn)
+  code, closure = _code(update_fn), _closure(update_fn)
   if code is _IDENTITY:
     return True
-  if code is _CHAIN:
-    return all(_is_guard(fn) for fn in _closure(update_fn)["update_fns"])
-  if code is _APPLY_IF_FINITE:
-    return _is_guard(_closure(update_fn)["inner"].update)
+  if code is _CHAIN and "update_fns" in closure:
+    return all(_is_guard(fn) for fn in closure["update_fns"])
+  if code is _APPLY_IF_FINITE and "inner" in closure:
+    return _is_guard(closure["inner"].update)
   return False
 
 
