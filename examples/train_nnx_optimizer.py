@@ -68,9 +68,9 @@ report = jaxcomp.comm_report(dp.step, model, optimizer,
                              *dp.shard((train_x[:batch], train_y[:batch])))
 print(report)
 dense_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-# PowerSGD's plain mean before start_iter sits in a cond branch; a dense all-reduce outside one would
-# be autodiff's, which data_parallel's per-device copy of the parameters avoids. (The running
-# statistics' mean is 2 x 64 floats.)
+# PowerSGD's plain mean before start_iter sits in a cond branch; a dense all-reduce outside one
+# would be autodiff's, which data_parallel's per-device copy of the parameters avoids. (The mean of
+# the running statistics is 2 x 64 floats.)
 hidden = [c for c in report.collectives if not c.in_conditional and c.payload_bytes > dense_bytes // 2]
 assert not hidden, "a hidden all-reduce of the gradient"
 

@@ -222,7 +222,7 @@ def test_nnx_loss_form_keeps_what_the_forward_pass_writes(buffers, one_device_re
     model, optimizer, loss = dp.step(model, optimizer, *dp.shard((x, y)))
     np.testing.assert_allclose(loss, ref_loss, **tol)  # reading it blocks, as XLA:CPU needs
   expected = kept(ref_rests, buffers)
-  assert np.abs(expected["mean"]).max() > 0.5  # far from their start, 0: the forward pass wrote them
+  assert np.abs(expected["mean"]).max() > 0.5  # far from their start, 0: the forward pass wrote
   chex.assert_trees_all_close({"mean": model.norm.mean[...], "var": model.norm.var[...]},
                               expected, **tol)
   # Dropout's counter advanced once per step, as on one device (stacked with "per_device").
@@ -282,7 +282,7 @@ def test_nnx_loss_form_refuses_what_it_cannot_keep_and_names_the_fix():
   with pytest.raises(ValueError, match=r"params\['linear'\]\['bias'\].*the forward pass wrote "
                                        r"this parameter.*a Variable that wrt leaves out"):
     dp.step(written, dp.make_state(written), *batch)
-  with pytest.raises(ValueError, match="buffers must be 'mean', 'first' or 'per_device'; got 'sum'"):
+  with pytest.raises(ValueError, match="buffers must be 'mean', 'first' or 'per_device'; got 'su"):
     jaxcomp.data_parallel(loss_fn, mesh, tx=tx, buffers="sum")
 
 

@@ -104,6 +104,7 @@ def test_masked_around_a_compressor_is_refused_naming_the_left_out_leaves():
     run(optax.masked(jaxcomp.powersgd(1), {"w": True, "b": False}), [grads()])
 
 
+@pytest.mark.numeric
 def test_complementary_masks_averaged_by_jaxcomp_transformations_are_safe():
   # Every leaf is averaged by some jaxcomp transformation of the chain: "w" by PowerSGD, "b" (the
   # 1-D leaves, chosen by a callable mask) by allreduce.

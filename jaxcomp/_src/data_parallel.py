@@ -161,8 +161,9 @@ def _refuse_varying(leaves, masks, paths, axes, local_steps: bool) -> None:
 def _body(local, treedefs, masks, paths, axes, names, mask_of, pins, leaves, batch):
   """The per-device step inside ``shard_map``: unstack per-device leaves, run, stack them again.
 
-  ``mask_of(states)``: the per-device bool tree of each state. ``pins``: None, or for an Explicit mesh the spec over the other axes each returned leaf must have
-  (that of its input), so that returning to the Explicit mesh moves no data.
+  ``mask_of(states)``: the per-device bool tree of each state. ``pins``: None, or for an Explicit
+  mesh the spec over the other axes each returned leaf must have (that of its input), so that
+  returning to the Explicit mesh moves no data.
   """
   leaves = [x[0] if per_device else x for x, per_device in zip(leaves, masks)]
   *states, out = local(*_unflatten(treedefs, leaves), *batch)
@@ -329,8 +330,8 @@ def _check_nnx(model, optimizer, tx) -> None:
     ValueError: the optimizer was made with another transformation than ``tx``.
   """
   if not _is_module(model):
-    raise TypeError(f"params: an nnx.Optimizer (opt_state) updates an nnx model; got params of type "
-                    f"{type(model).__name__}. Pass the model as params")
+    raise TypeError(f"params: an nnx.Optimizer (opt_state) updates an nnx model; got params of "
+                    f"type {type(model).__name__}. Pass the model as params")
   if not _is_optimizer(optimizer):
     raise TypeError(f"opt_state: with an nnx model as params the optimizer state is an "
                     f"nnx.Optimizer; got {type(optimizer).__name__}. Make it with "
@@ -375,7 +376,8 @@ def _refuse_written(params, after):
   Raises:
     ValueError: naming the first parameter written.
   """
-  for (path, given), now in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(after)):
+  given_with_path = jax.tree_util.tree_leaves_with_path(params)
+  for (path, given), now in zip(given_with_path, jax.tree.leaves(after)):
     if now is not given:
       raise ValueError(
           f"params{jax.tree_util.keystr(path)}: the forward pass wrote this parameter (the "
@@ -393,9 +395,9 @@ def _nnx_loss_step(loss_fn, tx, axes, has_aux, buffers, model, optimizer, *batch
   2. Every random stream draws from its key folded with this device's index, so that each device
      has its own dropout masks; the keys kept are unchanged, the counters advance as on one device.
   3. Every Variable other than a parameter that the forward pass wrote (BatchNorm statistics, RNG
-     counters, any Variable; writing a parameter is refused) is written back into the model, made the same on every device by ``buffers`` unless the model
-     keeps them per device (``buffers="per_device"``, or an optimizer that keeps the parameters per
-     device).
+     counters, any Variable; writing a parameter is refused) is written back into the model, made
+     the same on every device by ``buffers`` unless the model keeps them per device
+     (``buffers="per_device"``, or an optimizer that keeps the parameters per device).
   4. ``optimizer.update(model, grads)``: the compressed mean and the optimizer.
   """
   nnx = _nnx()
@@ -603,9 +605,10 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
 
   A Variable that comes back identical on every device (an RNG counter, which advances alike) is
   left as it is; a parameter (a Variable the optimizer's ``wrt`` selects) that the forward pass
-  writes is refused, since the optimizer computes those. Each device draws its own random numbers (dropout masks): the streams' keys are
-  folded with the device's index for the forward pass, and kept unchanged. Under ``local_sgd`` or
-  ``diloco`` the whole model is per device, these Variables too.
+  writes is refused, since the optimizer computes those. Each device draws its own random numbers
+  (dropout masks): the streams' keys are folded with the device's index for the forward pass, and
+  kept unchanged. Under ``local_sgd`` or ``diloco`` the whole model is per device, these Variables
+  too.
 
   Without ``tx``, ``fn`` is a per-device step written as for ``jax.pmap`` — ``fn(state, *batch) ->
   (state, out)``, with ``tx.update`` inside it as the cross-device mean — and the step is
