@@ -1,5 +1,5 @@
 """Optax wrappers around jaxcomp: each row of README's table ("safe as is", "unsafe, why", "the
-jaxcomp alternative") is checked here."""
+jaxcomp alternative") is checked here, and ``check_last_in_chain`` for whole optimizers."""
 
 import warnings
 
@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate
+from helpers import assert_identical_across_devices, replicate, rounding_tol
+from jaxcomp._src import optax_wrappers
 
 W = 4
 
@@ -103,6 +104,27 @@ def test_masked_around_a_compressor_is_refused_naming_the_left_out_leaves():
     run(optax.masked(jaxcomp.powersgd(1), {"w": True, "b": False}), [grads()])
 
 
+@pytest.mark.numeric
+def test_complementary_masks_averaged_by_jaxcomp_transformations_are_safe():
+  # Every leaf is averaged by some jaxcomp transformation of the chain: "w" by PowerSGD, "b" (the
+  # 1-D leaves, chosen by a callable mask) by allreduce.
+  is_vector = lambda tree: jax.tree.map(lambda x: np.ndim(x) == 1, tree)
+  tx = optax.chain(optax.masked(jaxcomp.powersgd(1, start_iter=0), {"w": True, "b": False}),
+                   optax.masked(jaxcomp.allreduce(), is_vector), optax.sgd(0.1))
+  g = grads(4)
+  out, _ = run(tx, [g])
+  assert_identical_across_devices(out)
+  np.testing.assert_allclose(out["b"][0], -0.1 * g["b"].mean(0),
+                             **rounding_tol(2 * W, scale=0.1 * np.abs(g["b"]).max()))
+
+
+def test_masks_whose_other_leaves_only_a_plain_optax_transformation_sees_are_refused():
+  tx = optax.chain(optax.masked(jaxcomp.powersgd(1), {"w": True, "b": False}),
+                   optax.masked(optax.scale(1.0), {"w": False, "b": True}), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"optax.masked leaves \['b'\] out.*nothing averages them"):
+    run(tx, [grads()])
+
+
 def test_multi_transform_with_a_jaxcomp_transformation_for_every_label_is_safe():
   tx = optax.multi_transform({"kernel": jaxcomp.powersgd(1, start_iter=0),
                               "bias": jaxcomp.fp16_compress()}, {"w": "kernel", "b": "bias"})
@@ -164,3 +186,41 @@ def test_clip_by_global_norm_before_or_after_the_compressor_keeps_replicas_ident
   if where == "after":  # clipping the mean: the update's norm is at most 0.1 * 0.5
     norm = np.sqrt(sum(np.sum(np.asarray(x[0]) ** 2) for x in jax.tree.leaves(out)))
     assert norm <= 0.05 * (1 + 1e-5)
+
+
+def whole_optimizer(lr=0.1):
+  """A toy whole optimizer whose output is the update, -lr·g, as jaxcomp.onebit_adam's is."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    optax_wrappers.check_last_in_chain("whole_optimizer", alternative="scale_by_whole")
+    return jax.tree.map(lambda g: -lr * g, updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+@pytest.mark.parametrize("after", ["adamw", "sgd after a nested chain", "jaxcomp.allreduce"])
+def test_a_transformation_after_a_whole_optimizer_is_refused_at_trace_time(after):
+  tx = {"adamw": lambda: optax.chain(whole_optimizer(), optax.adamw(1e-3)),
+        "sgd after a nested chain": lambda: optax.chain(
+            optax.chain(whole_optimizer(), optax.identity()), optax.sgd(0.1)),
+        "jaxcomp.allreduce": lambda: optax.chain(whole_optimizer(),
+                                                 jaxcomp.allreduce(axis_name=None))}[after]()
+  p = params()
+  with pytest.raises(ValueError, match=r"whole_optimizer is followed in an optax.chain by .*: "
+                                       r"whole_optimizer is a whole optimizer whose output is the "
+                                       r"parameter update.*Use whole_optimizer alone.*"
+                                       r"scale_by_whole\(\.\.\.\) followed by a learning rate"):
+    jax.jit(tx.update)(p, tx.init(p), p)
+
+
+def test_guards_after_a_whole_optimizer_and_wrappers_around_it_are_accepted():
+  p = params()
+  g = {"w": np.full((6, 5), 2.0, np.float32), "b": np.full(5, -1.0, np.float32)}
+  for tx in [whole_optimizer(),
+             optax.chain(optax.clip_by_global_norm(100.0), whole_optimizer()),
+             optax.chain(whole_optimizer(), optax.identity(),
+                         optax.apply_if_finite(optax.chain(optax.identity()), 3)),
+             jaxcomp.skip_if_nonfinite(whole_optimizer(), 3, axis_name=None)]:
+    out, _ = jax.jit(tx.update)(g, tx.init(p), p)
+    chex.assert_trees_all_close(out, jax.tree.map(lambda x: -0.1 * x, g))

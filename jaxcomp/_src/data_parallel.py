@@ -19,6 +19,14 @@ compress. ``data_parallel`` builds the step that lets it work, from what a jit u
    here, and what the step returns has the shardings its inputs had. On a 2-D mesh the compressor
    averages over the data axis only; parameters may be sharded along the others.
 
+The loss form takes a Flax NNX model as the parameters (with its ``nnx.Optimizer`` as the optimizer
+state). The step splits the model into the parameters the optimizer updates (its ``wrt``) and the
+other Variables, takes the gradient of a per-device copy of the former (2 above), and writes back what
+the forward pass writes in the latter — BatchNorm statistics, RNG counters — which differ from device
+to device: by the ``buffers`` policy their mean or device 0's, the same on every device, or kept per
+device, stacked like per-device optimizer state. Flax is the caller's dependency, not jaxcomp's:
+``flax.nnx`` is looked up where the caller imported it.
+
 ``shard_map`` runs with ``check_vma=True``: a value that differs from device to device but would be
 returned as replicated — parameters a transformation did not average (``optax.masked`` around a
 compressor, a hook that does not communicate), a per-device state leaf no state declares — is an
@@ -56,7 +64,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional
+import sys
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -106,24 +115,17 @@ def _constrain(x, sharding: NamedSharding):
   return lax.with_sharding_constraint(x, sharding)
 
 
-def _flat_with_mask(trees, names, whole=()) -> tuple:
-  """The leaves of all ``trees``, their per-device flags, paths (``names[i]`` + key path) and the
-  treedefs. Every leaf of a tree named in ``whole`` is per device."""
-  leaves, masks, paths, treedefs = [], [], [], []
-  for name, tree in zip(names, trees):
+def _flat_with_mask(trees, names, masks) -> tuple:
+  """The leaves of all ``trees``, their per-device flags (from the bool trees ``masks``), paths
+  (``names[i]`` + key path) and the treedefs."""
+  leaves, flags, paths, treedefs = [], [], [], []
+  for name, tree, mask in zip(names, trees, masks):
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves += [x for _, x in with_path]
     paths += [name + jax.tree_util.keystr(p) for p, _ in with_path]
-    masks += [True] * len(with_path) if name in whole else jax.tree.leaves(per_device_mask(tree))
+    flags += jax.tree.leaves(mask)
     treedefs.append(treedef)
-  return leaves, masks, paths, treedefs
-
-
-def _whole(names, states) -> tuple:
-  """The trees that are per device as a whole: the loss-function form's parameters, when its
-  optimizer keeps them per device between synchronizations (a state declares
-  ``PARAMS_PER_DEVICE``)."""
-  return ("params",) if names == _LOSS_FORM and params_per_device(states[1]) else ()
+  return leaves, flags, paths, treedefs
 
 
 def _unflatten(treedefs, leaves) -> list:
@@ -146,23 +148,26 @@ def _refuse_varying(leaves, masks, paths, axes, local_steps: bool) -> None:
              "jaxcomp.PerDevice(params) (or PerDevice(model)) in the state, and make_state "
              "stacks them" if local_steps else
              "A parameter left out of the compressor (optax.masked: use powersgd(compress=...) "
-             "or dgc(sparsify=...) instead), a hook that does not average, or a per-device state "
+             "or dgc(sparsify=...) instead), a hook that does not average, a per-device state "
              "leaf that no state declares (declare it: PER_DEVICE_FIELDS, or wrap it in "
-             "jaxcomp.PerDevice)")
+             "jaxcomp.PerDevice), or model state the forward pass wrote (BatchNorm statistics: "
+             "jaxcomp.sync_buffers in the step; for an nnx model, data_parallel's loss form keeps "
+             "it)")
       raise ValueError(
           f"{path} differs from device to device after the step, but it is replicated: "
           "it was not averaged over " + repr(axes[0] if len(axes) == 1 else axes) + ". " + why)
 
 
-def _body(local, treedefs, masks, paths, axes, names, whole, pins, leaves, batch):
+def _body(local, treedefs, masks, paths, axes, names, mask_of, pins, leaves, batch):
   """The per-device step inside ``shard_map``: unstack per-device leaves, run, stack them again.
 
-  ``pins``: None, or for an Explicit mesh the spec over the other axes each returned leaf must have
-  (that of its input), so that returning to the Explicit mesh moves no data.
+  ``mask_of(states)``: the per-device bool tree of each state. ``pins``: None, or for an Explicit
+  mesh the spec over the other axes each returned leaf must have (that of its input), so that
+  returning to the Explicit mesh moves no data.
   """
   leaves = [x[0] if per_device else x for x, per_device in zip(leaves, masks)]
   *states, out = local(*_unflatten(treedefs, leaves), *batch)
-  new_leaves, new_masks, _, new_treedefs = _flat_with_mask(states, names, whole)
+  new_leaves, new_masks, _, new_treedefs = _flat_with_mask(states, names, mask_of(states))
   if new_treedefs != treedefs or new_masks != masks:
     raise ValueError(f"the step must return {', '.join(names)} with the structure it received: "
                      f"got {new_treedefs}, expected {treedefs}")
@@ -177,19 +182,20 @@ def _body(local, treedefs, masks, paths, axes, names, whole, pins, leaves, batch
   return new_leaves, jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
 
-def _global_step(local, mesh: Mesh, axes: tuple, names: tuple, *args):
+def _global_step(local, mesh: Mesh, axes: tuple, names: tuple, mask_of: Callable, *args):
   """The jitted global step: check and place the inputs, ``shard_map`` the body, restore shardings.
 
-  ``args`` are the states (one per entry of ``names``), then the batch.
+  ``args`` are the states (one per entry of ``names``), then the batch; ``mask_of(states)`` gives
+  the per-device bool tree of each state.
   """
   states, batch = args[:len(names)], args[len(names):]
   world = math.prod(mesh.shape[a] for a in axes)
-  whole = _whole(names, states)
-  leaves, masks, paths, treedefs = _flat_with_mask(states, names, whole)
+  leaves, masks, paths, treedefs = _flat_with_mask(states, names, mask_of(states))
   for x, per_device, path in zip(leaves, masks, paths):
     if per_device and (not np.shape(x) or np.shape(x)[0] != world):
-      fix = ("the optimizer keeps the parameters per device between synchronizations: place them "
-             "with make_params, which stacks them" if path.startswith("params") and whole else
+      fix = ("Place the parameters with make_params, which stacks what is per device (all of them "
+             "under an optimizer that moves them between synchronizations, an nnx model's other "
+             "Variables with buffers='per_device')" if path.startswith("params") else
              "Make the state with make_state, which stacks it")
       raise ValueError(
           f"{path} is per device and must be stacked along a leading axis of {world} (one "
@@ -218,7 +224,7 @@ def _global_step(local, mesh: Mesh, axes: tuple, names: tuple, *args):
         return x if spec is None else lax.with_sharding_constraint(x, NamedSharding(auto, spec))
       leaves, batch = jax.tree.map(to_auto, (leaves, batch))
     new_leaves, out = jax.shard_map(
-        functools.partial(_body, local, treedefs, masks, paths, axes, names, whole, pins),
+        functools.partial(_body, local, treedefs, masks, paths, axes, names, mask_of, pins),
         mesh=auto,
         in_specs=(specs, PartitionSpec(axes)), out_specs=(specs, PartitionSpec(axes)),
         axis_names=set(axes), check_vma=True)(leaves, batch)
@@ -246,15 +252,175 @@ class _OnMesh:
 
 
 _LOSS_FORM = ("params", "opt_state")
+_Optimizer = Union[optax.GradientTransformation, optax.MultiSteps]
+BUFFER_POLICIES = ("mean", "first", "per_device")
 
 
-def _loss_step(loss_fn, tx, axes, has_aux, params, opt_state, *batch):
+def _step_form_masks(states) -> list:
+  """The per-device bool tree of the per-device-step form's state: what its states declare."""
+  return [per_device_mask(states[0])]
+
+
+def _loss_form_masks(buffers: str, states) -> list:
+  """The per-device bool trees of the loss form's ``(params, opt_state)``.
+
+  The parameters are all per device under an optimizer that moves them between synchronizations
+  (a state declares ``PARAMS_PER_DEVICE``); of an nnx model, with ``buffers="per_device"``, the
+  Variables other than ``nnx.Param``.
+  """
+  params, opt_state = states
+  if params_per_device(opt_state):
+    params_mask = jax.tree.map(lambda _: True, params)
+  elif _is_module(params):
+    params_mask = _model_mask(params, buffers == "per_device")
+  else:
+    params_mask = per_device_mask(params)
+  return [params_mask, per_device_mask(opt_state)]
+
+
+def _loss_step(loss_fn, tx, axes, has_aux, buffers, params, opt_state, *batch):
   """The per-device step of the loss-function form: local gradient, compressed mean, update."""
+  if _is_module(params) or _is_optimizer(opt_state):
+    return _nnx_loss_step(loss_fn, tx, axes, has_aux, buffers, params, opt_state, *batch)
   # 2: no hidden all-reduce of the gradient (per-device parameters already are a per-device copy).
   local_params = jax.tree.map(lambda p: axis.make_varying(p, axes), params)
   value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local_params, *batch)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, value
+
+
+# --- Flax NNX: the loss form with an nnx model as the parameters ---------------------------------
+# Flax is the caller's dependency, not jaxcomp's: ``flax.nnx`` is looked up where the caller has
+# imported it (it has, to make the model), never imported here.
+
+
+def _nnx():
+  """``flax.nnx`` if the caller has imported it, else None."""
+  return sys.modules.get("flax.nnx")
+
+
+def _is_module(x) -> bool:
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.Module)
+
+
+def _is_optimizer(x) -> bool:
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.Optimizer)
+
+
+def _model_mask(model, buffers_per_device: bool):
+  """``model`` with True at the leaves of its Variables other than ``nnx.Param`` if
+  ``buffers_per_device``, False everywhere else."""
+  nnx = _nnx()
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+
+  def flag(node):
+    per_device = buffers_per_device and is_variable(node) and not isinstance(node, nnx.Param)
+    return jax.tree.map(lambda _: per_device, node)
+
+  return jax.tree.map(flag, model, is_leaf=is_variable)
+
+
+def _check_nnx(model, optimizer, tx) -> None:
+  """An nnx model comes with the ``nnx.Optimizer`` of ``tx``.
+
+  Raises:
+    TypeError: one of the two is not an nnx object.
+    ValueError: the optimizer was made with another transformation than ``tx``.
+  """
+  if not _is_module(model):
+    raise TypeError(f"params: an nnx.Optimizer (opt_state) updates an nnx model; got params of "
+                    f"type {type(model).__name__}. Pass the model as params")
+  if not _is_optimizer(optimizer):
+    raise TypeError(f"opt_state: with an nnx model as params the optimizer state is an "
+                    f"nnx.Optimizer; got {type(optimizer).__name__}. Make it with "
+                    "dp.make_state(model)")
+  if optimizer.tx is not tx:
+    raise ValueError("opt_state: this nnx.Optimizer was made with another transformation than the "
+                     "tx given to data_parallel, and its update would run that one. Make it with "
+                     "dp.make_state(model), or nnx.Optimizer(model, tx, wrt=...) with the same tx")
+
+
+def _synchronised(written, policy: str, axes: tuple):
+  """The Variables the forward pass wrote (an ``nnx.State``), the same on every device.
+
+  Those that differ from device to device become, by ``policy``, their mean (``"mean"``:
+  floating-point Variables only) or device 0's (``"first"``), through ``jaxcomp.sync_buffers``;
+  those that came back identical everywhere (a counter advanced alike, a Variable left unwritten)
+  are left alone.
+
+  Raises:
+    ValueError: ``"mean"`` meets a non-floating-point Variable that differs from device to device.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(written)
+  varying = {jax.tree_util.keystr(path): x for path, x in flat
+             if set(axes) & axis.varying_axes(x)}
+  if policy == "mean":
+    for path, x in varying.items():
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"params{path}: the forward pass wrote this {x.dtype.name} Variable with a "
+            "different value on each device, and buffers='mean' averages floating-point Variables "
+            "only. Pass buffers='first' (device 0's value on every device) or "
+            "buffers='per_device' (one copy per device) to data_parallel")
+  synced = distributed.sync_buffers(varying, policy, axis_name=axes)
+  return treedef.unflatten([synced.get(jax.tree_util.keystr(path), x) for path, x in flat])
+
+
+def _refuse_written(params, after):
+  """The forward pass must not write a parameter: the optimizer computes the parameters.
+
+  An unwritten Variable still holds the very value it was given.
+
+  Raises:
+    ValueError: naming the first parameter written.
+  """
+  given_with_path = jax.tree_util.tree_leaves_with_path(params)
+  for (path, given), now in zip(given_with_path, jax.tree.leaves(after)):
+    if now is not given:
+      raise ValueError(
+          f"params{jax.tree_util.keystr(path)}: the forward pass wrote this parameter (the "
+          "optimizer's wrt selects it), but the optimizer computes the parameters from their "
+          "gradients. Keep state the forward pass writes in a Variable that wrt leaves out "
+          "(nnx.BatchStat, nnx.Variable)")
+
+
+def _nnx_loss_step(loss_fn, tx, axes, has_aux, buffers, model, optimizer, *batch):
+  """The loss form's per-device step for an nnx model and its ``nnx.Optimizer``.
+
+  1. The gradient is taken of a per-device copy of the parameters (``optimizer.wrt``), as for
+     arrays; the forward pass runs on a model merged from that copy and the model's other
+     Variables.
+  2. Every random stream draws from its key folded with this device's index, so that each device
+     has its own dropout masks; the keys kept are unchanged, the counters advance as on one device.
+  3. Every Variable other than a parameter that the forward pass wrote (BatchNorm statistics, RNG
+     counters, any Variable; writing a parameter is refused) is written back into the model, made
+     the same on every device by ``buffers`` unless the model keeps them per device
+     (``buffers="per_device"``, or an optimizer that keeps the parameters per device).
+  4. ``optimizer.update(model, grads)``: the compressed mean and the optimizer.
+  """
+  nnx = _nnx()
+  _check_nnx(model, optimizer, tx)
+  graphdef, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey, ...)
+  local_params = jax.tree.map(lambda p: axis.make_varying(p, axes), params)  # 1
+  index = lax.axis_index(axes)
+  own_keys = jax.tree.map(lambda key: jax.random.fold_in(key, index), keys)  # 2
+
+  def local_loss(params, rest):
+    local = nnx.merge(graphdef, params, own_keys, rest, copy=True)
+    value = loss_fn(local, *batch)
+    loss, aux = value if has_aux else (value, None)
+    _, new_params, _, written = nnx.split(local, optimizer.wrt, nnx.RngKey, ...)
+    _refuse_written(params, new_params)
+    return loss, (aux, written)
+
+  (loss, (aux, written)), grads = jax.value_and_grad(local_loss, has_aux=True)(local_params, rest)
+  if buffers != "per_device" and not params_per_device(optimizer):  # 3
+    written = _synchronised(written, buffers, axes)
+  nnx.update(model, written)
+  optimizer.update(model, grads)  # 4
+  return model, optimizer, ((loss, aux) if has_aux else loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,16 +434,20 @@ class DataParallel:
       come back stacked, one entry per device along a new leading axis: no collective is spent on
       them (``loss.mean()`` is the batch's mean loss for equal shards). Under ``local_sgd`` or
       ``diloco`` the parameters, too, come back stacked, one copy per device (see
-      ``make_params``).
+      ``make_params``). With an nnx model as the parameters: ``step(model, optimizer, *batch) ->
+      (model, optimizer, loss)``.
     mesh: the mesh, as given.
     axis_name: the data axis (or tuple of axes) the step is mapped over and the compressor averages
       over.
     tx: the optimizer of the loss-function form, else None.
+    buffers: what an nnx model's Variables that the forward pass writes become (loss-function
+      form): ``"mean"``, ``"first"`` or ``"per_device"`` (see ``jaxcomp.data_parallel``).
   """
   step: Callable
   mesh: Mesh
   axis_name: Any
-  tx: Optional[optax.GradientTransformation]
+  tx: Optional[_Optimizer]
+  buffers: str = "mean"
 
   @property
   def world_size(self) -> int:
@@ -302,7 +472,9 @@ class DataParallel:
     """The state ``step`` takes, placed on the mesh.
 
     Loss-function form: ``tree`` is the parameters as made on one device, and the result is
-    ``tx.init(params)``. Per-device-step form: ``tree`` is the state as made on one device (e.g.
+    ``tx.init(params)``; for an nnx model it is ``nnx.Optimizer(model, tx, wrt=nnx.Param)``, and an
+    ``nnx.Optimizer`` of ``tx`` made otherwise (another ``wrt``, restored from a checkpoint) is
+    placed as it is. Per-device-step form: ``tree`` is the state as made on one device (e.g.
     ``(params, opt_state)``, a Flax ``(model, nnx.Optimizer)``, or for ``local_sgd`` / ``diloco``
     ``(jaxcomp.PerDevice(params), opt_state)``). Either way every per-device leaf is stacked along a
     new leading axis, one copy per device (every device starts from the same state), and sharded
@@ -314,7 +486,13 @@ class DataParallel:
     ``jaxcomp.ReplicaMismatchError`` naming the first leaf that differs
     (``params = jaxcomp.broadcast_replicated(params)`` first is the fix).
     """
-    make = (lambda t: t) if self.tx is None else self.tx.init
+    if self.tx is None or _is_optimizer(tree):
+      if self.tx is not None and tree.tx is not self.tx:
+        raise ValueError("tree: this nnx.Optimizer was made with another transformation than the "
+                         "tx given to data_parallel; make it with make_state(model)")
+      make = lambda t: t
+    else:
+      make = self._init
     return self._place(self._same_start(tree), make, per_device_mask)
 
   def make_params(self, params):
@@ -324,7 +502,8 @@ class DataParallel:
     shardings; calling this is optional then). For an optimizer that keeps the parameters per device
     between synchronizations (``local_sgd``, ``diloco``: a state that declares
     ``PARAMS_PER_DEVICE``) stacked along a new leading axis of W and sharded along it, one copy per
-    device, as ``step`` takes and returns them. Make the optimizer state from the unstacked
+    device, as ``step`` takes and returns them. Of an nnx model with ``buffers="per_device"``, the
+    Variables other than ``nnx.Param`` are stacked so. Make the optimizer state from the unstacked
     parameters (``make_state(params)`` before this). With several processes the parameters are
     checked as ``make_state`` checks them.
     """
@@ -332,9 +511,16 @@ class DataParallel:
       raise ValueError("make_params places the parameters of the loss-function form (with tx); in "
                        "the per-device-step form make_state places the whole state (wrap the "
                        "parameters of local_sgd or diloco in jaxcomp.PerDevice there)")
-    per_device = params_per_device(jax.eval_shape(self.tx.init, params))
+    opt_state = jax.eval_shape(self._init, params)
     return self._place(self._same_start(params), lambda t: t,
-                       lambda t: jax.tree.map(lambda _: per_device, t))
+                       lambda t: _loss_form_masks(self.buffers, (t, opt_state))[0])
+
+  def _init(self, params):
+    """The loss form's optimizer state: ``tx.init(params)``, or for an nnx model
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``."""
+    if _is_module(params):
+      return _nnx().Optimizer(params, self.tx, wrt=_nnx().Param)
+    return self.tx.init(params)
 
   def _same_start(self, tree):
     """With several processes: ``tree`` with process 0's value in every leaf (per-device-step form)
@@ -381,8 +567,8 @@ class DataParallel:
 
 
 def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch",
-                  tx: Optional[optax.GradientTransformation] = None,
-                  has_aux: bool = False) -> DataParallel:
+                  tx: Optional[_Optimizer] = None,
+                  has_aux: bool = False, buffers: str = "mean") -> DataParallel:
   """A jitted data-parallel training step for a jaxcomp optimizer, from a function and a ``Mesh``.
 
   Two forms. With ``tx``, ``fn`` is the loss, ``fn(params, *batch) -> loss`` (or ``(loss, aux)``
@@ -395,11 +581,43 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
     opt_state = dp.make_state(params)
     params, opt_state, loss = dp.step(params, opt_state, *dp.shard((x, y)))
 
+  The parameters may be a Flax NNX model, ``fn(model, *batch)``; the optimizer state is then its
+  ``nnx.Optimizer``::
+
+    dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+    optimizer = dp.make_state(model)        # nnx.Optimizer(model, tx, wrt=nnx.Param), placed
+    model, optimizer, loss = dp.step(model, optimizer, *dp.shard((x, y)))
+
+  The gradient is taken of a per-device copy of the parameters, and every other Variable the
+  forward pass writes — BatchNorm's running statistics, the RNG counters of Dropout, any Variable —
+  is written back into the model. Each device computes them from its own shard, so they differ
+  from device to device; ``buffers`` says what they become:
+
+  * ``"mean"`` (the default): their mean over the devices, one all-reduce per dtype per step
+    (``jaxcomp.sync_buffers``). With equal shards the running mean is the one a single device
+    would keep for the whole batch (the running variance misses the spread between the shards'
+    means), and the model stays one model, identical everywhere: ready to evaluate and save.
+    Floating-point Variables only: an integer one that differs from device to device is refused.
+  * ``"first"``: device 0's, PyTorch DDP's ``broadcast_buffers`` (from 1/W of the batch).
+  * ``"per_device"``: each device keeps its own, stacked along a leading axis of W like per-device
+    optimizer state (``make_params`` stacks them), at no communication; pick a copy (``x[0]``) or
+    reduce them yourself to evaluate.
+
+  A Variable that comes back identical on every device (an RNG counter, which advances alike) is
+  left as it is; a parameter (a Variable the optimizer's ``wrt`` selects) that the forward pass
+  writes is refused, since the optimizer computes those. Each device draws its own random numbers
+  (dropout masks): the streams' keys are folded with the device's index for the forward pass, and
+  kept unchanged. Under ``local_sgd`` or ``diloco`` the whole model is per device, these Variables
+  too.
+
   Without ``tx``, ``fn`` is a per-device step written as for ``jax.pmap`` — ``fn(state, *batch) ->
   (state, out)``, with ``tx.update`` inside it as the cross-device mean — and the step is
   ``step(state, *batch) -> (state, out)``. ``state`` is any pytree (``(params, opt_state)``, a Flax
   ``(model, nnx.Optimizer)``); take gradients of ``lax.pcast(params, axis_name, to="varying")``,
-  as the loss form does for you, or autodiff adds a full all-reduce of them.
+  as the loss form does for you. The gradient of the replicated parameters themselves is already
+  summed over the devices (autodiff's transpose of their implicit ``pvary`` is a float32
+  ``psum``): the compressor then averages a sum, and the update is W times too large. Of an nnx
+  model, ``pcast`` makes a copy, and what the forward pass writes in it is lost: use the loss form.
 
   ``jaxcomp.local_sgd`` and ``jaxcomp.diloco`` move each device's parameters on its own between
   synchronizations, so the parameters are per device: stacked along a leading axis of W (one copy
@@ -426,14 +644,19 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
     mesh: the device mesh; its other axes (a model axis, say) are left to the partitioner.
     axis_name: the mesh axis (or tuple of axes) the batch is split over; it must be the
       ``axis_name`` of the jaxcomp transformations in the optimizer.
-    tx: the optimizer, normally ``optax.chain(<jaxcomp compressor>, <optax optimizer>)``.
+    tx: the optimizer, normally ``optax.chain(<jaxcomp compressor>, <optax optimizer>)``; an
+      ``optax.MultiSteps`` too.
     has_aux: ``fn`` returns ``(loss, aux)`` (loss-function form only).
+    buffers: ``"mean"``, ``"first"`` or ``"per_device"``: what an nnx model's Variables that the
+      forward pass writes become (loss-function form; see above).
 
   Returns:
     A ``DataParallel``: ``step``, ``make_state``, ``make_params``, ``shard``, ``shardings``.
 
   Raises:
-    ValueError: ``axis_name`` is not an axis of ``mesh``.
+    TypeError: ``mesh`` is not a ``Mesh``, or ``tx`` not an optax transformation.
+    ValueError: ``axis_name`` is not an axis of ``mesh``; ``has_aux`` or ``buffers`` given without
+      ``tx``; ``buffers`` is not a policy above.
   """
   validate.function(fn, "fn", "fn(params, *batch)" if tx is not None else "fn(state, *batch)")
   if not isinstance(mesh, Mesh):
@@ -445,15 +668,23 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
     raise ValueError(f"axis_name must name axes of the mesh {tuple(mesh.axis_names)}; got "
                      f"{axis_name!r}")
   has_aux = validate.boolean(has_aux, "has_aux")
+  buffers = validate.choice(buffers, "buffers", BUFFER_POLICIES)
   axes = _axes(axis_name)
   if tx is None:
     if has_aux:
       raise ValueError("has_aux applies to a loss function, with tx; a per-device step returns "
                        "(state, out)")
-    step = functools.partial(_global_step, fn, mesh, axes, ("state",))
+    if buffers != "mean":
+      raise ValueError(f"buffers applies to a loss function of an nnx model, with tx; got "
+                       f"buffers={buffers!r} for a per-device step, which keeps its model state "
+                       "itself (jaxcomp.sync_buffers)")
+    step = functools.partial(_global_step, fn, mesh, axes, ("state",), _step_form_masks)
   else:
-    if not isinstance(tx, optax.GradientTransformation):
-      raise TypeError(f"tx must be an optax.GradientTransformation; got {type(tx).__name__}")
-    local = functools.partial(_loss_step, fn, tx, axes, has_aux)
-    step = functools.partial(_global_step, local, mesh, axes, _LOSS_FORM)
-  return DataParallel(_OnMesh(jax.jit(step), mesh), mesh, axis_name, tx)
+    # optax.MultiSteps is a class with init and update, not a GradientTransformation.
+    if not isinstance(tx, (optax.GradientTransformation, optax.MultiSteps)):
+      raise TypeError(f"tx must be an optax.GradientTransformation (or optax.MultiSteps); got "
+                      f"{type(tx).__name__}")
+    local = functools.partial(_loss_step, fn, tx, axes, has_aux, buffers)
+    step = functools.partial(_global_step, local, mesh, axes, _LOSS_FORM,
+                             functools.partial(_loss_form_masks, buffers))
+  return DataParallel(_OnMesh(jax.jit(step), mesh), mesh, axis_name, tx, buffers)
