@@ -264,7 +264,6 @@ def test_an_optax_multi_steps_object_is_accepted_as_tx():
   assert not np.allclose(params["w1"], init_params()["w1"])  # the second micro-step applied
 
 
-@pytest.mark.xfail(strict=True, reason="detection lands with the compressor adapter")
 def test_a_step_taking_the_gradient_of_the_replicated_parameters_is_refused():
   # Written as for pmap, without lax.pcast: under check_vma the gradient of the replicated
   # parameters is already summed over the devices (autodiff's transpose of their implicit pvary is
