@@ -58,7 +58,6 @@ myst_heading_anchors = 3
 # autodoc / napoleon: Google-style docstrings (Args / Returns / Raises / References / Attributes).
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_class_signature = "separated"
 autodoc_preserve_defaults = True
 autosummary_generate = False  # apigen.py writes the pages itself, from __all__
 napoleon_google_docstring = True
@@ -116,7 +115,8 @@ html_theme_options = {
     "use_download_button": False,
     "use_fullscreen_button": False,
 }
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_last_updated_fmt = None
 pygments_style = "default"
 

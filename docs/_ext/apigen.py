@@ -49,10 +49,24 @@ def _home(obj, name: str) -> str:
 
 
 def _kind(obj) -> int:
-  """Sort key: functions, then classes, then exceptions, then data."""
+  """Functions, then classes, then exceptions, then data."""
   if inspect.isclass(obj):
     return 2 if issubclass(obj, BaseException) else 1
   return 0 if callable(obj) else 3
+
+
+def _order(module, name: str) -> tuple:
+  """Sort key of a page's entries: kind, then the order of the modules in ``GROUPS``, then each
+  module's own order (its source lines)."""
+  obj = getattr(module, name)
+  modules = [m for group in GROUPS for m in group[2]]
+  home = _home(obj, name)
+  try:
+    line = inspect.getsourcelines(obj)[1]
+  except (TypeError, OSError):
+    line = 0  # data
+  return (_kind(obj), modules.index(home) if home in modules else len(modules), home, line,
+          name.lower())
 
 
 def _entry(qualname: str, obj) -> str:
@@ -73,7 +87,7 @@ def _page(title: str, namespace: str, names: list, intro: str = "") -> str:
   """
   import jaxcomp
   module = importlib.import_module(namespace)
-  names = sorted(names, key=lambda n: (_kind(getattr(module, n)), n.lower()))
+  names = sorted(names, key=lambda n: _order(module, n))
   top = {} if namespace == "jaxcomp" else {
       n: n for n in names if getattr(jaxcomp, n, None) is getattr(module, n) and n in jaxcomp.__all__}
   lines = [title, "=" * len(title), "", ".. currentmodule:: " + namespace, ""]
