@@ -21,7 +21,9 @@ The steps, per device and per reduced leaf (the ``# n:`` comments below point he
    range [min |v|, max |v|] of the chunk's selected magnitudes is cut into L = 2^(bits−1) equal bins
    (the top edge in the last bin), and each bin's magnitude is the mean of the magnitudes in it
    (its centroid), rounded to bfloat16; ``v̂ = ±centroid``. With ``bits=1`` that is the sign times
-   the mean magnitude;
+   the mean magnitude. Sending each bin's mean follows SparseLoCo's reference code (templar's
+   ``TopKCompressor`` bins a whole tensor's kept values over ±3σ about their mean and sends the bins'
+   means); here the bins are per chunk and symmetric in the sign, so the quantizer is odd;
 4. ``e ← e − ê``, ê being v̂ at the selected positions and 0 elsewhere (what was not sent stays, as
    does the quantization error of what was);
 5. encoding: one byte row per chunk — the positions in Elias–Fano code (``jaxcomp._src.bitpack``),
@@ -124,6 +126,7 @@ class ChunkLayout(NamedTuple):
     k: k_c, coordinates kept per chunk.
     positions: the Elias–Fano layout of k_c positions in [0, c).
     code_bits: the bits of a row's positions and value codes.
+    code_bytes: those bits packed, the last byte zero-padded.
     row_bytes: a row's bytes: the packed bits, then the centroids.
   """
   size: int
@@ -132,6 +135,7 @@ class ChunkLayout(NamedTuple):
   k: int
   positions: bitpack.EliasFano
   code_bits: int
+  code_bytes: int
   row_bytes: int
 
 
@@ -142,8 +146,10 @@ def layout(config: ChunkedTopKConfig, size: int) -> ChunkLayout:
   k = min(width, -(-config.k * width // config.chunk))
   positions = bitpack.EliasFano.of(width, k)
   code_bits = positions.bits(k) + k * config.bits
+  code_bytes = -(-code_bits // 8)
   centroid_bytes = config.levels * jnp.dtype(_CENTROID_DTYPE).itemsize
-  return ChunkLayout(size, rows, width, k, positions, code_bits, -(-code_bits // 8) + centroid_bytes)
+  return ChunkLayout(size, rows, width, k, positions, code_bits, code_bytes,
+                     code_bytes + centroid_bytes)
 
 
 def payload_bytes(config: ChunkedTopKConfig, shapes: Sequence[tuple]) -> int:
@@ -192,7 +198,7 @@ def _select(chunks: jax.Array, lay: ChunkLayout) -> jax.Array:
   return jnp.sort(positions, axis=-1)
 
 
-def quantize(values: jax.Array, bits: int) -> tuple:
+def _quantize(values: jax.Array, bits: int) -> tuple:
   """3: ``(codes, centroids)`` of each row of ``values`` (float32, ``(R, k)``): int32 codes
   ``sign · L + bin`` and ``(R, L)`` bfloat16 centroids, the mean magnitude in each bin (0 if empty)."""
   levels = 2 ** (bits - 1)
@@ -208,7 +214,7 @@ def quantize(values: jax.Array, bits: int) -> tuple:
   return bins + levels * (values < 0), centroids
 
 
-def dequantize(codes: jax.Array, centroids: jax.Array) -> jax.Array:
+def _dequantize(codes: jax.Array, centroids: jax.Array) -> jax.Array:
   """3: ``v̂ = ±centroid`` (float32) of each code; the sender and every receiver compute it alike."""
   levels = centroids.shape[-1]
   magnitude = jnp.take_along_axis(centroids.astype(jnp.float32), codes % levels, axis=-1)
@@ -227,14 +233,14 @@ def _decode(rows: jax.Array, lay: ChunkLayout, config: ChunkedTopKConfig) -> tup
   """The inverse of ``_encode`` on ``(..., rows, row_bytes)``: ``(positions, values)``."""
   batch = rows.shape[:-1]
   rows = rows.reshape(-1, lay.row_bytes)
-  code_bytes = lay.row_bytes - 2 * config.levels
-  bits = bitpack.unpack(rows[:, :code_bytes], lay.code_bits)
+  bits = bitpack.unpack(rows[:, :lay.code_bytes], lay.code_bits)
   split = lay.positions.bits(lay.k)
   positions = lay.positions.decode(bits[:, :split], lay.k)
   codes = bitpack.from_bits(bits[:, split:], config.bits)
-  centroids = lax.bitcast_convert_type(rows[:, code_bytes:].reshape(-1, config.levels, 2),
-                                       _CENTROID_DTYPE)
-  values = dequantize(codes, centroids)
+  centroids = lax.bitcast_convert_type(
+      rows[:, lay.code_bytes:].reshape(-1, config.levels, jnp.dtype(_CENTROID_DTYPE).itemsize),
+      _CENTROID_DTYPE)
+  values = _dequantize(codes, centroids)
   return positions.reshape(batch + (lay.k,)), values.reshape(batch + (lay.k,))
 
 
@@ -262,8 +268,8 @@ def step(config: ChunkedTopKConfig, state: ChunkedTopKState, leaves: list, axis_
     # 2: the k_c largest per chunk.
     positions = _select(acc, lay)
     # 3: sign and magnitude bin, centroids in bfloat16.
-    codes, centroids = quantize(jnp.take_along_axis(acc, positions, axis=-1), config.bits)
-    sent = dequantize(codes, centroids)
+    codes, centroids = _quantize(jnp.take_along_axis(acc, positions, axis=-1), config.bits)
+    sent = _dequantize(codes, centroids)
     # 4: e ← e − ê.
     own = jnp.zeros_like(acc).at[jnp.arange(lay.rows)[:, None], positions].set(sent)
     errors.append(_leaf(acc - own, lay, e))
