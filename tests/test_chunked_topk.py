@@ -190,3 +190,14 @@ def test_settings_are_checked_and_static_ones_refused_as_arrays_in_one_error():
   with pytest.raises(TypeError, match=r"chunked_topk: k, chunk are static.*"
                                       r"static_args=\('k', 'chunk'\).*only error_decay"):
     jaxcomp.chunked_topk(jnp.asarray(4), chunk=jnp.asarray(32))
+
+
+def test_a_gradient_without_floating_point_leaves_passes_through_and_sends_nothing():
+  tx = jaxcomp.chunked_topk(K, chunk=CHUNK)
+  grads = {"n": np.tile(np.arange(3, dtype=np.int32), (W, 1))}
+  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
+  state = replicate(tx.init({"n": np.zeros(3, np.int32)}), W)
+  out, state = step(grads, state)
+  np.testing.assert_array_equal(out["n"], grads["n"])
+  np.testing.assert_array_equal(state.count, [1] * W)
+  assert jaxcomp.comm_report(step, grads, state).collectives == ()

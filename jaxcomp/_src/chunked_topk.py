@@ -258,8 +258,10 @@ def _mean_in_device_order(positions: jax.Array, values: jax.Array, lay: ChunkLay
 
 def step(config: ChunkedTopKConfig, state: ChunkedTopKState, leaves: list, axis_name,
          phase) -> tuple:
-  """Steps 1–7 on the reduced ``leaves``: ``(means, new state)``."""
+  """Steps 1–7 on the reduced ``leaves``: ``(means, new state)``; nothing to send without any."""
   del phase
+  if not leaves:
+    return [], state
   layouts = [layout(config, g.size) for g in leaves]
   errors, rows = [], []
   for g, e, lay in zip(leaves, state.signature.pick(state.error), layouts):
