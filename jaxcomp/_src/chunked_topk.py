@@ -79,13 +79,14 @@ class ChunkedTopKConfig:
 
   Attributes:
     k: coordinates kept per chunk (static: it fixes the message's size). The density is
-      ``k / chunk``: SparseLoCo finds 1–3% best at H = 15–100, Covenant-72B sends 64 of 4,096
+      ``k / chunk``: SparseLoCo reports 1–3% densities, Covenant-72B sends 64 of 4,096
       (1.56%).
     chunk: the chunk length (static). Selecting per chunk spreads the kept coordinates over the
       whole leaf (a global top-k lets a few large rows take all of it) and bounds a position to
       log2(chunk) bits; 4,096 is Covenant-72B's chunk for vectors (its matrices use 64×64 tiles).
     bits: bits per kept value, 1 to 4 (static): a sign and ``bits − 1`` bits of magnitude, with
-      2^(bits−1) bfloat16 centroids per chunk. SparseLoCo's 2 bits cost it no loss.
+      2^(bits−1) bfloat16 centroids per chunk. SparseLoCo sends 2 bits and still does better than
+      DiLoCo sending float32.
     error_decay: β, the decay of the error feedback (traceable). 1 keeps everything not yet sent
       (classic error feedback); below 1 the buffer is SparseLoCo's stand-in for DiLoCo's outer
       momentum, which forgets old pseudo-gradients (Covenant-72B: 0.95).
