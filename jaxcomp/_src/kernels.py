@@ -8,8 +8,98 @@ modules call these instead of spelling the trick out in their math.
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 # ------------------------------------------------------------------------------------------ PowerSGD
 
 # ---------------------------------------------------------------------------------------------- DGC
+
+_BLOCK = 32  # elements per block of ``count_at_least`` / ``first_at_least``
+
+
+def count_at_least(x: jax.Array, threshold) -> jax.Array:
+  """How many entries of the 1-D ``x`` have ``|x| >= threshold``, per block of 32 elements (int32,
+  ``ceil(x.size / 32)`` counts; their sum is the count). ``first_at_least`` takes them.
+
+  Counting per block lets ``first_at_least`` compact the candidates from the blocks that hold them
+  instead of running a cumsum over all of ``x``: XLA:CPU's cumsum over millions of elements costs
+  more than ``lax.top_k`` of them. The ``optimization_barrier`` keeps XLA:CPU from writing the
+  full-size comparison out before summing it, which it does when the counts have several users (the
+  adaptation loop, the total, the compaction).
+  """
+  num_blocks = -(-x.size // _BLOCK)
+  padded = jnp.pad(x, (0, num_blocks * _BLOCK - x.size), constant_values=jnp.nan)  # NaN: never >=
+  return lax.optimization_barrier(
+      (jnp.abs(padded.reshape(num_blocks, _BLOCK)) >= threshold).sum(1, dtype=jnp.int32))
+
+
+def first_at_least(x: jax.Array, threshold, counts: jax.Array, capacity: int) -> tuple:
+  """The first ``capacity`` indices of the 1-D ``x`` with ``|x| >= threshold``, in index order, and
+  their ``|x|``: ``(int32 indices, magnitudes)``, empty slots holding ``x.size`` and -1.
+
+  Only the blocks that ``counts`` (from ``count_at_least``) says hold candidates are gathered and
+  compacted: no full-size array is written.
+  """
+  num_blocks = counts.shape[0]
+  rows = jnp.nonzero(counts > 0, size=capacity, fill_value=num_blocks)[0]
+  row_counts = counts.at[rows].get(mode="fill", fill_value=0)
+  row_start = jnp.cumsum(row_counts) - row_counts
+  positions = rows[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)
+  magnitudes = jnp.abs(x.at[positions].get(mode="fill", fill_value=jnp.nan))
+  hit = magnitudes >= threshold
+  slot = jnp.where(hit, row_start[:, None] + jnp.cumsum(hit, axis=1, dtype=jnp.int32) - 1, capacity)
+  indices = jnp.full((capacity,), x.size, jnp.int32).at[slot].set(positions, mode="drop")
+  return indices, jnp.full((capacity,), -1, x.dtype).at[slot].set(magnitudes, mode="drop")
+
+
+def kth_largest(x: jax.Array, k: int) -> jax.Array:
+  """The k-th largest entry of the 1-D ``x``, read through ``lax.top_k``'s indices: XLA:CPU
+  rewrites a ``top_k`` whose values alone are used into a full sort."""
+  return x[lax.top_k(x, k)[1]].min()
+
+
+def while_loop_if_needed(cond_fun: Callable, body_fun: Callable, init):
+  """``lax.while_loop(cond_fun, body_fun, init)``, entered only if ``cond_fun(init)``: XLA hoists
+  the loop's full-size invariants (DGC's ``|v|``) out of the body, a full-size write worth paying
+  only when the loop runs (rarely: DGC's threshold adaptation)."""
+  return lax.cond(cond_fun(init), lambda c: lax.while_loop(cond_fun, body_fun, c), lambda c: c,
+                  init)
+
+
+def _coordinates(flat_indices: jax.Array, shape: tuple) -> tuple:
+  """Flat int32 indices as one index array per dimension; ``prod(shape)`` and beyond (the empty
+  slots' filler) stay out of range in the first dimension (``jnp.unravel_index`` would clip them)."""
+  out, stride = [], math.prod(shape)
+  for i, size in enumerate(shape):
+    stride //= size
+    out.append(flat_indices // stride if i == 0 else (flat_indices // stride) % size)
+  return tuple(out)
+
+
+def scatter_add(shape: tuple, flat_indices: jax.Array, values: jax.Array) -> jax.Array:
+  """``zeros(shape).ravel().at[flat_indices].add(values)``, reshaped (duplicates sum; out-of-range
+  indices dropped), addressed in ``shape``: through a flat view XLA:CPU writes a flat copy and
+  reshapes it, instead of updating the buffer in place."""
+  return jnp.zeros(shape, values.dtype).at[_coordinates(flat_indices, shape)].add(values,
+                                                                                   mode="drop")
+
+
+def zero_at(x: jax.Array, flat_indices: jax.Array) -> jax.Array:
+  """``x`` with the entries at ``flat_indices`` (of its raveled view) zeroed, in its own shape (as
+  ``scatter_add``); out-of-range indices are dropped."""
+  return x.at[_coordinates(flat_indices, x.shape)].set(0, mode="drop")
+
+
+def subtract_at(x: jax.Array, flat_indices: jax.Array, values: jax.Array) -> jax.Array:
+  """``x`` minus ``values`` at ``flat_indices``: with ``values`` read from ``x`` there, the sent
+  entries become +0.0, as ``zero_at`` makes them. Reading the values sent makes the scatter wait for
+  the collective that sends them, so XLA:CPU updates ``x`` in place instead of copying it first."""
+  return x.at[_coordinates(flat_indices, x.shape)].add(-values, mode="drop")
+
 
 # ----------------------------------------------------------------------- quantized, sign, 1-bit Adam
