@@ -5,27 +5,21 @@ Both transformations sit first in ``optax.chain`` and carry the momentum themsel
 
     tx = optax.chain(optax.add_decayed_weights(1e-4), jaxcomp.dgc(0.001), optax.sgd(lr))
 
-The step, per device, on the reduced leaves; ``sparsify(path, leaf)`` (default ``ndim > 1``) picks the
-sparsified ones, the others take the dense mean and then momentum (``u ← m·u + mean(g)``, output ``u``).
-The ``# n:`` comments below point here:
+The step, per device, on the leaves ``sparsify(path, leaf)`` picks (default ``ndim > 1``; the others
+take the dense mean, then momentum ``u ← m·u + mean(g)``, output ``u``):
 
 1. local gradient clipping of the whole gradient to norm ``clip_norm · W^clip_exponent`` (optional);
 2. momentum correction: ``u ← m·u + g; v ← v + u`` (Nesterov: ``u ← m·(u + g); v ← v + u + g``);
 3. selection of at most k = ceil(numel·density) coordinates: ``dgc`` takes its own largest ``|v|``
    (the reference's threshold estimated from a sample, or exact top-k); ``coarse_dgc`` all-reduces the
    L1 norms of chunks of ``v`` and every device takes the same top chunks;
-4. exchange: ``dgc`` all-gathers k values and k int32 indices from every device and scatter-adds
-   them (duplicates sum) ×1/W; ``coarse_dgc`` averages the chosen chunks (its traffic does not grow
-   with W);
+4. exchange: ``dgc`` all-gathers the k values and int32 indices of every device and scatter-adds them
+   (duplicates sum) ×1/W; ``coarse_dgc`` averages the chosen chunks, so its bytes do not grow with W;
 5. ``v ← 0`` at the sent coordinates, and ``u ← 0`` there too with momentum factor masking.
 
-Warm-up ramps the density through stages (``warmup``), one phase of the step each, with a static k.
-A stage whose sparse exchange would send at least the bytes of the leaf's dense all-reduce (for
-``dgc``: ``W·k·(value bytes + 4) ≥ numel·value bytes``, i.e. ``W·density·2 ≥ 1`` for float32 values)
-sends the leaf's whole ``v`` as a dense mean instead: nothing is delayed, so nothing is masked.
-
-State: ``u`` and ``v`` (of the sparsified leaves) differ from device to device (``PER_DEVICE_FIELDS``);
-``dense_u`` (the dense leaves' momentum) and ``count`` are the same everywhere.
+Warm-up ramps the density through stages, one phase of the step each. Where a stage's sparse exchange
+would send at least a leaf's dense all-reduce (``dgc``: ``W·density·2 ≥ 1`` for float32 values), the
+mean of its whole ``v`` is sent instead: nothing is delayed, so nothing is masked.
 
 References:
   Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the Communication Bandwidth for
@@ -57,25 +51,20 @@ PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 """The paper's warm-up densities, one per epoch, before the final ``ratio`` (0.001 in the paper)."""
 
 _DENSITY_IS_STATIC = "fixes k, the number of coordinates sent; schedule the density with warmup=..."
-_INDEX_BYTES = 4  # int32 indices on the wire
-_CANDIDATES = 2  # the sampled selection compacts up to 2·k candidates; more: exact top-k of all
 
-
-# ------------------------------------------------------------------------------------- configuration
 
 @dataclasses.dataclass(frozen=True)
 class TopKExchange:
-  """``dgc``'s exchange: each device selects its own top coordinates; all-gather, scatter-add, ×1/W.
+  """``dgc``'s exchange: each device sends its own top coordinates; all-gather, scatter-add, ×1/W.
 
   Attributes:
     selection: ``"sampled"``, the reference's threshold estimated from a sample (at most k sent;
-      ``lax.top_k`` over millions of elements costs more than the rest of the step), or ``"exact"``,
-      ``lax.top_k`` (exactly k sent).
+      ``lax.top_k`` of millions of elements costs more than the rest of the step), or ``"exact"``.
     sample_ratio: fraction of each leaf sampled for the threshold (at least 2/density samples).
-    upper_bound: with more than ``upper_bound·k`` candidates take the exact top k among them.
-    lower_bound: with fewer than ``lower_bound·k`` candidates lower the threshold by this factor.
-    max_adaptation_iters: at most this many lowerings.
-    seed: seeds the sampling offsets (a function of ``seed``, the step and the leaf's path).
+    upper_bound: with more than ``upper_bound·k`` candidates, the exact top k among them are sent.
+    lower_bound: with fewer than ``lower_bound·k`` candidates, the threshold is lowered by this factor,
+      at most ``max_adaptation_iters`` times.
+    seed: seeds the sampling offsets, drawn per step and per leaf path.
   """
   selection: str = "sampled"
   sample_ratio: float = 0.01
@@ -86,31 +75,24 @@ class TopKExchange:
 
   def __post_init__(self):
     validate.choice(self.selection, "selection", ("sampled", "exact"))
-    _set(self, sample_ratio=validate.density(self.sample_ratio, "sample_ratio"),
-         upper_bound=validate.number(self.upper_bound, "upper_bound", 1),
-         lower_bound=validate.number(self.lower_bound, "lower_bound", 0, 1, low_open=True,
-                                     high_open=True),
-         max_adaptation_iters=validate.integer(self.max_adaptation_iters, "max_adaptation_iters", 0),
-         seed=validate.integer(self.seed, "seed", 0))
+    validate.density(self.sample_ratio, "sample_ratio")
+    validate.number(self.upper_bound, "upper_bound", 1)
+    validate.number(self.lower_bound, "lower_bound", 0, 1, low_open=True, high_open=True)
+    for name in ("max_adaptation_iters", "seed"):
+      validate.integer(getattr(self, name), name, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkExchange:
-  """``coarse_dgc``'s exchange: all-reduce chunk L1 norms, then the mean of the same top chunks.
+  """``coarse_dgc``'s exchange: all-reduce the chunks' L1 norms, then the mean of the same top chunks.
 
   Attributes:
-    chunk_size: elements per chunk; larger chunks select more coarsely and cost fewer norms.
+    chunk_size: elements per chunk (the last is zero-padded); larger chunks cost fewer norms.
   """
   chunk_size: int = 256
 
   def __post_init__(self):
-    _set(self, chunk_size=validate.integer(self.chunk_size, "chunk_size", 1,
-                                           static="fixes the chunks' shape"))
-
-
-def _set(config, **values) -> None:
-  for name, value in values.items():
-    object.__setattr__(config, name, value)
+    validate.integer(self.chunk_size, "chunk_size", 1, static="fixes the chunks' shape")
 
 
 def _ndim_above_one(path: str, leaf) -> bool:
@@ -124,26 +106,24 @@ class DGCConfig:
   """DGC's settings, validated; a static pytree node kept in the state.
 
   Attributes:
-    ratio: density after warm-up (``dgc``: fraction of coordinates; ``coarse_dgc``: of chunks). The
-      paper sends 0.1%: with momentum correction and warm-up that loses no accuracy on ImageNet.
+    ratio: density after warm-up (``dgc``: of coordinates; ``coarse_dgc``: of chunks). The paper's
+      0.1% loses no accuracy on ImageNet with momentum correction and warm-up.
     exchange: a ``TopKExchange`` (``dgc``) or a ``ChunkExchange`` (``coarse_dgc``).
-    momentum: momentum factor m of the momentum correction (and of the dense leaves' momentum):
-      the optimizer's momentum moves here, so that delayed coordinates keep their momentum.
+    momentum: the momentum factor m, moved here from the optimizer so that delayed coordinates keep
+      their momentum (the dense leaves' momentum too).
     nesterov: Nesterov momentum correction, ``u ← m·(u + g); v ← v + u + g``.
-    momentum_masking: also zero ``u`` at the sent coordinates (momentum factor masking): stale
-      momentum of a coordinate just sent would otherwise push it again.
-    warmup: ``((end_step, density), ...)`` with increasing ends: the density while ``count <
-      end_step``, then ``ratio``. Sparsity ramped up over the first epochs keeps early training,
-      where gradients change fastest, from being delayed.
-    clip_norm: local gradient clipping: each device scales its whole gradient to global L2 norm at
-      most ``clip_norm · W^clip_exponent`` before accumulation (None: no clipping, the reference's
-      default); it keeps the velocity accumulated over many steps from exploding.
+    momentum_masking: also zero ``u`` at the sent coordinates, so that stale momentum does not push
+      them again.
+    warmup: ``((end_step, density), ...)``, increasing ends: the density while ``count < end_step``,
+      then ``ratio``; early training, where gradients change fastest, is delayed less.
+    clip_norm: local gradient clipping: each device scales its whole gradient to L2 norm at most
+      ``clip_norm · W^clip_exponent`` before accumulation (None: none, the reference's default).
     clip_exponent: the world-size exponent of the clipping threshold; the paper's N^(-1/2).
       ``momentum``, ``clip_norm`` and ``clip_exponent`` may be ``validate.TRACED`` (schedules).
-    value_dtype: wire dtype of the values and of the dense means: None (the gradient's), float32,
-      float16 or bfloat16. Indices are int32.
-    sparsify: ``sparsify(path, leaf) -> bool`` with the leaf as a ``jax.ShapeDtypeStruct``: which
-      reduced leaves are sparsified; default ``leaf.ndim > 1`` (biases and norm scales are small).
+    value_dtype: wire dtype of the values and dense means: None (the gradient's), float32, float16
+      or bfloat16. Indices are int32.
+    sparsify: ``sparsify(path, leaf) -> bool``, the leaf a ``jax.ShapeDtypeStruct``: which reduced
+      leaves are sparsified; default ``leaf.ndim > 1`` (biases and norm scales are small).
   """
   ratio: float = 0.001
   exchange: Union[TopKExchange, ChunkExchange] = TopKExchange()
@@ -160,22 +140,23 @@ class DGCConfig:
     if not isinstance(self.exchange, (TopKExchange, ChunkExchange)):
       raise TypeError(f"exchange must be a TopKExchange or a ChunkExchange; got {self.exchange!r}")
     momentum = validate.traceable(
-        self.momentum, lambda v: validate.number(v, "momentum", 0, 1, high_open=True))
+        self.momentum, lambda m: validate.number(m, "momentum", 0, 1, high_open=True))
     if validate.boolean(self.nesterov, "nesterov") and isinstance(momentum, float) and not momentum:
       raise ValueError("nesterov=True needs a momentum > 0; got momentum=0")
-    if _dtype_name(self.value_dtype) not in (None, "float32", "float16", "bfloat16"):
-      raise ValueError(f"value_dtype must be None, float32, float16 or bfloat16; got "
-                       f"{self.value_dtype!r}")
-    _set(self, ratio=validate.density(self.ratio, "ratio", static=_DENSITY_IS_STATIC),
-         momentum=momentum,
-         momentum_masking=validate.boolean(self.momentum_masking, "momentum_masking"),
-         warmup=_checked_stages(self.warmup),
-         clip_norm=None if self.clip_norm is None else validate.traceable(
-             self.clip_norm, lambda v: validate.number(v, "clip_norm", 0, low_open=True)),
-         clip_exponent=validate.traceable(
-             self.clip_exponent, lambda v: validate.number(v, "clip_exponent")),
-         value_dtype=None if self.value_dtype is None else jnp.dtype(self.value_dtype),
-         sparsify=validate.function(self.sparsify, "sparsify", "sparsify(path, leaf) -> bool"))
+    value_dtype = None if self.value_dtype is None else jnp.dtype(self.value_dtype)
+    validate.choice(getattr(value_dtype, "name", None), "value_dtype",
+                    (None, "float32", "float16", "bfloat16"))
+    values = dict(
+        ratio=validate.density(self.ratio, "ratio", static=_DENSITY_IS_STATIC), momentum=momentum,
+        warmup=warmup_stages(self.warmup), value_dtype=value_dtype,
+        clip_norm=None if self.clip_norm is None else validate.traceable(
+            self.clip_norm, lambda c: validate.number(c, "clip_norm", 0, low_open=True)),
+        clip_exponent=validate.traceable(self.clip_exponent,
+                                         lambda e: validate.number(e, "clip_exponent")))
+    validate.boolean(self.momentum_masking, "momentum_masking")
+    validate.function(self.sparsify, "sparsify", "sparsify(path, leaf) -> bool")
+    for name, value in values.items():
+      object.__setattr__(self, name, value)
 
   @property
   def densities(self) -> tuple:
@@ -183,34 +164,9 @@ class DGCConfig:
     return tuple(d for _, d in self.warmup) + (self.ratio,)
 
 
-def _dtype_name(dtype) -> Optional[str]:
-  try:
-    return None if dtype is None else np.dtype(dtype).name
-  except TypeError:
-    return repr(dtype)
-
-
-def _checked_stages(stages) -> tuple:
-  try:
-    pairs = [(end, density) for end, density in stages]
-  except (TypeError, ValueError):
-    raise ValueError(f"warmup must be None, 'paper' or a sequence of (end_step, density) pairs; "
-                     f"got {stages!r}") from None
-  previous = 0
-  for end, density in pairs:
-    if isinstance(end, (bool, np.bool_)) or not isinstance(end, (int, np.integer)) or end <= previous:
-      raise ValueError("warmup: stage ends must be increasing positive ints (the first step after "
-                       f"each stage); got {end!r} after {previous}")
-    validate.density(density, "warmup density", static=_DENSITY_IS_STATIC)
-    previous = int(end)
-  return tuple((int(end), float(density)) for end, density in pairs)
-
-
-def warmup_stages(warmup, steps_per_epoch: Optional[int]) -> tuple:
-  """``warmup`` as ``((end_step, density), ...)``: None, ``"paper"`` (``PAPER_WARMUP``, one epoch of
-  ``steps_per_epoch`` steps each) or already such a sequence."""
-  if warmup is None:
-    return ()
+def warmup_stages(warmup, steps_per_epoch: Optional[int] = None) -> tuple:
+  """``warmup`` checked, as ``((end_step, density), ...)``: None, ``"paper"`` (``PAPER_WARMUP``, one
+  epoch of ``steps_per_epoch`` steps each) or such a sequence."""
   if isinstance(warmup, str):
     validate.choice(warmup, "warmup", ("paper",))
     if steps_per_epoch is None:
@@ -218,34 +174,40 @@ def warmup_stages(warmup, steps_per_epoch: Optional[int]) -> tuple:
                        "epoch); got None")
     steps = validate.integer(steps_per_epoch, "steps_per_epoch", 1)
     return tuple(((e + 1) * steps, d) for e, d in enumerate(PAPER_WARMUP))
-  return _checked_stages(warmup)
+  try:
+    stages = tuple((end, density) for end, density in warmup or ())
+  except (TypeError, ValueError):
+    raise ValueError(f"warmup must be None, 'paper' or a sequence of (end_step, density) pairs; "
+                     f"got {warmup!r}") from None
+  for (end, density), previous in zip(stages, (0,) + tuple(e for e, _ in stages)):
+    if isinstance(end, (bool, np.bool_)) or not isinstance(end, (int, np.integer)) or end <= previous:
+      raise ValueError("warmup: stage ends must be increasing positive ints (the first step after "
+                       f"each stage); got {end!r} after {previous}")
+    validate.density(density, "warmup density", static=_DENSITY_IS_STATIC)
+  return tuple((int(end), float(density)) for end, density in stages)
 
 
 def _configure(exchange: type, ratio: float, *, warmup=None, steps_per_epoch=None, sparsify=None,
                **settings) -> DGCConfig:
-  """The ``DGCConfig`` of a factory's keyword arguments: ``exchange``'s fields (None: its default)
-  go to the exchange, the rest to the configuration."""
+  """The ``DGCConfig`` of a factory's keyword arguments: ``exchange``'s fields go to the exchange
+  (None: its default), the rest to the configuration."""
   fields = {f.name for f in dataclasses.fields(exchange)}
   return DGCConfig(
-      ratio=ratio, exchange=exchange(**{k: v for k, v in settings.items()
-                                        if k in fields and v is not None}),
+      ratio, exchange(**{k: v for k, v in settings.items() if k in fields and v is not None}),
       warmup=warmup_stages(warmup, steps_per_epoch), sparsify=sparsify or _ndim_above_one,
       **{k: v for k, v in settings.items() if k not in fields})
 
-
-# ----------------------------------------------------------------------------------- state, phases
 
 class DGCState(NamedTuple):
   """State of ``dgc`` and ``coarse_dgc``.
 
   Attributes:
-    count: steps taken (non-finite steps are not counted); it drives the warm-up schedule.
-    u: momentum of each sparsified leaf, per device (``optax.MaskedNode`` at the other leaves).
-    v: accumulated velocity of each sparsified leaf, per device (``optax.MaskedNode`` elsewhere).
-    dense_u: momentum of each dense reduced leaf, applied after averaging, so identical on every
+    count: steps taken (non-finite steps are not counted); it drives the warm-up.
+    u, v: momentum and accumulated velocity of each sparsified leaf, per device
+      (``optax.MaskedNode`` at the other leaves).
+    dense_u: momentum of each dense reduced leaf, applied after averaging, so the same on every
       device (``optax.MaskedNode`` elsewhere).
-    config: the static settings.
-    signature: the gradient pytree's structure, shapes, dtypes and paths.
+    config, signature: the settings and the gradient's signature.
   """
   count: jax.Array
   u: Any
@@ -257,32 +219,20 @@ class DGCState(NamedTuple):
   PER_DEVICE_FIELDS = ("u", "v")
 
 
-def _last_index(exchange, numel: int) -> int:
-  """The largest flat index the exchange of a leaf writes (the empty slots' filler, the last chunk's
-  padding)."""
-  if isinstance(exchange, TopKExchange):
-    return numel
-  return -(-numel // exchange.chunk_size) * exchange.chunk_size - 1
-
-
 def _sparsified(config: DGCConfig, signature: tree_lib.TreeSignature) -> tuple:
-  """Per reduced leaf: is it sparsified?
-
-  Raises:
-    ValueError: a sparsified leaf is too large for int32 indices.
-  """
-  flags = []
-  for i, leaf in zip(signature.reduced, signature.reduced_structs()):
-    path = signature.paths[i]
-    flags.append(bool(config.sparsify(path, leaf)))
-    if flags[-1] and _last_index(config.exchange, leaf.size) >= 2**31:
-      raise ValueError(f"sparsify: leaf {path} has {leaf.size} elements; int32 indices address at "
-                       "most 2**31 - 1: leave it to the dense mean (sparsify=...) or split it")
-  return tuple(flags)
+  """Per reduced leaf: is it sparsified? Raises ValueError for one too large for int32 indices."""
+  flags = tuple(bool(config.sparsify(signature.paths[i], leaf))
+                for i, leaf in zip(signature.reduced, signature.reduced_structs()))
+  for i, leaf, sparse in zip(signature.reduced, signature.reduced_structs(), flags):
+    size = getattr(config.exchange, "chunk_size", 1)  # the last chunk's padding is addressed too
+    if sparse and -(-leaf.size // size) * size >= 2**31:
+      raise ValueError(f"sparsify: leaf {signature.paths[i]} has {leaf.size} elements; int32 "
+                       "indices address at most 2**31 - 1: leave it to the dense mean")
+  return flags
 
 
 def init(config: DGCConfig, signature: tree_lib.TreeSignature) -> DGCState:
-  """Zero momenta: ``u`` and ``v`` for the sparsified leaves, ``dense_u`` for the others."""
+  """Zero momenta: ``u`` and ``v`` of the sparsified leaves, ``dense_u`` of the others."""
   sparse = _sparsified(config, signature)
   zeros = [jnp.zeros(leaf.shape, leaf.dtype) for leaf in signature.reduced_structs()]
 
@@ -301,24 +251,16 @@ def phases(config: DGCConfig) -> tuple:
 
 
 def phase_of(config: DGCConfig, count) -> jax.Array:
-  """The phase of the step at ``count``: that of the warm-up stage ``count`` is in."""
+  """The phase of the warm-up stage that ``count`` is in."""
   densities = [p.value for p in phases(config)]
   stage = sum((count >= end).astype(jnp.int32) for end, _ in config.warmup)
   return jnp.asarray([densities.index(d) for d in config.densities], jnp.int32)[stage]
 
 
-# ----------------------------------------------------------------------------------------- selection
-
 class SamplingPlan(NamedTuple):
-  """Static sizes of one leaf's sampled-threshold selection (the reference's ``initialize``).
-
-  Attributes:
-    numel: elements in the leaf.
-    k: coordinates sent at most, ceil(numel·density).
-    num_samples: magnitudes sampled for the threshold estimate.
-    top_k_samples: the threshold is the smallest of the top ceil(num_samples·density) samples.
-    stride: samples are taken every ``stride`` elements from a random offset in [0, stride).
-  """
+  """Static sizes of one leaf's sampled selection (the reference's ``initialize``): at most ``k``
+  coordinates sent; the threshold is the smallest of the top ``top_k_samples`` of ``num_samples``
+  magnitudes taken every ``stride`` elements from a random offset in [0, stride)."""
   numel: int
   k: int
   num_samples: int
@@ -329,9 +271,8 @@ class SamplingPlan(NamedTuple):
 def sampling_plan(numel: int, density: float, sample_ratio: float = 0.01) -> SamplingPlan:
   """The reference's sample sizes: ~``sample_ratio`` of the leaf, and at least 2/density samples."""
   cpr_numel = math.ceil(2 / density)
-  if sample_ratio >= 1.0 or numel <= cpr_numel:
-    stride, num_samples = 1, numel
-  else:
+  stride, num_samples = 1, numel
+  if sample_ratio < 1.0 and numel > cpr_numel:
     wanted = max(math.ceil(numel * sample_ratio), cpr_numel)
     stride = math.ceil(numel / wanted / 32) * 32 + 1
     num_samples = numel // stride
@@ -357,42 +298,34 @@ def sampled_topk(x: jax.Array, plan: SamplingPlan, key: jax.Array, *, upper_boun
   ``upper_bound·k`` reach it, the exact top k among them are taken, otherwise the first k (in index
   order) of those reaching it. Without sampling (``num_samples == numel``) the threshold is exact.
 
-  Args:
-    x: the values, 1-D, ``plan.numel`` long; selection is by ``|x|``.
-    plan: from ``sampling_plan``.
-    key: PRNG key for the sampling offset.
-    upper_bound, lower_bound, max_adaptation_iters: the reference's adaptation constants.
-
   Returns:
-    ``(indices, threshold)``: int32 indices of shape ``(k,)``, every one of them with
-    ``|x| >= threshold``; slots left empty hold ``numel`` (out of range: scatters drop them).
+    ``(indices, threshold)``: int32 indices of shape ``(k,)``, each with ``|x| >= threshold``;
+    slots left empty hold ``numel`` (out of range: scatters drop them).
   """
   n, k = plan.numel, plan.k
-  if plan.num_samples == n:
-    samples = jnp.abs(x)
-  else:  # x[start::stride] has num_samples or num_samples + 1 entries; a missing last one is -1
-    start = jax.random.randint(key, (), 0, plan.stride)
-    where = start + plan.stride * jnp.arange(plan.num_samples + 1)
-    samples = jnp.where(where < n, jnp.abs(x.at[where].get(mode="clip")), -1)
+  samples = jnp.abs(x)
+  if plan.num_samples < n:  # x[start::stride]: num_samples or num_samples + 1 entries (else -1)
+    taken = jax.random.randint(key, (), 0, plan.stride) + plan.stride * jnp.arange(
+        plan.num_samples + 1)
+    samples = jnp.where(taken < n, jnp.abs(x.at[taken].get(mode="clip")), -1)
   threshold = kernels.kth_largest(samples, plan.top_k_samples)
-  counts, iters = kernels.count_at_least(x, threshold), jnp.int32(0)
+  carry = (threshold, kernels.count_at_least(x, threshold), jnp.int32(0))
+
+  def too_few(carry):
+    _, counts, iters = carry
+    return (iters < max_adaptation_iters) & (counts.sum() < lower_bound * k)
+
+  def lower(carry):
+    threshold, _, iters = carry
+    return threshold * lower_bound, kernels.count_at_least(x, threshold * lower_bound), iters + 1
+
   if plan.num_samples < n:  # adaptation: lower the threshold while too few reach it
-
-    def too_few(carry):
-      _, counts, iters = carry
-      return (iters < max_adaptation_iters) & (counts.sum() < lower_bound * k)
-
-    def lower(carry):
-      threshold, _, iters = carry
-      return threshold * lower_bound, kernels.count_at_least(x, threshold * lower_bound), iters + 1
-
-    threshold, counts, iters = kernels.while_loop_if_needed(too_few, lower,
-                                                            (threshold, counts, iters))
-  total = counts.sum()
-  capacity = min(_CANDIDATES * k, n)
+    carry = kernels.while_loop_if_needed(too_few, lower, carry)
+  threshold, counts, iters = carry
+  total, capacity = counts.sum(), min(2 * k, n)
   candidates, magnitudes = kernels.first_at_least(x, threshold, counts, capacity)
 
-  def top_k_of_candidates():
+  def top_k_of_candidates():  # capacity >= k
     return lax.cond(total > capacity, lambda: exact_topk(x, k),
                     lambda: candidates[lax.top_k(magnitudes, k)[1]])
 
@@ -400,8 +333,6 @@ def sampled_topk(x: jax.Array, plan: SamplingPlan, key: jax.Array, *, upper_boun
   resample = (total > upper_bound * k) & (iters < max_adaptation_iters)
   return lax.cond(resample, top_k_of_candidates, lambda: candidates[:k]), threshold
 
-
-# -------------------------------------------------------------------------------------------- step
 
 def _clipped(config: DGCConfig, leaves: list, axis_name) -> list:
   """1: local gradient clipping (paper §3.3), before accumulation, threshold scaled by W^exponent."""
@@ -415,7 +346,7 @@ def _clipped(config: DGCConfig, leaves: list, axis_name) -> list:
 
 
 def _momentum(config: DGCConfig, u, g) -> tuple:
-  """2: momentum, in ``u``'s dtype; returns the new ``u`` and what is added to ``v``."""
+  """2: momentum in ``u``'s dtype; returns the new ``u`` and what is added to ``v``."""
   m, g = jnp.asarray(config.momentum, u.dtype), g.astype(u.dtype)
   if config.nesterov:
     u = m * (u + g)
@@ -425,23 +356,19 @@ def _momentum(config: DGCConfig, u, g) -> tuple:
 
 
 def _sends_dense(exchange, numel: int, density: float, world: int, value_bytes: int) -> bool:
-  """Whether the sparse exchange of a leaf sends at least the bytes of its dense all-reduce."""
-  if isinstance(exchange, TopKExchange):
-    sparse = world * math.ceil(numel * density) * (value_bytes + _INDEX_BYTES)
-  else:  # the chunks' norms, then the chosen chunks: independent of W
+  """Whether a leaf's sparse exchange sends at least the bytes of its dense all-reduce."""
+  if isinstance(exchange, TopKExchange):  # values and int32 indices from every device
+    sparse = world * math.ceil(numel * density) * (value_bytes + 4)
+  else:  # the chunks' float32 norms, then the chosen chunks: independent of W
     num_chunks = -(-numel // exchange.chunk_size)
     sparse = num_chunks * 4 + math.ceil(num_chunks * density) * exchange.chunk_size * value_bytes
   return sparse >= numel * value_bytes
 
 
-def _topk_exchange(config: DGCConfig, vs: list, density: float, keys: list, wire_dtypes: list,
-                   axis_name) -> list:
-  """3–4 for ``dgc``: one all-gather of values (per dtype) and one of indices for all leaves.
-
-  Returns:
-    Per leaf ``(mean, sent indices, sent values)``.
-  """
-  exchange, flats = config.exchange, [v.ravel() for v in vs]
+def _topk_exchange(exchange: TopKExchange, vs, density, keys, wires, axis_name) -> list:
+  """3–4 for ``dgc``: per leaf ``(mean, sent indices, sent values)``; one all-gather of values (per
+  dtype) and one of indices for all leaves."""
+  flats = [v.ravel() for v in vs]
   if exchange.selection == "exact":  # 3
     mine = [exact_topk(flat, math.ceil(flat.size * density)) for flat in flats]
   else:
@@ -450,70 +377,59 @@ def _topk_exchange(config: DGCConfig, vs: list, density: float, keys: list, wire
                          max_adaptation_iters=exchange.max_adaptation_iters)[0]
             for flat, key in zip(flats, keys)]
   sent = [flat.at[i].get(mode="fill", fill_value=0) for flat, i in zip(flats, mine)]
-  values = axis.all_gather_many([x.astype(d) for x, d in zip(sent, wire_dtypes)], axis_name)  # 4
+  values = axis.all_gather_many([x.astype(d) for x, d in zip(sent, wires)], axis_name)  # 4
   indices = axis.all_gather_many(mine, axis_name)
-  # The W·k values are divided by W before they are added (duplicates sum): no pass over the
-  # whole output afterwards. The zeros they are added to are the same on every device.
+  # The W·k values are divided by W before they are added (duplicates sum), into zeros that are the
+  # same on every device: the mean is typed so under shard_map(check_vma=True).
   means = [kernels.scatter_add(v.shape, i.ravel(),
                                axis.divide_by_world(x.ravel().astype(v.dtype), axis_name))
            for v, i, x in zip(vs, indices, values)]
   return list(zip(means, mine, sent))
 
 
-def _chunk_exchange(config: DGCConfig, vs: list, density: float, keys: list, wire_dtypes: list,
-                    axis_name) -> list:
-  """3–4 for ``coarse_dgc``: one all-reduce of chunk norms and one of the chosen chunks for all
-  leaves; returns per leaf ``(mean, sent indices, sent values)``."""
+def _chunk_exchange(exchange: ChunkExchange, vs, density, keys, wires, axis_name) -> list:
+  """3–4 for ``coarse_dgc``: per leaf ``(mean, sent indices, sent values)``; one all-reduce of the
+  chunks' norms and one of the chosen chunks for all leaves."""
   del keys
-  size = config.exchange.chunk_size
-
-  def norms(v):
-    flat = jnp.pad(v.ravel(), (0, -v.size % size))
-    return jnp.abs(flat.reshape(-1, size)).sum(1, dtype=jnp.float32)
-
-  summed = axis.psum_many([norms(v) for v in vs], axis_name)  # 3: the same chunks everywhere
-  chosen = [lax.top_k(n, math.ceil(n.size * density))[1] for n in summed]
+  size = exchange.chunk_size
+  norms = [jnp.abs(jnp.pad(v.ravel(), (0, -v.size % size)).reshape(-1, size)).sum(1, jnp.float32)
+           for v in vs]
+  chosen = [lax.top_k(n, math.ceil(n.size * density))[1]  # 3: the same chunks on every device
+            for n in axis.psum_many(norms, axis_name)]
   coords = [(c[:, None] * size + jnp.arange(size, dtype=jnp.int32)).ravel() for c in chosen]
   sent = [v.ravel().at[i].get(mode="fill", fill_value=0) for v, i in zip(vs, coords)]
-  means = axis.mean_many([x.astype(d) for x, d in zip(sent, wire_dtypes)], axis_name)  # 4
+  means = axis.mean_many([x.astype(d) for x, d in zip(sent, wires)], axis_name)  # 4
   return [(kernels.scatter_add(v.shape, i, mean.astype(v.dtype)), i, x)
           for v, i, mean, x in zip(vs, coords, means, sent)]
 
 
-def _sampling_key(config: DGCConfig, count, path: str) -> jax.Array:
-  """The sampling key of a leaf at a step: from the seed, the step and the leaf's path, so that a
-  leaf draws alike whole, in a bucket and in ``dgc_hook``."""
-  seed = getattr(config.exchange, "seed", 0)
-  step_key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
-  return jax.random.fold_in(step_key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
-
-
 def step(config: DGCConfig, state: DGCState, leaves: list, axis_name, phase) -> tuple:
-  """One DGC step at ``phase.value``'s density on the reduced leaves: ``(means, new state)``."""
+  """One step at the density ``phase.value`` on the reduced leaves: ``(means, new state)``."""
   signature = state.signature
   sparse = _sparsified(config, signature)
-  paths = [signature.paths[i] for i in signature.reduced]
-  world = axis.axis_size(axis_name)
+  wires = [g.dtype if config.value_dtype is None else config.value_dtype for g in leaves]
   leaves = _clipped(config, leaves, axis_name)  # 1
   us, vs, dense_us = (signature.pick(t) for t in (state.u, state.v, state.dense_u))
   means, exchanged = list(leaves), []
   for i, g in enumerate(leaves):
-    wire = g.dtype if config.value_dtype is None else config.value_dtype
     if not sparse[i]:  # the mean, then momentum (the reference's compensate(accumulate=False))
-      dense_us[i], means[i] = _momentum(config, dense_us[i], axis.mean(g, axis_name, wire))
+      dense_us[i], means[i] = _momentum(config, dense_us[i], axis.mean(g, axis_name, wires[i]))
       continue
     us[i], added = _momentum(config, us[i], g)  # 2
     vs[i] = vs[i] + added
-    if _sends_dense(config.exchange, g.size, phase.value, world, np.dtype(wire).itemsize):
-      means[i], vs[i] = axis.mean(vs[i], axis_name, wire), jnp.zeros_like(vs[i])
+    if _sends_dense(config.exchange, g.size, phase.value, axis.axis_size(axis_name),
+                    np.dtype(wires[i]).itemsize):
+      means[i], vs[i] = axis.mean(vs[i], axis_name, wires[i]), jnp.zeros_like(vs[i])
     else:
       exchanged.append(i)
+  # Sampling keys from the seed, the step and the leaf's path: alike whole, bucketed, in dgc_hook.
+  step_key = jax.random.fold_in(jax.random.PRNGKey(getattr(config.exchange, "seed", 0)),
+                                state.count)
+  keys = [jax.random.fold_in(step_key, zlib.crc32(signature.paths[signature.reduced[i]].encode())
+                             & 0x7FFFFFFF) for i in exchanged]
   exchange = _topk_exchange if isinstance(config.exchange, TopKExchange) else _chunk_exchange
-  results = exchange(  # 3, 4
-      config, [vs[i] for i in exchanged], phase.value,
-      [_sampling_key(config, state.count, paths[i]) for i in exchanged],
-      [leaves[i].dtype if config.value_dtype is None else config.value_dtype for i in exchanged],
-      axis_name)
+  results = exchange(config.exchange, [vs[i] for i in exchanged], phase.value, keys,  # 3, 4
+                     [wires[i] for i in exchanged], axis_name)
   for i, (mean, sent_indices, sent_values) in zip(exchanged, results):
     means[i] = mean
     vs[i] = kernels.subtract_at(vs[i], sent_indices, sent_values)  # 5
@@ -521,7 +437,7 @@ def step(config: DGCConfig, state: DGCState, leaves: list, axis_name, phase) -> 
       us[i] = kernels.zero_at(us[i], sent_indices)
   new_state = state._replace(u=signature.place(us), v=signature.place(vs),
                              dense_u=signature.place(dense_us))
-  return [m.astype(g.dtype) for m, g in zip(means, leaves)], new_state
+  return [mean.astype(g.dtype) for mean, g in zip(means, leaves)], new_state
 
 
 def _unbucketable(config: DGCConfig) -> Optional[str]:
@@ -532,21 +448,19 @@ def _unbucketable(config: DGCConfig) -> Optional[str]:
   return None
 
 
-def _check_arrays(**traceable) -> None:
-  """Checks the traceable settings given as concrete arrays as their numbers would be (a tracer
-  cannot be). Workaround: ``compressor.configure`` hands them to the step unchecked."""
-  DGCConfig(**{name: value for name, value in traceable.items() if validate.is_array(value)})
-
-
-_TRACEABLE = ("momentum", "clip_norm", "clip_exponent")
 DGC = compressor.Algorithm("dgc", DGCState, functools.partial(_configure, TopKExchange), init,
-                           step, phases, phase_of, traceable=_TRACEABLE,
+                           step, phases, phase_of, traceable=("momentum", "clip_norm",
+                                                              "clip_exponent"),
                            unbucketable=_unbucketable)
 COARSE_DGC = dataclasses.replace(DGC, name="coarse_dgc",
                                  configure=functools.partial(_configure, ChunkExchange))
 
 
-# ---------------------------------------------------------------------------------- public functions
+def _check_arrays(**traceable) -> None:
+  """Checks traceable settings given as concrete arrays as their numbers would be (a tracer cannot
+  be). Workaround: ``compressor.configure`` hands them to the step unchecked."""
+  DGCConfig(**{name: value for name, value in traceable.items() if validate.is_array(value)})
+
 
 def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: float = 0.9,
         nesterov: bool = False, momentum_masking: bool = True, clip_norm: Optional[float] = None,
@@ -571,22 +485,20 @@ def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: f
     ratio: density after warm-up; each sparsified leaf sends k = ceil(numel·ratio) coordinates.
       Static: it fixes k (under ``optax.inject_hyperparams`` list it in ``static_args``).
     axis_name: the mapped axis to average over (see ``jaxcomp.axis``).
-    momentum, nesterov, momentum_masking, clip_norm, clip_exponent, value_dtype: see ``DGCConfig``.
-      ``momentum``, ``clip_norm`` and ``clip_exponent`` may be arrays, traced or not (schedules
-      through ``optax.inject_hyperparams``).
+    momentum, nesterov, momentum_masking, clip_norm, clip_exponent, value_dtype, sparsify: see
+      ``DGCConfig`` (``sparsify`` None: ``leaf.ndim > 1``). ``momentum``, ``clip_norm`` and
+      ``clip_exponent`` may be arrays, e.g. schedules through ``optax.inject_hyperparams``.
     warmup: None; ``"paper"`` (densities ``PAPER_WARMUP`` = 0.25, 0.0625, 0.015625, 0.004, one epoch
-      of ``steps_per_epoch`` steps each, then ``ratio``); or a sequence of ``(end_step, density)``
-      with increasing ``end_step`` — density applies while ``count < end_step`` — then ``ratio``.
-      ``jaxcomp.comm_report`` reports each stage as a phase, ``"dgc.density=0.25"``.
+      of ``steps_per_epoch`` steps each, then ``ratio``); or ``((end_step, density), ...)`` with
+      increasing ``end_step`` — density applies while ``count < end_step`` — then ``ratio``. Each
+      density is a phase of the step (``jaxcomp.comm_report``: ``"dgc.density=0.25"``).
     steps_per_epoch: steps per epoch, for ``warmup="paper"``.
-    sparsify: ``sparsify(path, leaf) -> bool``; default ``leaf.ndim > 1`` (see ``DGCConfig``).
-    selection, sample_ratio, upper_bound, lower_bound, max_adaptation_iters, seed: the top-k
-      selection, see ``TopKExchange``; None: its defaults (0.01, 1.3, 0.8, 10, 0), so that
-      ``optax.inject_hyperparams`` leaves them static.
-    bucket_cap_mb: None: each collective holds every leaf. A size in MiB: DDP's buckets, each sending
-      its own collectives as soon as its gradients exist (for overlap with the backward pass; XLA may
-      still combine them, as XLA:CPU always does); the state is then a ``CommHookState`` of one
-      ``DGCState`` per bucket. Not with ``clip_norm``.
+    selection, sample_ratio, upper_bound, lower_bound, max_adaptation_iters, seed: see
+      ``TopKExchange``; None: its defaults (0.01, 1.3, 0.8, 10, 0), which
+      ``optax.inject_hyperparams`` leaves static.
+    bucket_cap_mb: None, or DDP's bucket cap in MiB: each bucket sends its own collectives as soon
+      as its gradients exist (XLA may still combine them), with its own ``DGCState`` in a
+      ``jaxcomp.CommHookState``. Not with ``clip_norm``.
 
   Returns:
     A ``GradientTransformation`` with state ``DGCState``; its output is the same on every device.
@@ -613,20 +525,19 @@ def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch",
                bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
   """Coarse-grained DGC: every device sends the same top chunks, so traffic does not grow with W.
 
-  Each sparsified leaf's momentum-corrected ``v`` is cut into chunks of ``chunk_size`` elements (the
-  last zero-padded); the per-chunk L1 norms are all-reduced, every device takes the same
-  ceil(chunks·ratio) chunks of largest summed norm, and only those are averaged (all-reduce), with the
-  same momentum correction, masking, clipping and warm-up as ``dgc``::
+  Each sparsified leaf's momentum-corrected ``v`` is cut into chunks of ``chunk_size`` elements; the
+  chunks' L1 norms are all-reduced, every device takes the same ceil(chunks·ratio) chunks of largest
+  summed norm, and only those are averaged::
 
     tx = optax.chain(jaxcomp.coarse_dgc(0.01, chunk_size=256), optax.sgd(0.1))
 
   Args:
-    ratio: fraction of chunks sent after warm-up (``ratio`` counts chunks here, not coordinates).
+    ratio: fraction of chunks sent after warm-up.
     axis_name: the mapped axis to average over.
     chunk_size: elements per chunk; None: 256 (static: it fixes the chunks' shape).
     momentum, nesterov, momentum_masking, clip_norm, clip_exponent, warmup, steps_per_epoch,
-      value_dtype, sparsify, bucket_cap_mb: as in ``dgc`` (a stage falls back to the dense mean when
-      norms plus chunks would send at least the leaf's size).
+      value_dtype, sparsify, bucket_cap_mb: as in ``dgc`` (a stage sends the dense mean where norms
+      and chunks would send at least the leaf's bytes).
 
   Returns:
     A ``GradientTransformation`` with state ``DGCState``; its output is the same on every device.
