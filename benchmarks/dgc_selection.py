@@ -81,7 +81,7 @@ def _patched(replacements: dict) -> contextlib.ExitStack:
 
 
 def _update_temporaries(tree, **settings) -> float:
-  """Temporaries of one DGC update, as a multiple of the gradient's bytes (``benchmarks/memory.py``)."""
+  """Temporaries of one DGC update / the gradient's bytes, as ``benchmarks/memory.py`` measures them."""
   tx = dgc.dgc(axis_name=common.AXIS, **settings)
   state = jax.eval_shape(tx.init, tree)
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=common.AXIS, devices=jax.devices()[:8],

@@ -329,7 +329,8 @@ def test_comm_report_warmup_stages_are_phases_and_dense_ones_send_the_mean():
     phase = report.phase(f"dgc.density={density:g}")
     k = math.ceil(16384 * density)
     if density >= 0.0625:  # the dense mean of v, and the flag
-      assert _bytes(phase, "all-reduce", "f32") == 16384 * 4 and _bytes(phase, "all-gather", "f32") == 0
+      assert _bytes(phase, "all-reduce", "f32") == 16384 * 4
+      assert _bytes(phase, "all-gather", "f32") == 0
     else:
       assert _bytes(phase, "all-gather", "f32") == _bytes(phase, "all-gather", "s32") == 8 * k * 4
       assert _bytes(phase, "all-reduce", "f32") == 0
@@ -455,8 +456,9 @@ def regression_loss(params, x, y):
   return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
 
 
+# Two warm-up steps at density 0.25 (for dgc a dense stage: W·0.25·2 >= 1), then sparse ones.
 DATA_PARALLEL_CASES = {
-    "dgc": lambda: jaxcomp.dgc(0.05, warmup=((2, 0.25),)),  # a dense stage (W·0.25·2 >= 1), then sparse
+    "dgc": lambda: jaxcomp.dgc(0.05, warmup=((2, 0.25),)),
     "dgc_exact": lambda: jaxcomp.dgc(0.05, selection="exact", warmup=((2, 0.25),)),
     "coarse_dgc": lambda: jaxcomp.coarse_dgc(0.125, chunk_size=8, warmup=((2, 0.25),)),
     "dgc_hook": lambda: jaxcomp.comm_hook(hooks.dgc_hook, hooks.dgc_state(0.05, warmup=((2, 0.25),)),
@@ -509,6 +511,15 @@ def test_vmap_with_an_axis_name_matches_pmap():
   assert_identical_across_devices(out)
   tol = rounding_tol(W + 3)  # two programs, one step: the momentum, v and the sum over W round
   chex.assert_trees_all_close((out, new_state.v), (expected, expected_state.v), **tol)
+
+
+def test_phases_are_the_densities_warm_up_first():
+  # A density repeated, or equal to ratio, is one phase: the report counts each once.
+  config = dgc_module.DGC.configure(ratio=0.01, warmup=((2, 0.25), (4, 0.01), (6, 0.25)))
+  assert [(p.name, p.share, p.value) for p in dgc_module.phases(config)] == [
+      ("density=0.25", 0.0, 0.25), ("density=0.01", 1.0, 0.01)]
+  assert [int(dgc_module.phase_of(config, jnp.int32(c))) for c in range(8)] == [0, 0, 1, 1, 0, 0,
+                                                                                1, 1]
 
 
 def test_bad_arguments_name_the_argument():
