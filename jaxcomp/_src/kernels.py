@@ -34,7 +34,7 @@ def count_at_least(x: jax.Array, threshold) -> jax.Array:
 
   The ``optimization_barrier`` keeps XLA:CPU from writing the full-size comparison out before it
   sums it, which it does when the counts have several users (the adaptation loop, the total, the
-  compaction): the selection takes 63 ms with it, 123 ms without.
+  compaction): the selection takes 53 ms with it, 148 ms without.
   """
   num_blocks = -(-x.size // _BLOCK)
   padded = jnp.pad(x, (0, num_blocks * _BLOCK - x.size), constant_values=jnp.nan)  # NaN: never >=
@@ -48,7 +48,7 @@ def first_at_least(x: jax.Array, threshold, counts: jax.Array, capacity: int) ->
 
   ``jnp.nonzero(jnp.abs(x) >= threshold, size=capacity)``, compacted only from the blocks that
   ``counts`` (``count_at_least``) says hold candidates: XLA:CPU's cumsum over all of ``x`` costs more
-  than ``lax.top_k`` of it (4M elements: 16 ms here, 195 ms through ``jnp.nonzero``).
+  than ``lax.top_k`` of it (the selection: 53 ms, 601 ms through ``jnp.nonzero``).
   """
   num_blocks = counts.shape[0]
   rows = jnp.nonzero(counts > 0, size=capacity, fill_value=num_blocks)[0]
@@ -64,7 +64,7 @@ def first_at_least(x: jax.Array, threshold, counts: jax.Array, capacity: int) ->
 
 def kth_largest(x: jax.Array, k: int) -> jax.Array:
   """The k-th largest entry of the 1-D ``x``, read through ``lax.top_k``'s indices: XLA:CPU rewrites
-  a ``top_k`` whose values alone are used into a full sort (selection 63 ms, 138 ms from the
+  a ``top_k`` whose values alone are used into a full sort (selection 53 ms, 160 ms from the
   values)."""
   return x[lax.top_k(x, k)[1]].min()
 
@@ -72,7 +72,7 @@ def kth_largest(x: jax.Array, k: int) -> jax.Array:
 def while_loop_if_needed(cond_fun: Callable, body_fun: Callable, init):
   """``lax.while_loop(cond_fun, body_fun, init)``, entered only if ``cond_fun(init)``: XLA hoists the
   loop's full-size invariants (DGC's ``|v|``) out of the body, a full-size write worth paying only
-  when the loop runs (rarely: DGC's threshold adaptation). Selection 63 ms, 112 ms entered always."""
+  when the loop runs (rarely: DGC's threshold adaptation). Selection 53 ms, 134 ms entered always."""
   return lax.cond(cond_fun(init), lambda c: lax.while_loop(cond_fun, body_fun, c), lambda c: c,
                   init)
 
@@ -92,7 +92,8 @@ def scatter_add(shape: tuple, flat_indices: jax.Array, values: jax.Array) -> jax
   range dropped), in less memory:
 
   * addressed in ``shape``: through a flat view XLA:CPU writes a flat copy and reshapes it (ResNet-18
-    update, with ``zero_at`` and ``subtract_at`` flat too: 2.62× sampled, 3.02× exact);
+    update, with ``zero_at`` and ``subtract_at`` flat too and shared zeros: 3.29× sampled, 4.20×
+    exact);
   * into zeros of their own (a 0 that XLA cannot see is one, read from ``flat_indices``, which are
     never negative): XLA shares one broadcast of 0 between leaves of the same shape and copies it for
     each scatter (1.29× sampled, 2.00× exact).
