@@ -386,7 +386,8 @@ def test_world_size_one_under_plain_jit():
   grads = {k: (np.full(p.shape, 0.5, np.float32) if p.dtype == np.float32 else p)
            for k, p in params.items()}
   grads["w1"][3, 4] = 9.0
-  out, _ = jax.jit(tx.update)(grads, state)
+  # The state donated, as in a training step: u and v must not share a buffer.
+  out, _ = jax.jit(tx.update, donate_argnums=1)(grads, state)
   assert float(out["w1"][3, 4]) == pytest.approx(-0.9)
   assert np.count_nonzero(out["w1"]) == math.ceil(512 * 0.05)
   np.testing.assert_allclose(out["b1"], -0.05)

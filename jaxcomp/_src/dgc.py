@@ -234,10 +234,10 @@ def _sparsified(config: DGCConfig, signature: tree_lib.TreeSignature) -> tuple:
 def init(config: DGCConfig, signature: tree_lib.TreeSignature) -> DGCState:
   """Zero momenta: ``u`` and ``v`` of the sparsified leaves, ``dense_u`` of the others."""
   sparse = _sparsified(config, signature)
-  zeros = [jnp.zeros(leaf.shape, leaf.dtype) for leaf in signature.reduced_structs()]
 
-  def where(kind: bool):
-    return signature.place([z if s == kind else optax.MaskedNode() for z, s in zip(zeros, sparse)])
+  def where(kind: bool):  # new zeros for each field: a donated state must not hold a buffer twice
+    return signature.place([jnp.zeros(leaf.shape, leaf.dtype) if s == kind else optax.MaskedNode()
+                            for leaf, s in zip(signature.reduced_structs(), sparse)])
 
   return DGCState(jnp.zeros([], jnp.int32), where(True), where(True), where(False), config,
                   signature)
