@@ -456,12 +456,6 @@ COARSE_DGC = dataclasses.replace(DGC, name="coarse_dgc",
                                  configure=functools.partial(_configure, ChunkExchange))
 
 
-def _check_arrays(**traceable) -> None:
-  """Checks traceable settings given as concrete arrays as their numbers would be (a tracer cannot
-  be). Workaround: ``compressor.configure`` hands them to the step unchecked."""
-  DGCConfig(**{name: value for name, value in traceable.items() if validate.is_array(value)})
-
-
 def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: float = 0.9,
         nesterov: bool = False, momentum_masking: bool = True, clip_norm: Optional[float] = None,
         clip_exponent: float = -0.5, warmup: Union[None, str, Sequence] = None,
@@ -507,7 +501,6 @@ def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: f
     Lin et al., "Deep Gradient Compression", ICLR 2018, §3 (momentum correction, local gradient
     clipping, momentum factor masking, warm-up training); reference ``DGCCompressor``.
   """
-  _check_arrays(momentum=momentum, clip_norm=clip_norm, clip_exponent=clip_exponent)
   return compressor.transformation(
       DGC, axis_name, bucket_cap_mb, ratio=ratio, momentum=momentum, nesterov=nesterov,
       momentum_masking=momentum_masking, clip_norm=clip_norm, clip_exponent=clip_exponent,
@@ -547,7 +540,6 @@ def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch",
     ImageNet/AlexNet Training in 1.5 Minutes", 2019 (coarse-grained sparse communication); Lin et
     al., "Deep Gradient Compression", ICLR 2018 (momentum correction, clipping, warm-up).
   """
-  _check_arrays(momentum=momentum, clip_norm=clip_norm, clip_exponent=clip_exponent)
   return compressor.transformation(
       COARSE_DGC, axis_name, bucket_cap_mb, ratio=ratio, chunk_size=chunk_size, momentum=momentum,
       nesterov=nesterov, momentum_masking=momentum_masking, clip_norm=clip_norm,
