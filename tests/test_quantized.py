@@ -80,13 +80,13 @@ def recorded_exchange(config):
   def run(x, worker, server):
     sent = []
 
-    def encode(values, count, key):
-      payload, decoded = codec.encode(values, count, key)
+    def encode(rows, count, key):
+      payload, decoded = codec.encode(rows, count, key)
       sent.append(payload)
       return payload, decoded
 
-    mean, worker, server = exchange.compressed_mean(codec._replace(encode=encode), x, worker,
-                                                    server, "batch")
+    (mean,), (worker,), (server,) = exchange.compressed_mean(
+        codec._replace(encode=encode), [x], [worker], [server], "batch")
     return mean, worker, server, sent
 
   return jax.pmap(run, axis_name="batch", devices=jax.devices()[:W])
@@ -151,7 +151,7 @@ def test_the_transformation_and_the_hook_give_the_reference_mean(bits):
     for d in range(W):
       np.testing.assert_allclose(outs[t]["w"][d].ravel(), ref_mean, rtol=0, atol=bound)
       np.testing.assert_allclose(hook_outs[t]["w"][d].ravel(), ref_mean, rtol=0, atol=bound)
-    np.testing.assert_allclose(states[t].worker_error, worker, rtol=0,
+    np.testing.assert_allclose(states[t].worker_error["w"].reshape(W, -1), worker, rtol=0,
                                atol=4 * EPS * np.abs(grads[t]).max())
 
 
@@ -168,8 +168,10 @@ def test_error_feedback_telescopes():
   state = states[-1]
   total_mean = np.concatenate([grads[k].astype(np.float64).mean(1).sum(0).reshape(-1)
                                for k in ("b", "w")])
-  worker = np.asarray(state.worker_error, np.float64).mean(0)
-  server = np.asarray(state.server_error, np.float64).sum(0)
+  worker = np.concatenate([np.asarray(state.worker_error[k], np.float64).mean(0).ravel()
+                           for k in ("b", "w")])
+  server = np.concatenate([np.asarray(state.server_error[k], np.float64).sum(0).ravel()
+                           for k in ("b", "w")])
   assert np.abs(worker).max() > 1e-4 and np.abs(server).max() > 1e-4  # both errors are in play
   np.testing.assert_allclose(total_out, total_mean - worker - server, rtol=0,
                              atol=steps * 16 * EPS * np.abs(total_mean).max())
@@ -249,14 +251,15 @@ def test_comm_report_shows_8_bit_collectives_and_the_minimum_bytes(bits, wire):
 
 
 def test_the_state_does_not_depend_on_the_number_of_devices():
+  """The errors have the params' structure (so they can be sharded like the parameters)."""
   tx = jaxcomp.quantized(8)
   params = {"w": jnp.zeros((10, 3)), "n": jnp.zeros(4, jnp.int32)}
   state = tx.init(params)
-  assert state.worker_error.shape == state.server_error.shape == (30,)
-  assert isinstance(jaxcomp.quantized(8, error_feedback=False).init(params).worker_error,
-                    optax.MaskedNode)
+  assert state.worker_error["w"].shape == state.server_error["w"].shape == (10, 3)
+  assert isinstance(state.worker_error["n"], optax.MaskedNode)
+  assert not jax.tree.leaves(jaxcomp.quantized(8, error_feedback=False).init(params).worker_error)
   specs = jaxcomp.state_partition_specs(tx, params)
-  assert specs.worker_error == specs.server_error == jax.sharding.PartitionSpec("batch")
+  assert specs.worker_error["w"] == specs.server_error["w"] == jax.sharding.PartitionSpec("batch")
 
 
 def test_a_hook_without_its_state_says_which_state_to_pass():
