@@ -125,9 +125,9 @@ def test_codes_and_scales_equal_the_reference_two_phase_average_exactly(bits):
     assert np.asarray(codes1).dtype == CODE_DTYPES[bits]
     for d in range(W):
       np.testing.assert_array_equal(values_of(codes1[d]), values_of(phase1[d][0]), err_msg=f"step {t}")
-      np.testing.assert_array_equal(scales1[d], phase1[d][1], err_msg=f"step {t}")
+      np.testing.assert_array_equal(scales1[d].reshape(W, -1), phase1[d][1], err_msg=f"step {t}")
       np.testing.assert_array_equal(values_of(codes2[d]), values_of(phase2[d][0]), err_msg=f"step {t}")
-      np.testing.assert_array_equal(scales2[d], phase2[d][1], err_msg=f"step {t}")
+      np.testing.assert_array_equal(scales2[d].reshape(1, -1), phase2[d][1], err_msg=f"step {t}")
       np.testing.assert_allclose(mean[d], ref_mean, rtol=0, atol=4 * EPS * np.abs(ref_mean).max())
     top = np.abs(grads[t]).max()
     np.testing.assert_allclose(worker, ref_worker, rtol=0, atol=4 * EPS * top)

@@ -193,7 +193,7 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
   payload, decoded = codec.encode(rows, length, keys[0])
   if worker_error is not None:
     worker_error = rows_of.join([r - d for r, d in zip(rows, decoded)])
-  received = axis.all_to_all_many(payload, axis_name)
+  received = kernels.all_to_all(payload, axis_name)
   # 4: the owner's mean of its row, plus its server error; the padding is zeroed.
   mean = _owner_mean(codec, received, tails, world)
   if server_error is not None:
@@ -209,5 +209,5 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
         jnp.where(mine.reshape((world,) + (1,) * len(t)) & v, m - d, 0.0)
         for m, d, v, t in zip(mean, decoded, valid, tails)])
   # 6: every owner's encoding to every device; decode the whole mean.
-  gathered = [g[:, 0] for g in axis.all_gather_many(payload, axis_name)]
+  gathered = [g[:, 0] for g in kernels.all_gather(payload, axis_name)]
   return rows_of.join(codec.decode(gathered, tails)), worker_error, server_error

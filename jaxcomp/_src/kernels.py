@@ -8,10 +8,12 @@ modules call these instead of spelling the trick out in their math.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 from jax.sharding import AxisType
+
+from jaxcomp._src import axis
 
 # ------------------------------------------------------------------------------------------ PowerSGD
 
@@ -20,21 +22,37 @@ from jax.sharding import AxisType
 # ----------------------------------------------------------------------- quantized, sign, 1-bit Adam
 
 def keeps_leaves() -> bool:
-  """Whether a compressed exchange should lay out each gradient leaf on its own
-  (``exchange.leaf_layout``) rather than all of them as one flat vector: where a mesh axis in scope
-  is left to the SPMD partitioner (a 2-D ``jaxcomp.data_parallel`` mesh's model axis, a plain
-  ``jit`` on a mesh), which may shard the leaves over it.
+  """Whether a compressed exchange should handle each gradient leaf on its own (the leaf layout of
+  ``exchange``, one collective per array) rather than as one flat vector of all leaves (one
+  collective per dtype): where a mesh axis in scope is left to the SPMD partitioner (a 2-D
+  ``jaxcomp.data_parallel`` mesh's model axis, a plain ``jit`` on a mesh), which may shard the leaves
+  over it.
 
-  Raveling a leaf sharded along any axis but its first, and concatenating sharded leaves, gives a
-  vector whose sharding the partitioner cannot express: it moves the float32 values across the mesh
-  to build it. ``jaxcomp.quantized(8)`` under ``jaxcomp.data_parallel`` on a (data 4, model 2) mesh,
-  parameters sharded over model (``tests/test_quantized.py``'s 2-D test): flat, 984 B crossed model
-  and 276 B of float32 collective-permutes crossed both axes per step, for a 292 B gradient; leaf by
-  leaf, only codes and scales cross either axis.
+  Raveling a leaf sharded along any axis but its first, and concatenating sharded leaves (a flat
+  vector, or the buffer that packs several arrays into one collective), gives an array whose
+  sharding the partitioner cannot express: it moves the values across the mesh to build it.
+  ``jaxcomp.quantized(8)`` under ``jaxcomp.data_parallel`` on a (data 4, model 2) mesh with the
+  parameters sharded over model (``tests/test_quantized.py``'s 2-D test): FIGURES.
   """
   mesh = jax.sharding.get_abstract_mesh()
   return not mesh.empty and any(kind != AxisType.Manual and size > 1 for kind, size in
                                 zip(mesh.axis_types, mesh.axis_sizes))
+
+
+def all_to_all(arrays: Sequence, axis_name) -> list:
+  """``axis.all_to_all`` of every array (leading axis W): one collective per dtype, or one per
+  array where ``keeps_leaves()``."""
+  if keeps_leaves():
+    return [axis.all_to_all(x, axis_name) for x in arrays]
+  return axis.all_to_all_many(arrays, axis_name)
+
+
+def all_gather(arrays: Sequence, axis_name) -> list:
+  """``axis.all_gather`` of every array: one collective per dtype, or one per array where
+  ``keeps_leaves()``."""
+  if keeps_leaves():
+    return [axis.all_gather(x, axis_name) for x in arrays]
+  return axis.all_gather_many(arrays, axis_name)
 
 
 def device_mean(term: Callable[[int], list], world: int) -> list:

@@ -186,7 +186,7 @@ def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_na
   if not grads:
     return [], state
   if phase.name == _WARMUP.name:
-    mean = axis.mean_many(grads, axis_name)  # 1: plain Adam on the dense mean
+    mean = [axis.mean(g, axis_name) for g in grads]  # 1: plain Adam on the dense mean
     mu = [config.b1 * m + (1 - config.b1) * g for m, g in zip(mu, mean)]
     root = [_root_mean_square_update(config.b2, r, g) for r, g in zip(root, mean)]
   else:

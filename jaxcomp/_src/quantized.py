@@ -15,8 +15,8 @@ numbered list of ``jaxcomp._src.exchange``):
    L zero-padded to W shards of S elements, S a multiple of ``block_size``; or, where the mesh may
    shard the leaves over other axes, each leaf's last axis dealt round-robin to the owners.
 2. ``p = g + e``: this device's worker error is added (exchange 1).
-3. Quantization of each block of ``block_size`` values along a row's last axis (the last block of a
-   leaf's row may be shorter): ``scale = max|p| · (1/Q)`` with Q = 127 (int8) or 448
+3. Quantization of each block of ``block_size`` values along a row's last axis (a leaf's row may
+   end in a shorter block, or be one): ``scale = max|p| · (1/Q)`` with Q = 127 (int8) or 448
    (float8_e4m3fn's largest value), 1/Q rounded to float32 (a product, which every compiler
    evaluates alike; XLA turns a division by a constant into one anyway); ``code = round(p / scale)``
    clipped to ±Q — to the nearest (half to even; float8: its own nearest value), or stochastically
@@ -150,40 +150,60 @@ def _quantize(config: QuantizedConfig, y: jax.Array, key: Optional[jax.Array]) -
   return _stochastic_float8(y, u, dtype)
 
 
-def _blocks(x: jax.Array, size: int) -> jax.Array:
-  """``x`` with its last axis cut into blocks of ``size`` (zero-padded): shape (…, blocks, size)."""
-  length = x.shape[-1]
-  padded = -(-length // size) * size
-  if padded > length:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - length)])
-  return x.reshape(x.shape[:-1] + (padded // size, size))
+def _tile(shape: tuple, size: int) -> tuple:
+  """3: the block of a row piece of ``shape`` (R, …, C): ``t = min(size, C)`` values along the last
+  axis and, where that is shorter than ``size``, ``r`` rows of the axis before it, so that a block
+  holds up to ``size`` values without a reshape that merges axes (``(1, size)`` in the flat
+  layout)."""
+  t = min(size, shape[-1])
+  return (min(size // t, shape[-2]) if len(shape) > 2 else 1), t
 
 
-def _unblocks(blocks: jax.Array, length: int) -> jax.Array:
-  """The inverse of ``_blocks``: the first ``length`` values of the last two axes merged."""
-  return blocks.reshape(blocks.shape[:-2] + (-1,))[..., :length]
+def _blocks(x: jax.Array, tile: tuple) -> jax.Array:
+  """``x`` (R, …, [rows,] C) zero-padded and cut into blocks: shape (R, …, rows/r, r, C/t, t)."""
+  r, t = tile
+  if x.ndim == 2:
+    x = x[:, None]
+  *lead, rows, columns = x.shape
+  padded = (-(-rows // r) * r, -(-columns // t) * t)
+  if padded != (rows, columns):
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, padded[0] - rows), (0, padded[1] - columns)])
+  return x.reshape(tuple(lead) + (padded[0] // r, r, padded[1] // t, t))
+
+
+def _unblocks(blocks: jax.Array, shape: tuple) -> jax.Array:
+  """The inverse of ``_blocks``: the values of a piece of ``shape``."""
+  *lead, row_blocks, r, column_blocks, t = blocks.shape
+  x = blocks.reshape(tuple(lead) + (row_blocks * r, column_blocks * t))
+  rows = shape[-2] if len(shape) > 2 else 1
+  return x[..., :rows, :shape[-1]].reshape(shape)
 
 
 def block_codec(config: QuantizedConfig) -> exchange.Codec:
-  """The exchange's codec: codes of each block of ``block_size`` values along a row's last axis,
-  and one float32 scale per block."""
+  """The exchange's codec: codes of each block of up to ``block_size`` values of a row piece
+  (``_tile``), and one float32 scale per block."""
   size = config.block_size
   _, levels = _CODES[config.bits]
 
   def decode(payload, tails):
-    return [_unblocks(_blocks(codes.astype(jnp.float32), size) * scales[..., None], t[-1])
-            for codes, scales, t in zip(payload[::2], payload[1::2], tails)]
+    pieces = []
+    for codes, scales, tail in zip(payload[::2], payload[1::2], tails):
+      tile = _tile((1,) + tuple(tail), size)
+      blocks = _blocks(codes.astype(jnp.float32), tile) * scales[..., None, :, None]
+      pieces.append(_unblocks(blocks, codes.shape))
+    return pieces
 
   def encode(rows, count, key):
     del count  # zero padding never raises a block's maximum
     keys = [None] * len(rows) if key is None else list(jax.random.split(key, len(rows)))
     payload = []
     for x, k in zip(rows, keys):
-      blocks = _blocks(x, size)
-      scales = jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / levels)  # 3: max|p|·(1/Q)
-      safe = jnp.where(scales > 0, scales, 1.0)[..., None]
-      y = jnp.where(scales[..., None] > 0, jnp.clip(blocks / safe, -levels, levels), 0.0)
-      payload += [_unblocks(_quantize(config, y, k), x.shape[-1]), scales]
+      blocks = _blocks(x, _tile(x.shape, size))
+      scales = jnp.max(jnp.abs(blocks), axis=(-3, -1)) * jnp.float32(1 / levels)  # 3: max|p|·(1/Q)
+      wide = scales[..., None, :, None]
+      y = jnp.where(wide > 0, jnp.clip(blocks / jnp.where(wide > 0, wide, 1.0), -levels, levels),
+                    0.0)
+      payload += [_unblocks(_quantize(config, y, k), x.shape), scales]
     return payload, decode(payload, [x.shape[1:] for x in rows])
 
   return exchange.Codec(encode, decode, size)

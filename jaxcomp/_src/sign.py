@@ -154,7 +154,7 @@ def step(config: SignConfig, state: SignState, leaves: list, axis_name, phase) -
     errors = [p - scale * jnp.where(p >= 0, 1.0, -1.0) for p, scale in zip(ps, scales)]
     state = state._replace(error=state.signature.place(errors))
   # 5: every device's signs and scales.
-  *all_bits, all_scales = axis.all_gather_many(bits + [scales], axis_name)
+  *all_bits, all_scales = kernels.all_gather(bits + [scales], axis_name)
 
   def scaled_signs(w):  # 6: device w's scaled signs, leaf by leaf
     return [scale * unpack_signs(b[w], r.shape[-1]).reshape(p.shape)
