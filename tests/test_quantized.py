@@ -155,6 +155,20 @@ def test_the_transformation_and_the_hook_give_the_reference_mean(bits):
                                atol=4 * EPS * np.abs(grads[t]).max())
 
 
+def test_vmap_with_an_axis_name_gives_the_reference_mean():
+  """``jax.vmap(tx.update, axis_name=...)`` maps the devices on one (its all-gather has no pvary)."""
+  grads = gradients(np.random.default_rng(8), 2, 3 * 50)
+  tx = jaxcomp.quantized(8, block_size=32)
+  update = jax.jit(jax.vmap(tx.update, axis_name="batch"))
+  state = replicate(tx.init({"w": grads[0, 0].reshape(3, 50)}), W)
+  worker = server = np.zeros((W, grads.shape[-1]), np.float32)
+  for t in range(2):
+    out, state = jax.block_until_ready(update({"w": grads[t].reshape(W, 3, 50)}, state))
+    ref_mean, worker, server, _, _ = ref_step(grads[t], worker, server, 32, 8)
+    np.testing.assert_allclose(np.asarray(out["w"]).reshape(W, -1), np.stack([ref_mean] * W),
+                               rtol=0, atol=4 * EPS * np.abs(ref_mean).max())
+
+
 def test_error_feedback_telescopes():
   """Σ outputs = Σ mean gradients − mean of the final worker errors − the final server errors."""
   rng = np.random.default_rng(2)
