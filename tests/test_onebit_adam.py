@@ -122,7 +122,7 @@ def test_matches_the_reference_step_for_step(bias_correction):
 
 
 def test_vmap_with_an_axis_name_gives_the_reference_update():
-  """``jax.vmap(tx.update, axis_name=...)`` maps the devices on one (its all-gather has no pvary);
+  """``jax.vmap(tx.update, axis_name=...)`` runs the devices on one (its all-gather: no pvary);
   both stages."""
   grads = gradients(np.random.default_rng(7), 3)
   tx = jaxcomp.onebit_adam(0.01, freeze_steps=1)

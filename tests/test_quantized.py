@@ -156,7 +156,7 @@ def test_the_transformation_and_the_hook_give_the_reference_mean(bits):
 
 
 def test_vmap_with_an_axis_name_gives_the_reference_mean():
-  """``jax.vmap(tx.update, axis_name=...)`` maps the devices on one (its all-gather has no pvary)."""
+  """``jax.vmap(tx.update, axis_name=...)`` runs the devices on one (its all-gather: no pvary)."""
   grads = gradients(np.random.default_rng(8), 2, 3 * 50)
   tx = jaxcomp.quantized(8, block_size=32)
   update = jax.jit(jax.vmap(tx.update, axis_name="batch"))

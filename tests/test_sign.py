@@ -75,7 +75,7 @@ def test_matches_the_ef_signsgd_reference_step_for_step(error_feedback):
 
 
 def test_vmap_with_an_axis_name_gives_the_reference_mean():
-  """``jax.vmap(tx.update, axis_name=...)`` maps the devices on one (its all-gather has no pvary)."""
+  """``jax.vmap(tx.update, axis_name=...)`` runs the devices on one (its all-gather: no pvary)."""
   grads = trees(np.random.default_rng(5), 2)
   tx = jaxcomp.sign_compress()
   update = jax.jit(jax.vmap(tx.update, axis_name="batch"))

@@ -1,4 +1,4 @@
-"""The two-phase compressed mean with error feedback at both ends: reduce-scatter, re-compress, gather.
+"""The two-phase compressed mean with error feedback at both ends: reduce-scatter, encode, gather.
 
 An all-reduce sums on the wire, so whatever travels must be summable: an integer psum of int8 codes
 overflows and a shared scale wastes range. A compressed mean is built from the collectives that only
@@ -20,13 +20,13 @@ delayed: summed over steps, the outputs are the mean inputs minus the mean of th
 and minus the final server errors (each device holds the server error of its own row, zero
 elsewhere).
 
-The rows (``layout``): the arrays, raveled and concatenated into one flat vector, zero-padded to W
+The rows (``layout``): the arrays raveled and concatenated into one flat vector, zero-padded to W
 shards of S values (S a multiple of the codec's ``granule``), shard d being row d. Where the mesh
-leaves other axes to the SPMD partitioner (``kernels.keeps_leaves``: a 2-D ``jaxcomp.data_parallel``
-mesh whose parameters are sharded over a model axis) the flat vector would move every sharded value
-across that axis, so there each array is laid out on its own instead: its last axis dealt round-robin
-to the owners (value j to owner j mod W), every other axis kept as it is, so the model sharding of the
-array carries over to its rows; a codec then works along each row's last axis.
+leaves other axes to the SPMD partitioner (``kernels.keeps_leaves``: a 2-D
+``jaxcomp.data_parallel`` mesh whose parameters are sharded over a model axis) that vector would
+move the sharded values across the mesh, so there each array is laid out on its own: its last axis
+dealt round-robin to the owners (value j to owner j mod W), its other axes kept, so that its rows
+keep its sharding, and each array travels in collectives of its own.
 
 A codec decides how values travel (``jaxcomp.quantized``: int8 or float8 codes with one scale per
 block; ``jaxcomp.scale_by_onebit_adam``: sign bits with one scale per encoded row). The errors have
@@ -115,8 +115,8 @@ def flat_layout(shapes: Sequence[tuple], world: int, granule: int) -> Layout:
 
 
 def leaf_layout(shapes: Sequence[tuple], world: int) -> Layout:
-  """A piece per array, (W, …, C): its last axis (of B values, C = ⌈B/W⌉) dealt round-robin, value j
-  to owner j mod W; every other axis kept (a 0-d array is one value)."""
+  """A piece per array, (W, …, C): its last axis (B values, C = ⌈B/W⌉) dealt round-robin, value j
+  to owner j mod W; its other axes kept (a 0-d array is one value)."""
   lasts = [s[-1] if s else 1 for s in shapes]
   columns = [-(-b // world) for b in lasts]
 
@@ -184,13 +184,12 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
   me = axis.axis_index(axis_name)
   keys = (None, None) if key is None else tuple(
       jax.random.fold_in(jax.random.fold_in(key, phase), me) for phase in (0, 1))
-  # 1: p = x + e.
+  # 1: p = x + e, in rows.
   p = x if worker_error is None else [a + e for a, e in zip(x, worker_error)]
   rows = rows_of.split(p)
   tails = [r.shape[1:] for r in rows]
   # 2–3: encode, send row d to device d; e ← p − decode(encoding).
-  length = sum(a.size for a in x)
-  payload, decoded = codec.encode(rows, length, keys[0])
+  payload, decoded = codec.encode(rows, sum(a.size for a in x), keys[0])
   if worker_error is not None:
     worker_error = rows_of.join([r - d for r, d in zip(rows, decoded)])
   received = kernels.all_to_all(payload, axis_name)

@@ -25,8 +25,8 @@ def keeps_leaves() -> bool:
   """Whether a compressed exchange should handle each gradient leaf on its own (the leaf layout of
   ``exchange``, one collective per array) rather than as one flat vector of all leaves (one
   collective per dtype): where a mesh axis in scope is left to the SPMD partitioner (a 2-D
-  ``jaxcomp.data_parallel`` mesh's model axis, a plain ``jit`` on a mesh), which may shard the leaves
-  over it.
+  ``jaxcomp.data_parallel`` mesh's model axis, a plain ``jit`` on a mesh), which may shard the
+  leaves over it.
 
   Raveling a leaf sharded along any axis but its first, and concatenating sharded leaves (a flat
   vector, or the buffer that packs several arrays into one collective), gives an array whose

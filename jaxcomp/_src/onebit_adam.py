@@ -12,8 +12,8 @@ optimizer (nothing is chained after it); ``jaxcomp.hooks.onebit_adam_hook`` is t
 The steps, per device, W devices, at step t = 0, 1, ... (the ``# n:`` comments below point here;
 "Alg. 1" is the paper's Algorithm 1, "exchange n" the numbered list of ``jaxcomp._src.exchange``):
 
-1. Warm-up (phase "warmup", t < ``freeze_steps``): the dense mean gradient ``ḡ`` (÷W, then one
-   float32 all-reduce); ``m ← b1·m + (1 − b1)·ḡ``, ``v ← b2·v + (1 − b2)·ḡ²`` (Alg. 1 line 1, plain Adam).
+1. Warm-up (phase "warmup", t < ``freeze_steps``): the dense mean gradient ``ḡ`` (÷W, then a
+   float32 all-reduce); ``m ← b1·m + (1 − b1)·ḡ``, ``v ← b2·v + (1 − b2)·ḡ²`` (Alg. 1 line 1, Adam).
    The state keeps ``√v``, updated as ``r·√(b2·(√v/r)² + (1 − b2)·(ḡ/r)²)`` with ``r = max(√v, |ḡ|)``:
    the same value, but ``ḡ²`` of a gradient above 1.8e19 would overflow float32.
 2. Compression (phase "compressed", t ≥ ``freeze_steps``): ``m ← b1·m + (1 − b1)·g`` with this
@@ -79,6 +79,7 @@ _COMPRESSED = phases.Phase("compressed", 1.0)
 
 
 def _decay(name: str) -> Callable:
+  """The check of a decay rate in [0, 1)."""
   return lambda value: validate.number(value, name, 0, 1, high_open=True)
 
 
@@ -219,7 +220,7 @@ def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch
                          b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                          bias_correction: bool = True,
                          bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
-  """1-bit Adam's direction ``m̂ / (√v̂ + eps)``, averaged over the devices, without the learning rate.
+  """1-bit Adam's direction ``m̂ / (√v̂ + eps)``, averaged over the devices, without learning rate.
 
   Plain Adam on the dense mean gradient for ``freeze_steps`` steps; then the variance is frozen and
   only the momentum is exchanged, as signs (1 bit per value) with one scale per row, with error
@@ -285,9 +286,9 @@ def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = 
     bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one exchange per bucket.
 
   Returns:
-    A ``GradientTransformation`` whose updates are ``−learning_rate · m̂ / (√v̂ + eps)``, identical on
-    every device, in the gradients' dtypes; its state is ``(OneBitAdamState, the learning rate's
-    optax.MaskedState)``.
+    A ``GradientTransformation`` whose updates are ``−learning_rate · m̂ / (√v̂ + eps)``,
+    identical on every device, in the gradients' dtypes; its state is ``(OneBitAdamState, the
+    learning rate's optax.MaskedState)``.
 
   References:
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence

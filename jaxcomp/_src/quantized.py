@@ -243,7 +243,7 @@ def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
               block_size: int = 256, error_feedback: bool = True,
               stochastic_rounding: bool = False, seed: int = 0,
               bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
-  """The cross-device mean with every value on the wire in 8 bits (int8 or float8) plus block scales.
+  """The cross-device mean with every value on the wire in 8 bits (int8 or float8), block scales.
 
   A two-phase exchange (the module docstring numbers the steps): each device's gradient, quantized
   per block of ``block_size`` values, reaches the owner of each row by ``all_to_all``; the owner

@@ -64,7 +64,7 @@ def mean_abs(xs: list, count) -> jax.Array:
 
 
 def sign_codec() -> exchange.Codec:
-  """1-bit Adam's codec for the two-phase exchange: packed signs and one scale per encoded row set.
+  """1-bit Adam's codec for the two-phase exchange: packed signs and one scale per encoding.
 
   The scale is the mean magnitude ``‖x‖₁ / count`` of the values encoded, as in ``sign_compress``:
   then ``‖x − scale·sign(x)‖² = ‖x‖² − ‖x‖₁²/count ≤ ‖x‖²``, so error feedback cannot grow the error.
