@@ -169,6 +169,24 @@ def test_vmap_with_an_axis_name_gives_the_reference_mean():
                                rtol=0, atol=4 * EPS * np.abs(ref_mean).max())
 
 
+def test_bucket_cap_mb_runs_one_exchange_and_one_state_per_bucket():
+  """Leaves of 4,000 and 4,400 bytes with a 4,000-byte cap: two buckets, each its own two-phase
+  average (one flat vector of both would put blocks across the leaves' boundary)."""
+  rng = np.random.default_rng(9)
+  grads = gradients(rng, 2, 2100)
+  tx = jaxcomp.quantized(8, block_size=64, bucket_cap_mb=4000 / 2**20)
+  trees = [{"a": g[:, :1000], "b": g[:, 1000:]} for g in grads]
+  outs, states = run_updates(tx, trees, W)
+  assert isinstance(states[-1], jaxcomp.CommHookState) and len(states[-1].hook_states) == 2
+  assert all(isinstance(s, jaxcomp.QuantizedState) for s in states[-1].hook_states)
+  for k in ("a", "b"):  # DDP's buckets: "b" first; each holds one leaf
+    worker = server = np.zeros((W, trees[0][k].shape[-1]), np.float32)
+    for t in range(2):
+      ref_mean, worker, server, _, _ = ref_step(trees[t][k], worker, server, 64, 8)
+      np.testing.assert_allclose(outs[t][k], np.stack([ref_mean] * W), rtol=0,
+                                 atol=4 * EPS * np.abs(ref_mean).max())
+
+
 def test_error_feedback_telescopes():
   """Σ outputs = Σ mean gradients − mean of the final worker errors − the final server errors."""
   rng = np.random.default_rng(2)
