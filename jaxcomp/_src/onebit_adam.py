@@ -71,11 +71,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor, exchange, phases, sign, validate
+from jaxcomp._src import axis, compressor, exchange, sign, validate
+from jaxcomp._src import phases as phases_lib
 from jaxcomp._src import tree as tree_lib
 
-_WARMUP = phases.Phase("warmup", 0.0)
-_COMPRESSED = phases.Phase("compressed", 1.0)
+_WARMUP = phases_lib.Phase("warmup", 0.0)
+_COMPRESSED = phases_lib.Phase("compressed", 1.0)
 
 
 def _decay(name: str) -> Callable:
@@ -149,13 +150,13 @@ def init(config: OneBitAdamConfig, signature: tree_lib.TreeSignature) -> OneBitA
   return OneBitAdamState(jnp.zeros([], jnp.int32), zeros, zeros, zeros, zeros, config, signature)
 
 
-def stages(config: OneBitAdamConfig) -> tuple:
+def phases(config: OneBitAdamConfig) -> tuple:
   """The phases: dense Adam ("warmup", absent when ``freeze_steps`` is 0), then "compressed"."""
   return ((_WARMUP,) if config.freeze_steps else ()) + (_COMPRESSED,)
 
 
-def stage_of(config: OneBitAdamConfig, count: jax.Array) -> jax.Array:
-  """The index into ``stages(config)`` of the step taken at ``count``."""
+def phase_of(config: OneBitAdamConfig, count: jax.Array) -> jax.Array:
+  """The index into ``phases(config)`` of the step taken at ``count``."""
   return (count >= config.freeze_steps).astype(jnp.int32)
 
 
@@ -178,7 +179,7 @@ def _one_minus_power(b, t: jax.Array) -> jax.Array:
 
 
 def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_name,
-         phase: phases.Phase) -> tuple:
+         phase: phases_lib.Phase) -> tuple:
   """Steps 1–4 on the reduced leaves: returns ``(directions, new state)``."""
   signature = state.signature
   mu, root = signature.pick(state.mu), signature.pick(state.nu_root)
@@ -212,8 +213,8 @@ def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_na
 
 
 SCALE_BY_ONEBIT_ADAM = compressor.Algorithm(
-    "scale_by_onebit_adam", OneBitAdamState, OneBitAdamConfig, init, step, phases=stages,
-    phase_of=stage_of, traceable=("b1", "b2", "eps"))
+    "scale_by_onebit_adam", OneBitAdamState, OneBitAdamConfig, init, step, phases=phases,
+    phase_of=phase_of, traceable=("b1", "b2", "eps"))
 
 
 def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch",
