@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor, exchange, sign, validate
+from jaxcomp._src import axis, compressor, exchange, optax_wrappers, sign, validate
 from jaxcomp._src import phases as phases_lib
 from jaxcomp._src import tree as tree_lib
 
@@ -214,7 +214,8 @@ def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_na
 
 SCALE_BY_ONEBIT_ADAM = compressor.Algorithm(
     "scale_by_onebit_adam", OneBitAdamState, OneBitAdamConfig, init, step, phases=phases,
-    phase_of=phase_of, traceable=("b1", "b2", "eps"))
+    phase_of=phase_of, traceable=("b1", "b2", "eps"),
+    nonfinite="select")  # the exchange compiles worse inside the cond (compressor.py)
 
 
 def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch",
@@ -298,6 +299,14 @@ def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = 
   # 5: −learning_rate(t) · direction, at the reduced leaves (integer leaves pass through).
   rate = optax.masked(optax.scale_by_learning_rate(_learning_rate(learning_rate)),
                       lambda updates: jax.tree.map(tree_lib.is_reduced, updates))
-  return optax.chain(
+  inner = optax.chain(
       scale_by_onebit_adam(freeze_steps=freeze_steps, axis_name=axis_name, b1=b1, b2=b2, eps=eps,
                            bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb), rate)
+
+  def update_fn(updates, state, params=None):
+    # Its output is the update: an optimizer after it would take that for a gradient.
+    optax_wrappers.check_last_in_chain("jaxcomp.onebit_adam",
+                                       alternative="jaxcomp.scale_by_onebit_adam")
+    return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(inner.init, update_fn)

@@ -236,7 +236,9 @@ def step(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_name
   return [m.astype(g.dtype) for m, g in zip(means, leaves)], state
 
 
-QUANTIZED = compressor.Algorithm("quantized", QuantizedState, QuantizedConfig, init, step)
+# "select": XLA:CPU compiles the exchange's concatenations worse inside the cond (compressor.py).
+QUANTIZED = compressor.Algorithm("quantized", QuantizedState, QuantizedConfig, init, step,
+                                 nonfinite="select")
 
 
 def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",

@@ -164,7 +164,8 @@ def step(config: SignConfig, state: SignState, leaves: list, axis_name, phase) -
   return [m.astype(g.dtype) for m, g in zip(means, leaves)], state
 
 
-SIGN = compressor.Algorithm("sign_compress", SignState, SignConfig, init, step)
+# "select": the packed signs' concatenation compiles worse inside the cond (compressor.py).
+SIGN = compressor.Algorithm("sign_compress", SignState, SignConfig, init, step, nonfinite="select")
 
 
 def sign_compress(*, axis_name: axis.AxisName = "batch", error_feedback: bool = True,
