@@ -35,10 +35,37 @@ is linear in the gradient (SGD, with or without momentum) that is data-parallel 
 The parameters at ``init`` must be the same on every device (as for data-parallel training): they
 are the first θ.
 
+**Streaming DiLoCo** (``streaming_diloco``) lowers DiLoCo's peak: one step of every H sends all the
+parameters, which a link must carry at once while every device waits. It splits the parameters into
+P fragments (``fragment_layout``: whole leaves, strided across depth), runs the outer step of each
+at its own offset in the period (torchft's: fragment p after the steps ⌊(p + 1)·H/P⌋ − 1 + kH, the
+last where DiLoCo's is), and lets the exchange of a fragment overlap τ inner steps: its
+pseudo-gradient travels in τ pieces (the rows, along the first axis, of its leaves, cut in τ near
+equal blocks), one per step. No step sends more than one piece of one fragment (τ < H // P), 1/(P·τ)
+of DiLoCo's sync, and over a period the same bytes. Its steps, per device, in the order a step runs
+them (``# Sn:`` below):
+
+S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of the
+    pseudo-gradient kept at its beginning (S5) is averaged over the devices (step 4, through
+    ``compressor``, one state per piece) and stored. It reads the state only, never this step's
+    gradient, so XLA may run it alongside the forward and backward pass.
+S2. Inner step (step 1).
+S3. The outer step of each fragment whose exchange began τ steps ago (with τ = 0: begins now, its
+    pseudo-gradient averaged at once, steps 3–4): the outer SGD on the fragment's θ with its own
+    momentum, kept if not finite (steps 5–6);
+S4. mixed into this device's parameters: θᵢ ← mix·θ + (1 − mix)·θᵢ, θᵢ holding what the device
+    learned during the τ steps of the exchange (mix = 1: every device set to θ, step 6).
+S5. A fragment's exchange begins (τ > 0): Δᵢ = θ − θᵢ (step 3) kept for S1 of the next τ steps.
+
+With P = 1, τ = 0 and mix = 1 that is DiLoCo, and ``streaming_diloco`` computes what ``diloco`` does.
+
 References:
   Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen, "DiLoCo: Distributed
   Low-Communication Training of Language Models", 2023 (https://arxiv.org/abs/2311.08105),
   Algorithm 1; an outer learning rate of 0.7 with Nesterov momentum 0.9 are its settings.
+  Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed Free
+  Lunch", 2025 (https://arxiv.org/abs/2501.18512): fragments, overlap, mixing (α = 0.5), 4-bit
+  outer gradients. torchft ``local_sgd.DiLoCo``: the fragments' offsets, ``fragment_sync_delay``.
 """
 
 from __future__ import annotations
@@ -528,7 +555,7 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
     """S3–S4 for fragment ``p``: the outer step on its mean pseudo-gradient (averaged here when
     there is no delay), mixed into this device's parameters."""
     mean = received
-    if not config.delay:  # DiLoCo's 3–4, on this fragment
+    if not config.delay:  # S3 with τ = 0: steps 3–4 on this fragment
       delta = [t - x for t, x in zip(theta, local)]
       tree = _subtree(state.signature, state.layout[p], delta)
       mean, piece_state = _mean(compressor, axis_name, tree,
@@ -536,7 +563,9 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
       mean = tuple(jax.tree.leaves(mean))
       if compressor is not None:
         compressor_states = (piece_state,)
+    # S3: steps 5–6 on the fragment's θ.
     new_theta, outer_state = _outer_step(outer, theta, outer_state, mean)
+    # S4: mixed into this device's parameters.
     mixed = [t if config.mix == 1 else config.mix * t + (1 - config.mix) * x
              for t, x in zip(new_theta, local)]
     return local_steps.varying_like(mixed, local), new_theta, outer_state, compressor_states
