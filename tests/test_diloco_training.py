@@ -1,22 +1,22 @@
 """DiLoCo and Streaming DiLoCo on real data, 8 simulated devices, against allreduce.
 
-Chars: DiLoCo reaches allreduce's held-out loss in the same number of inner steps, to within 2%, for
-a twentieth of its bytes; with PowerSGD on the pseudo-gradient under a hundredth, for a few percent
-of loss. Streaming DiLoCo does as well as DiLoCo with half its peak, and with 8-bit pseudo-gradients
-sends 265× less than allreduce for a few percent of loss. The paper's protocol: DiLoCo continues from
-a model trained synchronously for a while (its C4 runs start from a pretrained checkpoint), here 200
-allreduce steps of the character transformer of ``python -m jaxcomp.train --quick``; then allreduce
-and DiLoCo (H = 20, the paper's outer Nesterov SGD, learning rate 0.7, momentum 0.9) each train 400
-more steps on the same batches. The inner SGD of DiLoCo takes a third of allreduce's learning rate:
-the outer momentum multiplies each period's progress.
+Chars: DiLoCo reaches allreduce's held-out loss in the same number of inner steps, to within 2%,
+for a twentieth of its bytes; with PowerSGD on the pseudo-gradient under a hundredth, for a few
+percent of loss. Streaming DiLoCo does as well as DiLoCo with half its peak, and with 8-bit
+pseudo-gradients sends 265× less than allreduce for a few percent of loss. The paper's protocol:
+DiLoCo continues from a model trained synchronously for a while (its C4 runs start from a
+pretrained checkpoint), here 200 allreduce steps of the character transformer of ``python -m
+jaxcomp.train --quick``; then allreduce and DiLoCo (H = 20, the paper's outer Nesterov SGD, learning
+rate 0.7, momentum 0.9) each train 400 more steps on the same batches. The inner SGD of DiLoCo takes
+a third of allreduce's learning rate: the outer momentum multiplies each period's progress.
 
-Digits: Streaming DiLoCo (H = 100, three fragments, τ = 1) keeps allreduce's accuracy to within 0.5%
-where DiLoCo at the same H loses 3%, and with a float16 PowerSGD rank-4 pseudo-gradient it does so
-for about 2,000× fewer bytes than allreduce.
+Digits: Streaming DiLoCo (H = 100, three fragments, τ = 1) keeps allreduce's accuracy to within
+0.5% where DiLoCo at the same H loses 3%, and with a float16 PowerSGD rank-4 pseudo-gradient it
+does so for about 2,000× fewer bytes than allreduce.
 
-The DiLoCo methods are evaluated on θ, the synchronized parameters of their state (DiLoCo's are every
-device's right after a sync; Streaming DiLoCo's devices never hold all of θ at once), as the papers
-evaluate the global model.
+The DiLoCo methods are evaluated on θ, the synchronized parameters of their state (DiLoCo's are
+every device's right after a sync; Streaming DiLoCo's devices never hold all of θ at once), as the
+papers evaluate the global model.
 """
 
 import functools

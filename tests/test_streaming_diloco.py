@@ -334,6 +334,37 @@ def test_data_parallel_loss_form_keeps_the_parameters_per_device_and_matches_pma
       assert identical(params[layer]) == bool(config.applies_after(p, t)), (t, layer)
 
 
+@pytest.mark.parametrize("delay, compressor", [(0, "fp16"), (2, "int8")])
+def test_any_pytree_scalars_mixed_dtypes_and_leaves_not_reduced(delay, compressor):
+  """A 0-d leaf travels whole or as one row; float16 and bfloat16 keep their dtypes; integer and
+  zero-size leaves are in no fragment and stay as they were."""
+  params = {"a": np.float32(0.5), "b": np.ones(2, np.float16), "c": np.ones((3, 3), np.float32),
+            "d": np.arange(2, dtype=np.int32), "e": np.zeros((0,), np.float32),
+            "f": np.ones((4, 2), jnp.bfloat16)}
+  tx = jaxcomp.streaming_diloco(
+      optax.sgd(0.01), sync_every=6, fragments=2, delay=delay, mix=1.0,
+      compressor=jaxcomp.fp16_compress() if compressor == "fp16" else jaxcomp.quantized(8))
+  config = tx.init(params).config
+  assert tx.init(params).layout == ((0, 1, 2), (5,))  # a, b with the kernel after them, c; f
+
+  def step(params, state, x):
+    grads = {k: (v * x).astype(v.dtype) if k != "d" else v for k, v in params.items()}
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  params_w, state = replicate(params, W), replicate(tx.init(params), W)
+  for t in range(8):
+    params_w, state = jax.block_until_ready(pstep(params_w, state, np.arange(1.0, W + 1)))
+    for key, value in params_w.items():
+      assert value.dtype == np.asarray(params[key]).dtype and value.shape == (W,) + np.shape(
+          params[key])
+      assert np.isfinite(np.asarray(value, np.float32)).all()
+    np.testing.assert_array_equal(params_w["d"], np.stack([params["d"]] * W))
+    if config.applies_after(0, t):
+      assert identical({k: params_w[k] for k in "abc"}) and not identical(params_w["f"]), t
+
+
 # ------------------------------------------------------------------------ settings and layout
 
 

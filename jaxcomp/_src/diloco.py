@@ -57,7 +57,8 @@ S4. mixed into this device's parameters: θᵢ ← mix·θ + (1 − mix)·θᵢ,
     learned during the τ steps of the exchange (mix = 1: every device set to θ, step 6).
 S5. A fragment's exchange begins (τ > 0): Δᵢ = θ − θᵢ (step 3) kept for S1 of the next τ steps.
 
-With P = 1, τ = 0 and mix = 1 that is DiLoCo, and ``streaming_diloco`` computes what ``diloco`` does.
+With P = 1, τ = 0 and mix = 1 that is DiLoCo, and ``streaming_diloco`` computes what ``diloco``
+does.
 
 References:
   Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen, "DiLoCo: Distributed
@@ -160,7 +161,8 @@ def _mean(compressor: Optional[optax.GradientTransformation], axis_name: axis.Ax
   return compressor.update(tree, compressor_state)
 
 
-def _outer_step(outer: optax.GradientTransformation, theta: tuple, outer_state, mean: tuple) -> tuple:
+def _outer_step(outer: optax.GradientTransformation, theta: tuple, outer_state,
+                mean: tuple) -> tuple:
   """Steps 5–6: ``(θ, outer state)`` after the outer SGD on the mean pseudo-gradient, both kept as
   they were if the new θ is not finite (every input is the same on every device, so the decision
   is too)."""
@@ -274,7 +276,7 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-# ---------------------------------------------------------------------------------- Streaming DiLoCo
+# ------------------------------------------------------------------------------ Streaming DiLoCo
 
 
 @jax.tree_util.register_static
@@ -382,13 +384,18 @@ def _rows(shape: tuple, pieces: int, piece: int) -> tuple:
 
 
 def _cut(x, pieces: int, piece: int):
-  """``piece`` of ``x``: its rows, as an array of at least one dimension."""
+  """``piece`` of ``x``: its rows, as an array of at least one dimension (``x`` itself when it
+  travels whole)."""
+  if pieces == 1:
+    return x
   start, stop = _rows(x.shape, pieces, piece)
   return x.reshape((-1,) + x.shape[1:])[start:stop]
 
 
 def _paste(x, pieces: int, piece: int, value):
-  """``x`` with the rows of ``piece`` replaced by ``value``."""
+  """``x`` with the rows of ``piece`` replaced by ``value`` (a ``_cut`` of ``x``'s shape)."""
+  if pieces == 1:
+    return value
   start, stop = _rows(x.shape, pieces, piece)
   return x.reshape((-1,) + x.shape[1:]).at[start:stop].set(value).reshape(x.shape)
 
@@ -401,7 +408,8 @@ def _in_piece(signature: tree_lib.TreeSignature, fragment: tuple, pieces: int, p
 
 def _subtree(signature: tree_lib.TreeSignature, indices: tuple, values: list):
   """A tree of the parameters' structure with ``values`` at leaves ``indices`` and empty
-  ``optax.MaskedNode``\\ s elsewhere: what the compressor averages, its leaves keeping their paths."""
+  ``optax.MaskedNode``\\ s elsewhere: what the compressor averages, its leaves keeping their
+  paths."""
   flat = [optax.MaskedNode()] * len(signature.shapes)
   for i, value in zip(indices, values):
     flat[i] = value
@@ -598,7 +606,8 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
         continue
       # S3–S4: the outer step of a fragment whose exchange is complete, mixed in.
       new_local, new_theta, outer_states[p], compressor_states[p] = phases.cond(
-          config.applies_after(p, state.count), phases.Phase(f"streaming_diloco.fragment{p}", share),
+          config.applies_after(p, state.count),
+          phases.Phase(f"streaming_diloco.fragment{p}", share),
           functools.partial(land, state, p, received[p]), lambda *operands: operands,
           [leaves[i] for i in fragment], tuple(theta[i] for i in fragment), outer_states[p],
           compressor_states[p])
