@@ -393,6 +393,15 @@ def test_schedule_follows_torchfts_offsets():
   assert [int(config.piece_sent_in(2, t)) for t in range(9, 13)] == [-1, 0, 1, -1]
   assert [int(config.piece_sent_in(2, t)) for t in range(0, 2)] == [-1, -1]  # nothing began yet
   assert not any(config.syncs_after(t) for t in range(30))
+  # The state knows the pytree: every device agrees on all parameters only where one fragment holds
+  # them all and its outer step replaces the local values.
+  one_layer = {"b": np.zeros(3, np.float32), "w": np.zeros((3, 3), np.float32)}
+  state = lambda params, mix: jaxcomp.streaming_diloco(  # noqa: E731
+      optax.sgd(LR), sync_every=6, fragments=2, delay=1, mix=mix).init(params)
+  assert [t for t in range(12) if state(one_layer, 1.0).syncs_after(t)] == [3, 9]
+  assert not any(state(one_layer, 0.5).syncs_after(t) for t in range(12))
+  assert not any(state(init_params(), 1.0).syncs_after(t) for t in range(12))
+  assert state({"step": np.int32(0)}, 0.5).syncs_after(0)
 
 
 @pytest.mark.parametrize("settings, error, message", [

@@ -42,7 +42,7 @@ at its own offset in the period (torchft's: fragment p after the steps ⌊(p + 1
 last where DiLoCo's is), and lets the exchange of a fragment overlap τ inner steps: its
 pseudo-gradient travels in τ pieces (the rows, along the first axis, of its leaves, cut in τ near
 equal blocks), one per step. No step sends more than one piece of one fragment (τ < H // P), 1/(P·τ)
-of DiLoCo's sync, and over a period the same bytes. Its steps, per device, in the order a step runs
+of DiLoCo's sync for fragments of equal size, and over a period the same bytes. Its steps, per device, in the order a step runs
 them (``# Sn:`` below):
 
 S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of the
@@ -365,7 +365,8 @@ def fragment_layout(signature: tree_lib.TreeSignature, fragments: int) -> tuple:
   fragment of the next such leaf after it — in Flax's alphabetical order, the kernel of its own
   layer — or of the last one. (Striding every leaf alike would put all biases into one fragment and
   all kernels into another for P = 2.) Without leaves of two dimensions every leaf is strided. A
-  pytree with fewer such leaves than P leaves some fragments empty.
+  pytree with fewer such leaves than P leaves some fragments empty, and a fragment is never smaller
+  than its largest leaf (the peak step sends a piece of the largest fragment).
   """
   reduced = signature.reduced
   units = [i for i in reduced if len(signature.shapes[i]) >= 2] or list(reduced)
@@ -453,6 +454,16 @@ class StreamingDiLoCoState(NamedTuple):
   def layout(self) -> tuple:
     """The leaf indices of each fragment (``fragment_layout``)."""
     return fragment_layout(self.signature, self.config.fragments)
+
+  def syncs_after(self, step):
+    """Whether every device holds the same parameters after step ``step``: with ``mix=1``, after the
+    outer step of the one fragment that holds leaves (fragments land at different steps, so with
+    two or more the devices never agree on all of them at once); always without reduced leaves.
+    ``config.syncs_after`` answers the same without knowing the pytree (one fragment)."""
+    held = [p for p, fragment in enumerate(self.layout) if fragment]
+    if not held:
+      return True
+    return self.config.applies_after(held[0], step) & (len(held) == 1 and self.config.mix == 1)
 
 
 def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fragments: int,
