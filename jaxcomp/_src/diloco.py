@@ -41,9 +41,9 @@ P fragments (``fragment_layout``: whole leaves, strided across depth), runs the 
 at its own offset in the period (torchft's: fragment p after the steps ⌊(p + 1)·H/P⌋ − 1 + kH, the
 last where DiLoCo's is), and lets the exchange of a fragment overlap τ inner steps: its
 pseudo-gradient travels in τ pieces (the rows, along the first axis, of its leaves, cut in τ near
-equal blocks), one per step. No step sends more than one piece of one fragment (τ < H // P), 1/(P·τ)
-of DiLoCo's sync for fragments of equal size, and over a period the same bytes. Its steps, per device, in the order a step runs
-them (``# Sn:`` below):
+equal blocks), one per step. No step sends more than one piece of one fragment (τ < H // P): for
+fragments of equal size 1/(P·τ) of DiLoCo's sync, and over a period the same bytes. Its steps, per
+device, in the order a step runs them (``# Sn:`` below):
 
 S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of the
     pseudo-gradient kept at its beginning (S5) is averaged over the devices (step 4, through
