@@ -32,7 +32,11 @@ from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
 from jaxcomp._src.diloco import DiLoCoConfig
 from jaxcomp._src.diloco import DiLoCoState
+from jaxcomp._src.diloco import StreamingDiLoCoConfig
+from jaxcomp._src.diloco import StreamingDiLoCoState
 from jaxcomp._src.diloco import diloco
+from jaxcomp._src.diloco import fragment_layout
+from jaxcomp._src.diloco import streaming_diloco
 from jaxcomp._src.distributed import ReplicaMismatchError
 from jaxcomp._src.distributed import all_have_data
 from jaxcomp._src.distributed import broadcast_replicated
@@ -102,6 +106,8 @@ __all__ = (
     "SignConfig",
     "SignState",
     "SkipIfNonfiniteState",
+    "StreamingDiLoCoConfig",
+    "StreamingDiLoCoState",
     "TopKExchange",
     "TreeSignature",
     "UnboundAxisError",
@@ -123,6 +129,7 @@ __all__ = (
     "diloco",
     "fp16_compress",
     "fp16_compress_wrapper",
+    "fragment_layout",
     "hooks",
     "local_sgd",
     "onebit_adam",
@@ -135,5 +142,6 @@ __all__ = (
     "skip_if_nonfinite",
     "sparseloco",
     "state_partition_specs",
+    "streaming_diloco",
     "sync_buffers",
 )
