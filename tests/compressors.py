@@ -34,6 +34,10 @@ SMALL = {
     "diloco_h20": {"sync_every": 4},
     "diloco_h20_fp16": {"sync_every": 4},
     "diloco_h20_powersgd_r2": {"sync_every": 4},
+    "chunked_topk": {"k": 4, "chunk": 64},
+    "sparseloco_h30": {"sync_every": 4, "k": 4, "chunk": 64},
+    "streaming_diloco_h20_p2": {"sync_every": 6, "fragments": 2, "delay": 1, "mix": 1.0},
+    "streaming_diloco_h100_p4_int8": {"sync_every": 6, "fragments": 2, "delay": 1, "mix": 1.0},
 }
 
 # The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient compressor.
@@ -57,7 +61,23 @@ COMPRESSORS.update({name: functools.partial(optimizer, name, optax.sgd(INNER_LEA
 def synced(name, state, step) -> bool:
   """Whether every device holds the same parameters (a wrapper) or output (a compressor) after the
   update of step ``step`` (0-based) that started from ``state``."""
-  return name not in WRAPPERS or bool(state.config.syncs_after(step))
+  return name not in WRAPPERS or bool(getattr(state, "syncs_after", state.config.syncs_after)(step))
+
+
+def synced_leaves(name, state, step) -> list:
+  """Per parameter leaf, whether every device holds the same value after step ``step``: Streaming
+  DiLoCo's fragments land at different steps, each identical everywhere right after its own landing
+  (with ``mix=1``); everything else is ``synced`` as a whole."""
+  layout = getattr(state, "layout", None)
+  if name not in WRAPPERS or layout is None:
+    return [synced(name, state, step)] * len(state.signature.shapes)
+  landed = [bool(state.config.applies_after(p, step)) and state.config.mix == 1
+            for p in range(len(layout))]
+  flags = [False] * len(state.signature.shapes)
+  for p, leaves in enumerate(layout):
+    for i in leaves:
+      flags[i] = landed[p]
+  return flags
 
 
 # The dtype each compressor puts on the wire for float32 gradients (None: the gradient's own).

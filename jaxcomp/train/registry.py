@@ -254,6 +254,9 @@ _ENTRIES = (
                "error feedback", jaxcomp.quantized, {"bits": "fp8"}, wire_dtype="float8_e4m3fn"),
     Compressor("sign", "EF-SignSGD: sign bits 8 per byte and a scale per leaf, all-gathered",
                jaxcomp.sign_compress, wire_dtype="uint8", momentum_free=True),
+    Compressor("chunked_topk", "top 64 of every 4,096 of the error feedback in 2 bits, Elias-Fano "
+               "positions, one u8 all-gather", jaxcomp.chunked_topk, {"k": 64, "chunk": 4096},
+               wire_dtype="uint8"),
     Compressor("onebit_adam", "1-bit Adam (an optimizer, lr 1e-3): dense Adam for 20% of the steps, "
                "then sign bits of the momentum", jaxcomp.onebit_adam,
                {"learning_rate": 1e-3, "freeze_steps": 0}, _freeze, wire_dtype="uint8",
@@ -262,13 +265,14 @@ _ENTRIES = (
 
 
 
-def _diloco(compressor=None, **compressor_settings) -> Callable[..., optax.GradientTransformation]:
-  """A factory for ``diloco(inner, ...)`` whose pseudo-gradient goes through ``compressor`` on the
-  same axis."""
+def _diloco(compressor=None, wrapper=jaxcomp.diloco,
+            **compressor_settings) -> Callable[..., optax.GradientTransformation]:
+  """A factory for ``wrapper(inner, ...)`` (``diloco`` or ``streaming_diloco``) whose
+  pseudo-gradient goes through ``compressor`` on the same axis."""
 
   def factory(inner, axis_name, **settings):
     on_axis = None if compressor is None else compressor(axis_name=axis_name, **compressor_settings)
-    return jaxcomp.diloco(inner, compressor=on_axis, axis_name=axis_name, **settings)
+    return wrapper(inner, compressor=on_axis, axis_name=axis_name, **settings)
 
   return factory
 
@@ -286,6 +290,19 @@ _ENTRIES += (
     Compressor("diloco_h20_powersgd_r2", "DiLoCo, H=20, pseudo-gradient through PowerSGD rank 2",
                _diloco(jaxcomp.powersgd, rank=2, start_iter=0, error_feedback=False),
                {"sync_every": 20}, wraps_optimizer=True),
+    Compressor("streaming_diloco_h20_p2",
+               "Streaming DiLoCo: 2 strided fragments at staggered offsets, H=20, each exchange "
+               "overlapping 1 step, mixed half, f32",
+               _diloco(wrapper=jaxcomp.streaming_diloco),
+               {"sync_every": 20, "fragments": 2, "delay": 1}, wraps_optimizer=True),
+    Compressor("streaming_diloco_h100_p4_int8",
+               "Streaming DiLoCo: 4 fragments, H=100, each sent in 2 pieces over 2 steps as int8 "
+               "codes", _diloco(jaxcomp.quantized, wrapper=jaxcomp.streaming_diloco, bits=8,
+                                error_feedback=False),
+               {"sync_every": 100, "fragments": 4, "delay": 2}, wraps_optimizer=True),
+    Compressor("sparseloco_h30", "SparseLoCo: 30 local steps, top 64 of every 4,096 of the decayed "
+               "error feedback in 2 bits", jaxcomp.sparseloco, {"sync_every": 30},
+               wraps_optimizer=True),
 )
 
 REGISTRY = {entry.name: entry for entry in _ENTRIES}
