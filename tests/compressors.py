@@ -64,13 +64,13 @@ def synced(name, state, step) -> bool:
   return name not in WRAPPERS or bool(getattr(state, "syncs_after", state.config.syncs_after)(step))
 
 
-def synced_leaves(name, state, step) -> list:
-  """Per parameter leaf, whether every device holds the same value after step ``step``: Streaming
-  DiLoCo's fragments land at different steps, each identical everywhere right after its own landing
-  (with ``mix=1``); everything else is ``synced`` as a whole."""
+def synced_leaves(name, state, step, num_leaves) -> list:
+  """For each of the ``num_leaves`` parameter leaves, whether every device holds the same value after
+  step ``step``: Streaming DiLoCo's fragments land at different steps, each identical everywhere
+  right after its own landing (with ``mix=1``); everything else is ``synced`` as a whole."""
   layout = getattr(state, "layout", None)
   if name not in WRAPPERS or layout is None:
-    return [synced(name, state, step)] * len(state.signature.shapes)
+    return [synced(name, state, step)] * num_leaves
   landed = [bool(state.config.applies_after(p, step)) and state.config.mix == 1
             for p in range(len(layout))]
   flags = [False] * len(state.signature.shapes)

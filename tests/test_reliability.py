@@ -45,7 +45,7 @@ def test_2000_steps_with_random_faults_never_drift_or_poison_the_state(name):
     losses += chunk_losses
     # Local SGD and DiLoCo synchronize after step 99 of every hundred, Streaming DiLoCo one of its
     # fragments (tests/compressors.py): those leaves must be identical on every device.
-    which = synced_leaves(name, opt_state, 100 * (chunk + 1) - 1)
+    which = synced_leaves(name, opt_state, 100 * (chunk + 1) - 1, len(jax.tree.leaves(params)))
     assert any(which) and max_drift(params, which) == 0.0, (
         f"replicas drifted by step {100 * (chunk + 1)}")
     assert all_finite(params) and all_finite(opt_state), f"poisoned by step {100 * (chunk + 1)}"
