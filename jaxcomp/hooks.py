@@ -15,8 +15,8 @@ summed as int32, which cannot overflow; sending them as int8 would need an all-g
     tx = optax.chain(jaxcomp.comm_hook(int8_hook), optax.sgd(0.1))
 
 The stateful hooks (``powersgd_hook``, ``batched_powersgd_hook``, ``dgc_hook``, ``quantized_hook``,
-``sign_hook``, ``onebit_adam_hook``) take their per-bucket state from the ``*_state`` function beside
-them, and run the same code as the transformations.
+``sign_hook``, ``onebit_adam_hook``, ``chunked_topk_hook``) take their per-bucket state from the
+``*_state`` function beside them, and run the same code as the transformations.
 
 References:
   PyTorch, ``torch/distributed/algorithms/ddp_comm_hooks/``.
@@ -27,6 +27,8 @@ from jaxcomp._src.hooks import batched_powersgd_hook
 from jaxcomp._src.hooks import batched_powersgd_state
 from jaxcomp._src.hooks import bf16_compress_hook
 from jaxcomp._src.hooks import bf16_compress_wrapper
+from jaxcomp._src.hooks import chunked_topk_hook
+from jaxcomp._src.hooks import chunked_topk_state
 from jaxcomp._src.hooks import dgc_hook
 from jaxcomp._src.hooks import dgc_state
 from jaxcomp._src.hooks import fp16_compress_hook
@@ -47,6 +49,8 @@ __all__ = (
     "batched_powersgd_state",
     "bf16_compress_hook",
     "bf16_compress_wrapper",
+    "chunked_topk_hook",
+    "chunked_topk_state",
     "dgc_hook",
     "dgc_state",
     "fp16_compress_hook",

@@ -290,8 +290,8 @@ def step(config: ChunkedTopKConfig, state: ChunkedTopKState, leaves: list, axis_
   return means, state._replace(error=state.signature.place(errors))
 
 
-ALGORITHM = compressor.Algorithm("chunked_topk", ChunkedTopKState, ChunkedTopKConfig, init, step,
-                                 traceable=("error_decay",))
+CHUNKED_TOPK = compressor.Algorithm("chunked_topk", ChunkedTopKState, ChunkedTopKConfig, init,
+                                    step, traceable=("error_decay",))
 
 
 def chunked_topk(k: int = 64, *, chunk: int = 4096, bits: int = 2, error_decay: Any = 1.0,
@@ -329,5 +329,5 @@ def chunked_topk(k: int = 64, *, chunk: int = 4096, bits: int = 2, error_decay: 
     Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo", 2025.
     Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
   """
-  return compressor.transformation(ALGORITHM, axis_name, bucket_cap_mb, k=k, chunk=chunk,
+  return compressor.transformation(CHUNKED_TOPK, axis_name, bucket_cap_mb, k=k, chunk=chunk,
                                    bits=bits, error_decay=error_decay)

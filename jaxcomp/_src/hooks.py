@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomp._src import axis, compressor, dgc, onebit_adam, powersgd, quantized, sign
+from jaxcomp._src import axis, chunked_topk, compressor, dgc, onebit_adam, powersgd, quantized
+from jaxcomp._src import sign
 from jaxcomp._src import tree as tree_lib
 from jaxcomp._src.buckets import GradBucket, Hook
 
@@ -190,3 +191,22 @@ def onebit_adam_state(**settings):
     A function ``bucket -> jaxcomp.OneBitAdamState``.
   """
   return compressor.hook_state(onebit_adam.SCALE_BY_ONEBIT_ADAM, settings)
+
+
+# ------------------------------------------------------------------------------------ chunked top-k
+
+chunked_topk_hook = compressor.hook(chunked_topk.CHUNKED_TOPK, name="chunked_topk")
+"""SparseLoCo's exchange on one bucket (``jaxcomp.chunked_topk``'s step); state from
+``chunked_topk_state``."""
+
+
+def chunked_topk_state(k: int = 64, **settings):
+  """The per-bucket state of ``chunked_topk_hook``: pass it as ``comm_hook``'s ``state``.
+
+  Args:
+    k, **settings: as ``jaxcomp.chunked_topk`` (without ``axis_name`` and ``bucket_cap_mb``).
+
+  Returns:
+    A function ``bucket -> jaxcomp.ChunkedTopKState``.
+  """
+  return compressor.hook_state(chunked_topk.CHUNKED_TOPK, dict(k=k, **settings))
