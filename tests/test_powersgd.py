@@ -199,8 +199,8 @@ def test_bad_types_are_named():
     jaxcomp.batched_powersgd(axis_name=3)
   with pytest.raises(ValueError, match="rank must be a positive int"):
     jaxcomp.hooks.powersgd_state(rank=-1)
-  with pytest.raises(TypeError, match="batched_powersgd takes no epsilon, matrix_view: they are "
-                     "layer-wise PowerSGD's settings"):
+  with pytest.raises(ValueError, match=r"batched PowerSGD takes no epsilon, matrix_view \(got "
+                     r"epsilon=1e-08, matrix_view='torch'\): they are layer-wise PowerSGD's"):
     jaxcomp.hooks.batched_powersgd_state(epsilon=1e-8, matrix_view="torch")
   with pytest.raises(TypeError, match=r"powersgd_hook needs the per-bucket state made by "
                      r"jaxcomp.hooks.powersgd_state"):
@@ -577,7 +577,8 @@ def powersgd_ratio(state):
 
 def test_alternating_sends_one_all_reduce_per_step():
   """comm_report: besides the 4-byte flag, one all-reduce per step: the uncompressed leaves with the
-  Qs (phase "even") or with the Ps ("odd"); the steady state averages the two."""
+  Qs (phase "even" of the compressed steps) or with the Ps ("odd"); the steady state averages the
+  two."""
   params = {"conv": np.zeros((3, 3, 4, 16), np.float32), "dense": np.zeros((64, 32), np.float32),
             "bias": np.zeros(32, np.float32)}
   rank, n_dev = 2, 8
@@ -586,8 +587,10 @@ def test_alternating_sends_one_all_reduce_per_step():
   report = jaxcomp.comm_report(pmapped(tx, n_dev), grads, replicate(tx.init(params), n_dev))
   dense, qs, ps = 4 * 32, 4 * rank * (16 + 32), 4 * rank * (36 + 64)
   assert all(c.op == "all-reduce" for c in report.collectives)
-  assert report.phase_names == ("powersgd.even", "powersgd.odd")
-  assert [c.payload_bytes for c in report.every_step.collectives] == [4]  # the flag
+  assert report.phase_names == ("powersgd.compressed", "powersgd.compressed/powersgd.even",
+                                "powersgd.compressed/powersgd.odd")
+  # The 4-byte flag, on every compressed step.
+  assert [c.payload_bytes for c in report.collectives if c.phase == "powersgd.compressed"] == [4]
   even, odd = report.phase("powersgd.even"), report.phase("powersgd.odd")
   assert sorted(c.payload_bytes for c in even.collectives) == [4, dense + qs]
   assert sorted(c.payload_bytes for c in odd.collectives) == [4, dense + ps]
@@ -603,7 +606,7 @@ def test_alternating_sends_one_all_reduce_per_step():
 def test_alternating_needs_warm_start_and_layerwise():
   with pytest.raises(ValueError, match="alternating=True needs warm_start=True"):
     jaxcomp.powersgd(alternating=True, warm_start=False)
-  with pytest.raises(ValueError, match="alternating=True is layer-wise"):
+  with pytest.raises(ValueError, match="batched PowerSGD takes no alternating"):
     jaxcomp.PowerSGDConfig(batched=True, alternating=True)
 
 

@@ -7,24 +7,20 @@ per device, W devices ("torch n": ``powerSGD_hook``'s docstring; "Alg. n": the p
 1. Phase "warmup", the first ``start_iter`` steps: the plain mean, ÷W then one all-reduce SUM.
    Phase "compressed" from then on:
 2. ``M ← g + e``: add this device's error feedback (Alg. 2 line 7).
-3. The blocks as matrices (torch 1–1.2): layer-wise, each leaf viewed as (n, m), compressed iff
-   ``compress(path, leaf)`` and ``(n + m)·r·min_compression_rate < n·m``, ``r = min(n, m, rank)``;
-   batched, each dtype's leaves raveled and zero-padded into one square, compressed.
+3. Blocks as matrices (torch 1–1.2): layer-wise, a leaf as (n, m), compressed iff ``compress(path,
+   leaf)`` and ``(n + m)·r·min_compression_rate < n·m``, ``r = min(n, m, rank)``; batched, each
+   dtype's leaves raveled and zero-padded into one square.
 4. Uncompressed blocks: summed in the all-reduce of step 5, then ÷W (torch 2.1, 2.2).
-5. ``P = M·orth(Q)`` locally; all Ps in one all-reduce SUM, not divided; ``P̂ = orth(P)``
-   (torch 3.1–3.4; Alg. 1 lines 3–5).
-6. ``Q = Mᵀ·P̂`` locally; all Qs in one all-reduce SUM, then ÷W (torch 3.5, 3.6; Alg. 1 l. 6–7).
+5. ``P = M·orth(Q)`` locally; one all-reduce SUM, not ÷W; ``P̂ = orth(P)`` (torch 3.1–3.4; Alg. 1).
+6. ``Q = Mᵀ·P̂`` locally; one all-reduce SUM, then ÷W (torch 3.5, 3.6; Alg. 1 lines 6–7).
 7. Output ``P̂·Qᵀ``, cut back to the leaves (torch 3.7; Alg. 1 line 11).
 8. ``e ← M − P̂·Qᵀ``; "local minus mean" for the uncompressed blocks (Alg. 2 line 9).
-9. The next Q: with warm start this Q (an all-zero column keeps its old value, or the power
-   iteration would stall), else a fresh draw.
+9. The next Q: this one with warm start (an all-zero column keeps its old value), else a fresh draw.
 
-Alternating (epfml's ``BasicPowerSGD``), phases "even" and "odd" in place of 5–9: even steps send
-``Q = Mᵀ·orth(P)``, odd ones ``P = M·orth(Q)``, in one all-reduce with the uncompressed blocks, ÷W;
-the output uses the mean factor, which is kept, the error this device's own (epfml's local error).
-
-Random factors come from ``seed``, the step and the block's name (a leaf's path, a square's dtype),
-so a leaf gets the same Q whole, in a bucket and in ``powersgd_hook``.
+Alternating (epfml's ``BasicPowerSGD``), in place of 5–6, phases "even" and "odd" within
+"compressed": even steps send ``Q = Mᵀ·orth(P)``, odd ones ``P = M·orth(Q)``, in one all-reduce with
+the uncompressed blocks, ÷W; the output uses the mean factor, which is kept, the error this device's
+own (epfml's local error).
 
 References:
   Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
@@ -35,6 +31,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from typing import Any, Callable, NamedTuple, Optional
@@ -48,8 +45,10 @@ from jaxcomp._src import axis, compressor, kernels, phases, validate
 from jaxcomp._src import tree as tree_lib
 
 WARMUP, COMPRESSED = phases.Phase("warmup", 0.0), phases.Phase("compressed", 1.0)
-EVEN, ODD = phases.Phase("even", 0.5), phases.Phase("odd", 0.5)  # alternating: send Qs, Ps
+# alternating: the halves inside "compressed" (labelled by the step, so named in full)
+EVEN, ODD = phases.Phase("powersgd.even", 0.5), phases.Phase("powersgd.odd", 0.5)
 _Q, _P = 0, 1  # the factor a random draw is for
+_LAYERWISE_ONLY = ("epsilon", "min_compression_rate", "matrix_view", "alternating", "compress")
 
 
 @jax.tree_util.register_static
@@ -77,16 +76,18 @@ class PowerSGDConfig:
         warm_start=validate.boolean(self.warm_start, "warm_start"),
         seed=validate.integer(self.seed, "seed", 0, static="seeds the factors drawn at init"),
         epsilon=validate.traceable(self.epsilon, lambda v: validate.number(v, "epsilon", 0)),
-        min_compression_rate=validate.number(self.min_compression_rate, "min_compression_rate", 0,
-                                             static="decides which leaves are compressed"),
+        min_compression_rate=validate.number(self.min_compression_rate, "min_compression_rate", 0),
         matrix_view=validate.choice(self.matrix_view, "matrix_view", ("torch", "flax")),
         batched=validate.boolean(self.batched, "batched"),
         alternating=validate.boolean(self.alternating, "alternating"),
         compress=None if self.compress is None else validate.function(
             self.compress, "compress", "compress(path, leaf) -> bool"))
-    if checked["alternating"] and checked["batched"]:
-      raise ValueError("alternating=True is layer-wise PowerSGD's option; batched PowerSGD has one "
-                       "square matrix and no alternating variant")
+    layerwise = [f.name for f in dataclasses.fields(self) if f.name in _LAYERWISE_ONLY
+                 and (validate.is_array(checked[f.name]) or checked[f.name] != f.default)]
+    if checked["batched"] and layerwise:
+      got = ", ".join(f"{name}={checked[name]!r}" for name in layerwise)
+      raise ValueError(f"batched PowerSGD takes no {', '.join(layerwise)} (got {got}): they are "
+                       "layer-wise PowerSGD's settings; leave them out, or use jaxcomp.powersgd")
     if checked["alternating"] and not checked["warm_start"]:
       raise ValueError("alternating=True needs warm_start=True: each step starts from the factor "
                        "the last step sent; got warm_start=False")
@@ -99,12 +100,12 @@ class PowerSGDState(NamedTuple):
 
   Attributes:
     count: steps taken (int32); steps with a non-finite gradient are not counted.
-    error: the error feedback, per device: the params' structure (``optax.MaskedNode()`` where a
-      leaf is not reduced, and throughout without error feedback); batched, each square raveled.
-    q: the Q the next compressed step starts from, identical on every device: ``(m, r)`` at
-      compressed leaves, ``optax.MaskedNode()`` elsewhere; batched, each square's ``(side, r)``.
-    p: alternating, the P an odd step starts from (``(n, r)``); else ``MaskedNode``\\ s.
-    config: the settings. signature: the gradient's structure, shapes, dtypes and paths.
+    error: the error feedback, per device, in the params' structure (``optax.MaskedNode()`` where
+      not reduced, or without error feedback); batched, each square raveled.
+    q: the Q the next compressed step starts from, the same on every device: ``(m, r)`` at
+      compressed leaves, else ``optax.MaskedNode()``; batched, each square's ``(side, r)``.
+    p: alternating: the P an odd step starts from, as ``q`` (``(n, r)``).
+    config, signature: the settings; the gradient's structure, shapes, dtypes and paths.
   """
   count: jax.Array
   error: Any
@@ -134,37 +135,26 @@ class _Block(NamedTuple):
 
 def _blocks(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> list:
   """3: the blocks of the reduced leaves: one per leaf, or one square per dtype (batched)."""
-  leaves = signature.reduced_structs()
-  if config.batched:
-    groups: dict = {}
-    for k, leaf in enumerate(leaves):
-      groups.setdefault(leaf.dtype.name, []).append(k)
-    blocks = []
-    for dtype, ks in groups.items():
-      length = sum(math.prod(leaves[k].shape) for k in ks)
-      side = math.ceil(math.sqrt(length))
-      blocks.append(_Block(tuple(ks), tuple(leaves[k].shape for k in ks), length, side, side,
-                           min(side, config.rank), True, dtype))
-    return blocks
+  leaves, groups = signature.reduced_structs(), {}
+  for k, (leaf, i) in enumerate(zip(leaves, signature.reduced)):
+    groups.setdefault(leaf.dtype.name if config.batched else signature.paths[i], []).append(k)
   blocks = []
-  for k, (leaf, path) in enumerate(zip(leaves, [signature.paths[i] for i in signature.reduced])):
-    shape = leaf.shape or (1,)  # a 0-d leaf is (1, 1)
-    n, m = ((shape[0], math.prod(shape[1:])) if config.matrix_view == "torch"
-            else (math.prod(shape[:-1]), shape[-1]))
+  for name, ks in groups.items():
+    shapes = tuple(leaves[k].shape for k in ks)
+    length = sum(map(math.prod, shapes))
+    shape = shapes[0] or (1,)  # a 0-d leaf is (1, 1)
+    n, m = ((math.ceil(math.sqrt(length)),) * 2 if config.batched
+            else (shape[0], length // shape[0]) if config.matrix_view == "torch"
+            else (length // shape[-1], shape[-1]))
     r = min(n, m, config.rank)
-    allowed = config.compress is None or bool(config.compress(path, leaf))
-    blocks.append(_Block((k,), (leaf.shape,), n * m, n, m, r,
-                         allowed and (n + m) * r * config.min_compression_rate < n * m, path))
+    compress = config.batched or ((config.compress is None or bool(config.compress(
+        name, leaves[ks[0]]))) and (n + m) * r * config.min_compression_rate < n * m)
+    blocks.append(_Block(tuple(ks), shapes, length, n, m, r, compress, name))
   return blocks
 
 
-def _per_block(config: PowerSGDConfig, signature, field) -> list:
-  """A state field's entry for each block."""
-  return list(field) if config.batched else signature.pick(field)
-
-
 def _field(config: PowerSGDConfig, signature, values: list):
-  """The state field holding ``values``, one per block (the inverse of ``_per_block``)."""
+  """The state field holding ``values``, one per block (a tuple when batched)."""
   return tuple(values) if config.batched else signature.place(values)
 
 
@@ -179,7 +169,7 @@ def init(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> PowerSGDS
   """Zero error; the factors of the compressed blocks drawn from ``seed``."""
   error, q, p = [], [], []
   for block in _blocks(config, signature):
-    dtype = signature.reduced_structs()[block.members[0]].dtype
+    dtype = signature.dtypes[signature.reduced[block.members[0]]]
     shape = (block.n * block.m,) if config.batched else block.shapes[0]
     error.append(jnp.zeros(shape, dtype) if config.error_feedback else optax.MaskedNode())
     q.append(_draw(config, 0, block, _Q, dtype) if block.compress else optax.MaskedNode())
@@ -190,26 +180,21 @@ def init(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> PowerSGDS
 
 
 def step_phases(config: PowerSGDConfig) -> tuple:
-  """The warm-up (if ``start_iter``), then "compressed", or "even" and "odd" when alternating."""
-  steady = (EVEN, ODD) if config.alternating else (COMPRESSED,)
-  return (WARMUP,) * (config.start_iter > 0) + steady
+  """The warm-up (if ``start_iter``), then "compressed"."""
+  return (WARMUP,) * (config.start_iter > 0) + (COMPRESSED,)
 
 
 def phase_of(config: PowerSGDConfig, count) -> jax.Array:
   """The index into ``step_phases(config)`` of the step taken at ``count``."""
-  steady = (count - config.start_iter) % 2 if config.alternating else 0
-  return jnp.where(count < config.start_iter, 0, (config.start_iter > 0) + steady).astype(jnp.int32)
+  return (count >= config.start_iter).astype(jnp.int32) * (config.start_iter > 0)
 
 
 def orthogonalize(x: jax.Array, epsilon=0.0) -> jax.Array:
-  """Orthonormalizes the columns of ``x`` (n, r) as torch does: modified Gram–Schmidt when r ≤ 2
-  or ``x`` is float16 / bfloat16 (``col /= norm(col) + epsilon``), else QR (no ``epsilon``).
-
-  Unlike torch (alike at rounding level for full-rank ``x``): finished columns are removed twice,
-  as torch's single pass leaves rank-deficient ``x`` far from orthogonal (194 of 200 random rank-1
-  float32 (20, 2) matrices in torch 2.13); an all-zero column stays zero with ``epsilon=0`` (torch:
-  NaN); half-precision norms are taken in float32.
-  """
+  """The columns of ``x`` (n, r) orthonormalized as torch does: modified Gram–Schmidt when r ≤ 2 or
+  ``x`` is float16 / bfloat16 (``col /= norm(col) + epsilon``), else QR (no ``epsilon``). Unlike
+  torch (alike at rounding level for full-rank ``x``): finished columns are removed twice, as one
+  pass left 194 of 200 random rank-1 float32 (20, 2) matrices far from orthogonal in torch 2.13;
+  an all-zero column stays zero with ``epsilon=0`` (torch: NaN); half-precision norms in float32."""
   if x.shape[1] > 2 and x.dtype not in (jnp.float16, jnp.bfloat16):
     return jnp.linalg.qr(x)[0]
   cols = []
@@ -224,13 +209,15 @@ def orthogonalize(x: jax.Array, epsilon=0.0) -> jax.Array:
   return jnp.stack(cols, axis=1)
 
 
-def _matrix(block: _Block, leaves: list, error) -> jax.Array:
-  """2, 3: ``M = g + e`` as the block's (n, m) matrix."""
-  g = tree_lib.flatten([leaves[k] for k in block.members])
-  g = jnp.pad(g, (0, block.n * block.m - block.length))
-  if error is not None:
-    g = kernels.computed_once(g + error.reshape(-1).astype(g.dtype))
-  return g.reshape(block.n, block.m)
+def _matrix(block: _Block, leaves: list, error) -> tuple:
+  """2, 3: ``M = g + e`` as the block's (n, m) matrix, kept as the terms that sum to it: a leaf's
+  g and e (``kernels.product``), or a batched square, summed into its new buffer."""
+  if len(block.members) == 1 and block.n * block.m == block.length:
+    g = leaves[block.members[0]].reshape(block.n, block.m)
+    return (g,) if error is None else (g, error.reshape(g.shape).astype(g.dtype))
+  g = jnp.pad(tree_lib.flatten([leaves[k] for k in block.members]),
+              (0, block.n * block.m - block.length))
+  return ((g if error is None else g + error.astype(g.dtype)).reshape(block.n, block.m),)
 
 
 def _leaves(blocks: list, values: list, count: int) -> list:
@@ -248,26 +235,41 @@ def _mean_of_sums(arrays: list, axis_name) -> list:
   return [axis.divide_by_world(s, axis_name) for s in axis.psum_many(arrays, axis_name)]
 
 
-def _exchange(config, phase, mats: list, factors: list, dense: list, axis_name) -> tuple:
-  """Steps 4–6 (alternating: half of 5–6) on the compressed ``mats`` and the ``dense`` blocks:
-  ``(the dense means, (P, Q) of each output, (P, Q) of each error, the factors sent)``."""
-  if phase == COMPRESSED:
-    # 5: P = M·orth(Q) locally. 4, 5: one all-reduce SUM of the dense blocks and every P.
-    ps = [m @ orthogonalize(q.astype(m.dtype), config.epsilon) for m, q in zip(mats, factors)]
-    sums = axis.psum_many(dense + ps, axis_name)
-    means = [axis.divide_by_world(s, axis_name) for s in sums[:len(dense)]]  # 4: then ÷W
-    fixed = [orthogonalize(p, config.epsilon) for p in sums[len(dense):]]  # 5: P̂ = orth(P)
-    # 6: Q = Mᵀ·P̂ locally; all Qs in one all-reduce SUM, then ÷W.
-    sent = local = _mean_of_sums([kernels.transposed_product(m, p) for m, p in zip(mats, fixed)],
-                                 axis_name)
-  else:  # even: Q = Mᵀ·orth(P); odd: P = M·orth(Q); one all-reduce SUM with 4, then ÷W
-    fixed = [orthogonalize(f.astype(m.dtype), config.epsilon) for m, f in zip(mats, factors)]
-    local = [kernels.transposed_product(m, f) if phase == EVEN else m @ f
-             for m, f in zip(mats, fixed)]
-    means = _mean_of_sums(dense + local, axis_name)
-    means, sent = means[:len(dense)], means[len(dense):]
-  as_pq = (lambda f, x: (x, f)) if phase == ODD else (lambda f, x: (f, x))
-  return means, list(map(as_pq, fixed, sent)), list(map(as_pq, fixed, local)), sent
+def _kept(new: jax.Array, old: jax.Array) -> jax.Array:
+  """9: ``new`` in ``old``'s dtype, but an all-zero column keeps its old value (it would stall)."""
+  return jnp.where(jnp.all(new == 0, axis=0), old, new.astype(old.dtype))
+
+
+def _power_iteration(config, mats: list, qs: list, dense: list, axis_name) -> tuple:
+  """Steps 4–6: ``(the dense means, (P̂, Q) of each output, the same for the error, Qs)``."""
+  # 5: P = M·orth(Q) locally. 4, 5: one all-reduce SUM of the dense blocks and every P.
+  ps = [kernels.product(m, orthogonalize(q.astype(m[0].dtype), config.epsilon))
+        for m, q in zip(mats, qs)]
+  sums = axis.psum_many([sum(m) for m in dense] + ps, axis_name)
+  means = [axis.divide_by_world(s, axis_name) for s in sums[:len(dense)]]  # 4: then ÷W
+  p_hats = [orthogonalize(p, config.epsilon) for p in sums[len(dense):]]  # 5: P̂ = orth(P)
+  # 6: Q = Mᵀ·P̂ locally; all Qs in one all-reduce SUM, then ÷W.
+  new_qs = _mean_of_sums([kernels.transposed_product(m, p) for m, p in zip(mats, p_hats)],
+                         axis_name)
+  return means, list(zip(p_hats, new_qs)), list(zip(p_hats, new_qs)), new_qs
+
+
+def _half_iteration(config, sends_q: bool, operands: tuple, axis_name) -> tuple:
+  """Alternating 4–6: from the Ps, send ``Q = Mᵀ·orth(P)`` (``sends_q``), or from the Qs, ``P =
+  M·orth(Q)``: ``(the dense means, (P, Q) of each output, (P, Q) of each error — this device's own
+  factor —, the Qs and Ps the next step starts from)``."""
+  mats, qs, ps, dense = operands
+  fixed = [orthogonalize(f.astype(m[0].dtype), config.epsilon)
+           for m, f in zip(mats, ps if sends_q else qs)]
+  local = [kernels.transposed_product(m, f) if sends_q else kernels.product(m, f)
+           for m, f in zip(mats, fixed)]
+  means = _mean_of_sums([sum(m) for m in dense] + local, axis_name)
+  sent = means[len(dense):]
+  as_pq = (lambda f, x: (f, x)) if sends_q else (lambda f, x: (x, f))
+  qs, ps = ([_kept(x, q) for x, q in zip(sent, qs)], ps) if sends_q else (
+      qs, [_kept(x, p) for x, p in zip(sent, ps)])
+  return (means[:len(dense)], list(map(as_pq, fixed, sent)), list(map(as_pq, fixed, local)), qs,
+          ps)
 
 
 def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
@@ -276,18 +278,25 @@ def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
   if phase == WARMUP:  # 1: ÷W, then one all-reduce SUM
     return axis.mean_many(leaves, axis_name), state
   blocks = _blocks(config, state.signature)
-  errors, qs, ps = (_per_block(config, state.signature, f) for f in state[1:4])
+  errors, qs, ps = (list(f) if config.batched else state.signature.pick(f) for f in state[1:4])
   ms = [_matrix(b, leaves, e if config.error_feedback else None) for b, e in zip(blocks, errors)]
   dense = [k for k, b in enumerate(blocks) if not b.compress]
   packed = [k for k, b in enumerate(blocks) if b.compress]
-  means, outputs, residuals, sent = _exchange(
-      config, phase, [ms[k] for k in packed], [(ps if phase == EVEN else qs)[k] for k in packed],
-      [ms[k] for k in dense], axis_name)
-  kept = ps if phase == ODD else qs  # 9: the factor the next step starts from
-  for k, new in zip(packed, sent):
-    old = kept[k]
-    kept[k] = (jnp.where(jnp.all(new == 0, axis=0), old, new.astype(old.dtype)) if config.warm_start
-               else _draw(config, state.count + 1, blocks[k], _Q, old.dtype))
+  mats, dense_ms = [ms[k] for k in packed], [ms[k] for k in dense]
+  if config.alternating:  # the halves switch on the factors only; the gradient-sized work follows
+    halves = [functools.partial(_half_iteration, config, sends_q, axis_name=axis_name)
+              for sends_q in (True, False)]
+    means, outputs, residuals, new_qs, new_ps = phases.switch(
+        (state.count - config.start_iter) % 2, (EVEN, ODD), halves,
+        (mats, [qs[k] for k in packed], [ps[k] for k in packed], dense_ms))
+    for k, q, p in zip(packed, new_qs, new_ps):
+      qs[k], ps[k] = q, p
+  else:
+    means, outputs, residuals, new_qs = _power_iteration(config, mats, [qs[k] for k in packed],
+                                                         dense_ms, axis_name)
+    for k, q in zip(packed, new_qs):  # 9
+      qs[k] = (_kept(q, qs[k]) if config.warm_start
+               else _draw(config, state.count + 1, blocks[k], _Q, qs[k].dtype))
 
   def per_block(factors):  # the dense means, and P·Qᵀ of the compressed blocks
     values = {**dict(zip(dense, means)),
@@ -295,8 +304,7 @@ def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
     return [values[k] for k in range(len(blocks))]
 
   if config.error_feedback:  # 8: e ← M − P̂·Qᵀ, M − mean for the dense blocks
-    errors = [(m - r).reshape(e.shape).astype(e.dtype)
-              for m, r, e in zip(ms, per_block(residuals), errors)]
+    errors = [kernels.difference(m, r, e) for m, r, e in zip(ms, per_block(residuals), errors)]
   new_state = {f: _field(config, state.signature, v) for f, v in zip(("error", "q", "p"),
                                                                      (errors, qs, ps))}
   return _leaves(blocks, per_block(outputs), len(leaves)), state._replace(**new_state)
@@ -306,8 +314,7 @@ def powersgd_stats(tree) -> tuple:
   """torch's ``PowerSGDState.compression_stats()``, summed over every PowerSGD state in ``tree``.
 
   Args:
-    tree: a ``PowerSGDState`` or a pytree holding them (a chain's state, a ``comm_hook`` state),
-      possibly stacked over devices.
+    tree: a ``PowerSGDState`` or a pytree of them (a chain's, ``comm_hook``'s), maybe stacked.
 
   Returns:
     ``(numel before / numel after, numel before, numel after)`` over the compressed steps so far
@@ -318,30 +325,17 @@ def powersgd_stats(tree) -> tuple:
     if isinstance(state, PowerSGDState):
       steps = max(int(np.max(np.asarray(state.count))) - state.config.start_iter, 0)
       for b in _blocks(state.config, state.signature):
-        before += steps * b.length
-        if not b.compress:
-          after += steps * b.length
-        elif state.config.alternating:
-          after += ((steps + 1) // 2 * b.m + steps // 2 * b.n) * b.rank
-        else:
-          after += steps * (b.n + b.m) * b.rank
+        factors = ((steps + 1) // 2 * b.m + steps // 2 * b.n if state.config.alternating
+                   else steps * (b.n + b.m))  # alternating: Qs on even steps, Ps on odd ones
+        before, after = before + steps * b.length, after + (
+            factors * b.rank if b.compress else steps * b.length)
   return (before / after if after else 0, before, after)
-
-
-def _batched_config(**settings) -> PowerSGDConfig:
-  """``batched_powersgd``'s configuration; it refuses layer-wise PowerSGD's settings."""
-  extra = [name for name in ("epsilon", "min_compression_rate", "matrix_view", "alternating",
-                             "compress", "batched") if name in settings]
-  if extra:
-    raise TypeError(f"batched_powersgd takes no {', '.join(extra)}: they are layer-wise PowerSGD's "
-                    "settings (jaxcomp.powersgd); batched PowerSGD compresses one square per dtype")
-  return PowerSGDConfig(batched=True, **settings)
 
 
 POWERSGD = compressor.Algorithm("powersgd", PowerSGDState, PowerSGDConfig, init, step,
                                 phases=step_phases, phase_of=phase_of, traceable=("epsilon",))
-BATCHED_POWERSGD = dataclasses.replace(POWERSGD, name="batched_powersgd",
-                                       configure=_batched_config, traceable=())
+BATCHED_POWERSGD = dataclasses.replace(POWERSGD, name="batched_powersgd", traceable=(),
+                                       configure=functools.partial(PowerSGDConfig, batched=True))
 
 
 def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: int = 1000,
@@ -352,11 +346,8 @@ def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: i
              bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
   """Layer-wise PowerSGD: the cross-device mean of a rank-``rank`` approximation of each matrix.
 
-  The plain mean for ``start_iter`` steps; then each leaf plus its error feedback, as a matrix M,
-  is sent as ``P = M·orth(Q)`` (summed, orthogonalized to P̂) and ``Q = Mᵀ·P̂`` (averaged), the
-  output is ``P̂·Qᵀ`` and the error ``M − P̂·Qᵀ`` (the module docstring numbers the steps).
-  ``jaxcomp.comm_report`` gives a compressed step's bytes, ``.phase("powersgd.warmup")`` a
-  warm-up step's.
+  The plain mean for ``start_iter`` steps, then torch's ``powerSGD_hook`` (the module docstring).
+  ``jaxcomp.comm_report`` gives a compressed step's bytes, ``.phase("powersgd.warmup")`` a warm-up's.
 
   Example::
 
@@ -364,8 +355,7 @@ def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: i
     tx = jaxcomp.powersgd(rank=2, compress=lambda path, leaf: "kernel" in path)  # the rest dense
 
   Args:
-    rank: the approximation rank r, clamped to ``min(n, m)`` per leaf (the paper's ResNet-18
-      matches SGD at rank 2; transformers need more).
+    rank: the approximation rank r, clamped to ``min(n, m)`` per leaf (ResNet-18: 2, see the paper).
     axis_name: the mapped axis to average over (see ``jaxcomp.axis``).
     start_iter: steps of plain mean first (torch's ``start_powerSGD_iter``; about 10% of training).
     min_compression_rate: compress a leaf only if it shrinks by more than this factor.
@@ -389,12 +379,12 @@ def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: i
     ``CommHookState`` of one per bucket); its output is identical on every device.
 
   References:
-    Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
-    Optimization", NeurIPS 2019. PyTorch ``powerSGD_hook`` (torch 2.13). epfml/powersgd
-    (``BasicPowerSGD``, ``num_iters_per_step=1``) for ``alternating``.
+    Vogels et al., NeurIPS 2019; torch's ``powerSGD_hook``; epfml/powersgd for ``alternating``.
   """
+  # comm_hook applies the non-finite policy to buckets by selects; without, kernels.py does.
+  algorithm = POWERSGD if bucket_cap_mb is not None else kernels.gated_by_selects(POWERSGD)
   return compressor.transformation(
-      POWERSGD, axis_name, bucket_cap_mb, rank=rank, start_iter=start_iter,
+      algorithm, axis_name, bucket_cap_mb, rank=rank, start_iter=start_iter,
       min_compression_rate=min_compression_rate, error_feedback=error_feedback,
       warm_start=warm_start, epsilon=epsilon, seed=seed, matrix_view=matrix_view,
       alternating=alternating, compress=compress)
@@ -405,10 +395,9 @@ def batched_powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start
                      seed: int = 0) -> optax.GradientTransformation:
   """Batched PowerSGD: each dtype's leaves as one zero-padded square matrix with one P and Q.
 
-  The leaves raveled into one vector of length L, zero-padded to side² (``side = ceil(sqrt(L))``),
-  go through ``powersgd``'s steps without epsilon; the error covers the padding. Cheaper than
-  layer-wise PowerSGD, but the square loses the layers' low-rank structure: torch recommends rank 1,
-  and with error feedback at high compression it can diverge (see the README).
+  The leaves, raveled and zero-padded to side² (``side = ceil(sqrt(L))``), go through ``powersgd``'s
+  steps without epsilon. Cheaper than layer-wise PowerSGD, but the square loses the layers' low-rank
+  structure: torch recommends rank 1, and with error feedback it can diverge (see the README).
 
   Example::
 
