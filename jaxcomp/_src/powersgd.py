@@ -71,7 +71,7 @@ class PowerSGDConfig:
   def __post_init__(self):
     checked = dict(
         rank=validate.integer(self.rank, "rank", 1, static="fixes the shapes of P and Q"),
-        start_iter=validate.integer(self.start_iter, "start_iter", 0, static="counts the stats"),
+        start_iter=validate.integer(self.start_iter, "start_iter", 0, static="starts the stats"),
         error_feedback=validate.boolean(self.error_feedback, "error_feedback"),
         warm_start=validate.boolean(self.warm_start, "warm_start"),
         seed=validate.integer(self.seed, "seed", 0, static="seeds the factors drawn at init"),
@@ -235,29 +235,29 @@ def _mean_of_sums(arrays: list, axis_name) -> list:
   return [axis.divide_by_world(s, axis_name) for s in axis.psum_many(arrays, axis_name)]
 
 
-def _kept(new: jax.Array, old: jax.Array) -> jax.Array:
-  """9: ``new`` in ``old``'s dtype, but an all-zero column keeps its old value (it would stall)."""
-  return jnp.where(jnp.all(new == 0, axis=0), old, new.astype(old.dtype))
+def _kept(new: list, old: list) -> list:
+  """9: ``new`` in ``old``'s dtypes, but an all-zero column keeps its old value (it would stall)."""
+  return [jnp.where(jnp.all(x == 0, axis=0), y, x.astype(y.dtype)) for x, y in zip(new, old)]
 
 
-def _power_iteration(config, mats: list, qs: list, dense: list, axis_name) -> tuple:
-  """Steps 4–6: ``(the dense means, (P̂, Q) of each output, the same for the error, Qs)``."""
+def _power_iteration(config, operands: tuple, axis_name) -> tuple:
+  """Steps 4–6 on ``(M of the compressed blocks, their Qs, their Ps, M of the dense blocks)``:
+  ``(the dense means, (P̂, Q) of each output, the same for the error, Qs, Ps)``."""
+  mats, qs, ps, dense = operands
   # 5: P = M·orth(Q) locally. 4, 5: one all-reduce SUM of the dense blocks and every P.
-  ps = [kernels.product(m, orthogonalize(q.astype(m[0].dtype), config.epsilon))
-        for m, q in zip(mats, qs)]
-  sums = axis.psum_many([sum(m) for m in dense] + ps, axis_name)
+  sums = axis.psum_many([sum(m) for m in dense] + [
+      kernels.product(m, orthogonalize(q.astype(m[0].dtype), config.epsilon))
+      for m, q in zip(mats, qs)], axis_name)
   means = [axis.divide_by_world(s, axis_name) for s in sums[:len(dense)]]  # 4: then ÷W
   p_hats = [orthogonalize(p, config.epsilon) for p in sums[len(dense):]]  # 5: P̂ = orth(P)
   # 6: Q = Mᵀ·P̂ locally; all Qs in one all-reduce SUM, then ÷W.
-  new_qs = _mean_of_sums([kernels.transposed_product(m, p) for m, p in zip(mats, p_hats)],
-                         axis_name)
-  return means, list(zip(p_hats, new_qs)), list(zip(p_hats, new_qs)), new_qs
+  new = _mean_of_sums([kernels.transposed_product(m, p) for m, p in zip(mats, p_hats)], axis_name)
+  return means, list(zip(p_hats, new)), list(zip(p_hats, new)), _kept(new, qs), ps
 
 
 def _half_iteration(config, sends_q: bool, operands: tuple, axis_name) -> tuple:
-  """Alternating 4–6: from the Ps, send ``Q = Mᵀ·orth(P)`` (``sends_q``), or from the Qs, ``P =
-  M·orth(Q)``: ``(the dense means, (P, Q) of each output, (P, Q) of each error — this device's own
-  factor —, the Qs and Ps the next step starts from)``."""
+  """Alternating 4–6, as ``_power_iteration``: from the Ps, send ``Q = Mᵀ·orth(P)`` (``sends_q``),
+  or from the Qs, ``P = M·orth(Q)``; the error's factors are this device's own."""
   mats, qs, ps, dense = operands
   fixed = [orthogonalize(f.astype(m[0].dtype), config.epsilon)
            for m, f in zip(mats, ps if sends_q else qs)]
@@ -266,10 +266,8 @@ def _half_iteration(config, sends_q: bool, operands: tuple, axis_name) -> tuple:
   means = _mean_of_sums([sum(m) for m in dense] + local, axis_name)
   sent = means[len(dense):]
   as_pq = (lambda f, x: (f, x)) if sends_q else (lambda f, x: (x, f))
-  qs, ps = ([_kept(x, q) for x, q in zip(sent, qs)], ps) if sends_q else (
-      qs, [_kept(x, p) for x, p in zip(sent, ps)])
-  return (means[:len(dense)], list(map(as_pq, fixed, sent)), list(map(as_pq, fixed, local)), qs,
-          ps)
+  qs, ps = (_kept(sent, qs), ps) if sends_q else (qs, _kept(sent, ps))
+  return means[:len(dense)], [*map(as_pq, fixed, sent)], [*map(as_pq, fixed, local)], qs, ps
 
 
 def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
@@ -282,21 +280,18 @@ def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
   ms = [_matrix(b, leaves, e if config.error_feedback else None) for b, e in zip(blocks, errors)]
   dense = [k for k, b in enumerate(blocks) if not b.compress]
   packed = [k for k, b in enumerate(blocks) if b.compress]
-  mats, dense_ms = [ms[k] for k in packed], [ms[k] for k in dense]
+  operands = ([ms[k] for k in packed], [qs[k] for k in packed], [ps[k] for k in packed],
+              [ms[k] for k in dense])
   if config.alternating:  # the halves switch on the factors only; the gradient-sized work follows
-    halves = [functools.partial(_half_iteration, config, sends_q, axis_name=axis_name)
-              for sends_q in (True, False)]
     means, outputs, residuals, new_qs, new_ps = phases.switch(
-        (state.count - config.start_iter) % 2, (EVEN, ODD), halves,
-        (mats, [qs[k] for k in packed], [ps[k] for k in packed], dense_ms))
-    for k, q, p in zip(packed, new_qs, new_ps):
-      qs[k], ps[k] = q, p
+        (state.count - config.start_iter) % 2, (EVEN, ODD),
+        [functools.partial(_half_iteration, config, sends_q, axis_name=axis_name)
+         for sends_q in (True, False)], operands)
   else:
-    means, outputs, residuals, new_qs = _power_iteration(config, mats, [qs[k] for k in packed],
-                                                         dense_ms, axis_name)
-    for k, q in zip(packed, new_qs):  # 9
-      qs[k] = (_kept(q, qs[k]) if config.warm_start
-               else _draw(config, state.count + 1, blocks[k], _Q, qs[k].dtype))
+    means, outputs, residuals, new_qs, new_ps = _power_iteration(config, operands, axis_name)
+  for k, q, p in zip(packed, new_qs, new_ps):  # 9
+    qs[k] = q if config.warm_start else _draw(config, state.count + 1, blocks[k], _Q, q.dtype)
+    ps[k] = p
 
   def per_block(factors):  # the dense means, and P·Qᵀ of the compressed blocks
     values = {**dict(zip(dense, means)),
