@@ -65,14 +65,13 @@ def gated_by_selects(algorithm):
   """``algorithm`` (a ``compressor.Algorithm``) with jaxcomp's non-finite policy applied by selects
   after its step, instead of by the adapter's ``lax.cond`` around it.
 
-  XLA:CPU may copy donated state buffers into and out of a conditional that updates them. Under the
-  adapter's cond, layer-wise PowerSGD's error feedback was copied in, rebuilt in a temporary and
-  copied out on ResNet-18: ``benchmarks/memory.py`` (W = 8, gradient and state donated), rank 1,
-  temporaries per gradient 2.92 under the cond and 1.22 with selects; alternating 2.92 and 1.06.
-  (GPT-2 small went the other way, 1.00 under the cond and 1.31 with selects; with selects every
-  model has what it had before the protocol.) The selects keep the state bit for bit and make the
-  outputs NaN, as the cond does, but the step's collectives then run on a non-finite step too (on
-  NaN), and the 4-byte flag sits inside the step's phase.
+  XLA:CPU may copy donated buffers into and out of a conditional that has them among its operands.
+  Under the adapter's cond, layer-wise PowerSGD's error feedback was copied in, rebuilt in a
+  temporary and copied out on ResNet-18: ``benchmarks/memory.py`` (W = 8, gradient and state
+  donated), rank 1, temporaries per gradient 2.92 under the cond and 1.22 with selects (GPT-2 small
+  went the other way, 1.00 and 1.31; with selects every model has what it had before the protocol).
+  The selects keep the state bit for bit and make the outputs NaN, as the cond does, but the step's
+  collectives then run on a non-finite step too (on NaN), and the 4-byte flag sits in its phase.
   """
   def step(config, state, leaves, axis_name, phase):
     ok = finite.all_finite(leaves, axis_name)
