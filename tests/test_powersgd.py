@@ -149,6 +149,19 @@ def named(tree):
           for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def per_leaf(state):
+  """``{field: {path: leaf}}`` of a layer-wise state, whole or a ``comm_hook`` state of one per
+  bucket (each bucket's state names its parameters by their paths in the whole pytree)."""
+  states = state.hook_states if isinstance(state, jaxcomp.CommHookState) else (state,)
+  out = {"error": {}, "q": {}, "p": {}}
+  for s in states:
+    for field in out:
+      for path, leaf in zip(s.signature.paths, s.signature.treedef.flatten_up_to(getattr(s, field))):
+        if not isinstance(leaf, optax.MaskedNode):
+          out[field][path] = np.asarray(leaf)
+  return out
+
+
 def pmapped(tx, n_dev=W):
   return jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:n_dev])
 
@@ -186,6 +199,9 @@ def test_bad_types_are_named():
     jaxcomp.batched_powersgd(axis_name=3)
   with pytest.raises(ValueError, match="rank must be a positive int"):
     jaxcomp.hooks.powersgd_state(rank=-1)
+  with pytest.raises(ValueError, match=r"batched PowerSGD takes no epsilon, matrix_view \(got "
+                     r"epsilon=1e-08, matrix_view='torch'\): they are layer-wise PowerSGD's"):
+    jaxcomp.hooks.batched_powersgd_state(epsilon=1e-8, matrix_view="torch")
   with pytest.raises(TypeError, match=r"powersgd_hook needs the per-bucket state made by "
                      r"jaxcomp.hooks.powersgd_state"):
     jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, axis_name=None).update(
@@ -363,11 +379,14 @@ def test_collectives_and_bytes():
                                   replicate(jaxcomp.allreduce().init(params), n_dev))
   assert ar_report.payload_bytes == full
   assert full / report.payload_bytes > 7.8  # 10,660 B dense against 1,352 B
-  # Before start_iter the dense mean and the compressed step are the two branches of one cond.
+  # With a warm-up, the report's totals are still the steady (compressed) step's; the warm-up
+  # phase sends the dense mean (and the flag).
   tx = jaxcomp.powersgd(rank, start_iter=10)
-  report = jaxcomp.comm_report(pmapped(tx, n_dev), grads, replicate(tx.init(params), n_dev))
-  branches = [c for c in report.collectives if c.in_conditional]
-  assert sum(c.payload_bytes for c in branches) == full + compressed + dense
+  warm = jaxcomp.comm_report(pmapped(tx, n_dev), grads, replicate(tx.init(params), n_dev))
+  assert warm.phase_names == ("powersgd.warmup", "powersgd.compressed")
+  assert warm.payload_bytes == report.payload_bytes
+  assert warm.phase("powersgd.warmup").payload_bytes == full + finite_flag
+  assert warm.phase("powersgd.compressed").payload_bytes == report.payload_bytes
 
 
 def test_shard_map_with_state_partition_specs_matches_pmap():
@@ -395,6 +414,45 @@ def test_shard_map_with_state_partition_specs_matches_pmap():
     chex.assert_trees_all_close(out, device(ref_out, 0), **tol)
   np.testing.assert_allclose(state.error["w"], np.concatenate(list(ref_state.error["w"])), **tol)
   chex.assert_trees_all_close(state.q, device(ref_state.q, 0), **tol)
+
+
+def test_readme_loop_reports_its_compression():
+  """The README's first loop keeps torch's start_iter=1000. Its report is the steady (compressed)
+  step, fewer bytes than allreduce; the warm-up phase sends what allreduce sends, and the flag;
+  torch's statistics count the compressed steps once the warm-up is over."""
+  rng = np.random.default_rng(0)
+  params = {"Dense_0": {"kernel": jnp.asarray(rng.standard_normal((16, 32)) / 4, jnp.float32),
+                        "bias": jnp.zeros(32)},
+            "Dense_1": {"kernel": jnp.asarray(rng.standard_normal((32, 8)) / 6, jnp.float32),
+                        "bias": jnp.zeros(8)}}
+
+  def loss_fn(params, x, y):
+    hidden = jax.nn.relu(x @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"])
+    return jnp.mean((hidden @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"] - y) ** 2)
+
+  mesh = jax.make_mesh((jax.device_count(),), ("batch",))
+  batch = (rng.standard_normal((64, 16)).astype(np.float32),
+           rng.standard_normal((64, 8)).astype(np.float32))
+  dp = jaxcomp.data_parallel(loss_fn, mesh, tx=optax.chain(jaxcomp.powersgd(rank=2),
+                                                           optax.adamw(1e-3)))
+  opt_state, (x, y) = dp.make_state(params), dp.shard(batch)
+  report = jaxcomp.comm_report(dp.step, params, opt_state, x, y)
+  baseline_tx = optax.chain(jaxcomp.allreduce(), optax.adamw(1e-3))
+  baseline = jaxcomp.data_parallel(loss_fn, mesh, tx=baseline_tx)
+  dense = jaxcomp.comm_report(baseline.step, params, baseline.make_state(params), x, y)
+  assert dense.payload_bytes == 4 * 808  # the float32 gradient
+  assert report.phase("powersgd.warmup").payload_bytes == dense.payload_bytes + 4  # + the flag
+  # Rank 2: P and Q of both kernels, the biases dense, the flag.
+  assert report.payload_bytes == 4 * 2 * ((16 + 32) + (32 + 8)) + 4 * (32 + 8) + 4
+  assert report.payload_bytes < dense.payload_bytes / 3.7
+  for t in range(1002):
+    params, opt_state, loss = dp.step(params, opt_state, x, y)
+    jax.block_until_ready(loss)  # unblocked multi-device loops deadlock XLA:CPU on 2 cores
+    if t == 999:
+      assert opt_state[0].compression_stats() == (0, 0, 0)  # the warm-up is not counted
+  before, after = 2 * 808, 2 * (2 * (16 + 32) + 2 * (32 + 8) + 32 + 8)
+  assert opt_state[0].compression_stats() == (before / after, before, after)
+  assert np.isfinite(np.asarray(loss)).all()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -518,32 +576,37 @@ def powersgd_ratio(state):
 
 
 def test_alternating_sends_one_all_reduce_per_step():
-  """comm_report: besides the 4-byte flag, one all-reduce in each branch of the step's cond: the
-  uncompressed leaves with the Qs (even steps) or with the Ps (odd steps)."""
+  """comm_report: besides the 4-byte flag, one all-reduce per step: the uncompressed leaves with the
+  Qs (phase "even" of the compressed steps) or with the Ps ("odd"); the steady state averages the
+  two."""
   params = {"conv": np.zeros((3, 3, 4, 16), np.float32), "dense": np.zeros((64, 32), np.float32),
             "bias": np.zeros(32, np.float32)}
   rank, n_dev = 2, 8
   tx = jaxcomp.powersgd(rank, start_iter=0, alternating=True)
   grads = grads_for(params, np.random.default_rng(0), n_dev)
   report = jaxcomp.comm_report(pmapped(tx, n_dev), grads, replicate(tx.init(params), n_dev))
-  dense = 4 * 32
-  flag = [c for c in report.collectives if not c.in_conditional]
-  assert [c.payload_bytes for c in flag] == [4]
-  branches = sorted(c.payload_bytes for c in report.collectives if c.in_conditional)
+  dense, qs, ps = 4 * 32, 4 * rank * (16 + 32), 4 * rank * (36 + 64)
   assert all(c.op == "all-reduce" for c in report.collectives)
-  assert branches == sorted([dense + 4 * rank * (16 + 32), dense + 4 * rank * (36 + 64)])
-  # torch's variant sends the same bytes over one step in two sequential all-reduces (and the flag)
-  torch_report = jaxcomp.comm_report(pmapped(jaxcomp.powersgd(rank, start_iter=0), n_dev), grads,
-                                     replicate(jaxcomp.powersgd(rank, start_iter=0).init(params),
-                                               n_dev))
-  assert torch_report.payload_bytes == sum(branches) - dense + 4
+  assert report.phase_names == ("powersgd.compressed", "powersgd.compressed/powersgd.even",
+                                "powersgd.compressed/powersgd.odd")
+  # The 4-byte finiteness flag of the adapter, on every step.
+  assert [c.payload_bytes for c in report.collectives if c.phase == ""] == [4]
+  even, odd = report.phase("powersgd.even"), report.phase("powersgd.odd")
+  assert sorted(c.payload_bytes for c in even.collectives) == [4, dense + qs]
+  assert sorted(c.payload_bytes for c in odd.collectives) == [4, dense + ps]
+  assert report.payload_bytes == 4 + dense + (qs + ps) / 2
+  # torch's variant sends the same factors in one step, in two sequential all-reduces.
+  torch_tx = jaxcomp.powersgd(rank, start_iter=0)
+  torch_report = jaxcomp.comm_report(pmapped(torch_tx, n_dev), grads,
+                                     replicate(torch_tx.init(params), n_dev))
+  assert torch_report.payload_bytes == 4 + dense + qs + ps
   assert len(torch_report.collectives) == 3
 
 
 def test_alternating_needs_warm_start_and_layerwise():
   with pytest.raises(ValueError, match="alternating=True needs warm_start=True"):
     jaxcomp.powersgd(alternating=True, warm_start=False)
-  with pytest.raises(ValueError, match="alternating=True is layer-wise"):
+  with pytest.raises(ValueError, match="batched PowerSGD takes no alternating"):
     jaxcomp.PowerSGDConfig(batched=True, alternating=True)
 
 
@@ -587,25 +650,45 @@ def test_bucketed_collectives_give_the_same_step(alternating):
   # more collectives. tests/test_overlap.py checks what each of them depends on.
   assert len(reports[1].collectives) > 2 * len(reports[0].collectives)
   assert reports[1].payload_bytes == reports[0].payload_bytes
+  # Each leaf draws its factors from its path: the same whole and in its bucket.
+  assert len(states[1].hook_states) == 4
+  chex.assert_trees_all_equal(per_leaf(states[1]), per_leaf(states[0]))
   rng = np.random.default_rng(4)
+  tol = rounding_tol(4 * (24 + 16 + W))  # two programs: the sums of P, Q and W devices, 4 steps
   for _ in range(4):
     grads = grads_for(params, rng)
     (a, states[0]), (b, states[1]) = [run(f, grads, s) for f, s in zip(steps, states)]
-    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(states[0], states[1], rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(b, a, **tol)
+    chex.assert_trees_all_close(per_leaf(states[1]), per_leaf(states[0]), **tol)
+  assert [int(s.count[0]) for s in states[1].hook_states] == [int(states[0].count[0])] * 4 == [4] * 4
 
 
-def test_static_hyperparameters_are_refused_when_traced():
+def test_static_hyperparameters_are_refused_together_and_epsilon_is_scheduled():
+  """optax.inject_hyperparams passes every number as an array: one error names all the static
+  ones; with them in static_args it runs, and epsilon, the one traceable setting, is scheduled."""
   params = {"w": jnp.zeros((8, 8))}
-  with pytest.raises(TypeError, match=r"rank is static: it fixes the shapes of P and Q.*"
-                     r"static_args=\('rank',\)"):
+  static = ("rank", "start_iter", "min_compression_rate", "seed")
+  with pytest.raises(TypeError) as refused:
     optax.inject_hyperparams(jaxcomp.powersgd)(rank=1).init(params)
+  assert f"static_args=({', '.join(map(repr, static))}); only epsilon may be scheduled" in str(
+      refused.value)
+  with pytest.raises(TypeError, match=r"static_args=\('rank', 'start_iter', 'seed'\)$"):
+    optax.inject_hyperparams(jaxcomp.batched_powersgd)(rank=1).init(params)
   with pytest.raises(TypeError, match=r"bucket_cap_mb is static"):
     jaxcomp.powersgd(bucket_cap_mb=jnp.asarray(1.0))
-  static = ("rank", "start_iter", "min_compression_rate", "epsilon", "seed")
-  tx = optax.inject_hyperparams(jaxcomp.powersgd, static_args=static)(rank=1, axis_name=None)
-  out, _ = jax.jit(tx.update)({"w": jnp.ones((8, 8))}, tx.init(params))
-  np.testing.assert_allclose(out["w"], 1.0)
+  grads = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32)}
+
+  def first_step(tx):
+    return jax.jit(tx.update)(grads, tx.init(params))[0]["w"]
+
+  scheduled = optax.inject_hyperparams(jaxcomp.powersgd, static_args=static)(
+      rank=1, start_iter=0, epsilon=lambda count: 2.0, axis_name=None)
+  # Two programs: roundings along the 8-long products and norms of P and Q.
+  np.testing.assert_allclose(first_step(scheduled),
+                             first_step(jaxcomp.powersgd(1, start_iter=0, epsilon=2.0,
+                                                         axis_name=None)), **rounding_tol(16))
+  assert not np.allclose(first_step(scheduled),
+                         first_step(jaxcomp.powersgd(1, start_iter=0, axis_name=None)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -653,35 +736,29 @@ def test_batched_one_square_per_dtype():
 # Hooks: the same code on comm_hook buckets.
 
 
-def _with_qs_of(tx_state, hook_state, cap_bytes):
-  """Puts the transformation's Qs into each bucket's state (matched by parameter path)."""
-  qs = named(tx_state.q)
-  paths = hook_state.signature.paths
-  buckets = bucket_assignment(hook_state.signature, cap_bytes, cap_bytes)
-  return hook_state._replace(hook_states=tuple(
-      bucket_state._replace(q=[qs.get(paths[i], optax.MaskedNode()) for i in members])
-      for bucket_state, members in zip(hook_state.hook_states, buckets)))
-
-
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.0005])
 def test_powersgd_hook_equals_the_transformation(bucket_cap_mb):
+  """The hook on DDP's buckets: the same factors at init (drawn from each leaf's path), the same
+  outputs and per-leaf state at every step, torch's statistics."""
   params = params_mixed()
   kwargs = dict(start_iter=1, epsilon=1e-8)
   tx = jaxcomp.powersgd(2, **kwargs)
   hook_tx = jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, jaxcomp.hooks.powersgd_state(2, **kwargs),
                               bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=bucket_cap_mb)
-  state = tx.init(params)
-  hook_state = _with_qs_of(state, hook_tx.init(params), bucket_cap_mb * 1024 * 1024)
+  state, hook_state = tx.init(params), hook_tx.init(params)
   assert (len(hook_state.hook_states) > 1) == (bucket_cap_mb < 1)
+  chex.assert_trees_all_equal(per_leaf(hook_state), per_leaf(state))
   state, hook_state = replicate(state, W), replicate(hook_state, W)
   step, hook_step = pmapped(tx), pmapped(hook_tx)
   rng = np.random.default_rng(0)
+  # Two programs (buckets, or leaf by leaf): the sums of P, Q and W devices, 3 steps.
+  tol = rounding_tol(3 * (20 + 12 + W))
   for _ in range(3):
     grads = grads_for(params, rng)
     out, state = run(step, grads, state)
     hook_out, hook_state = run(hook_step, grads, hook_state)
-    # Two programs (buckets, or leaf by leaf): the sums of P, Q and W devices, 3 steps.
-    chex.assert_trees_all_close(hook_out, out, **rounding_tol(3 * (20 + 12 + W)))
+    chex.assert_trees_all_close(hook_out, out, **tol)
+    chex.assert_trees_all_close(per_leaf(hook_state), per_leaf(state), **tol)
   assert jaxcomp.powersgd_stats(hook_state) == state.compression_stats()
 
 

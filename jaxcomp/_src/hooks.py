@@ -59,63 +59,44 @@ def bf16_compress_wrapper(hook: Hook) -> Hook:
 
 # ---------------------------------------------------------------------------------------- PowerSGD
 
-def powersgd_state(rank: int = 1, *, start_iter: int = 1000, min_compression_rate: float = 2.0,
-                   error_feedback: bool = True, warm_start: bool = True, epsilon: float = 0.0,
-                   seed: int = 0, matrix_view: str = "flax"):
-  """The per-bucket state of ``powersgd_hook``: pass it as ``comm_hook``'s ``state``.
+powersgd_hook = compressor.hook(powersgd.POWERSGD, name="powersgd")
+"""Layer-wise PowerSGD on one bucket (torch's ``powerSGD_hook``); state from ``powersgd_state``."""
 
-  Arguments as ``jaxcomp.powersgd``. ``comm_hook`` calls the returned function once per bucket at
-  ``init``; each bucket gets a ``jaxcomp.PowerSGDState`` for its parameters, which carries these
-  settings (torch keeps one ``PowerSGDState`` with per-bucket dictionaries instead)::
+batched_powersgd_hook = compressor.hook(powersgd.BATCHED_POWERSGD, name="batched_powersgd")
+"""Batched PowerSGD on one bucket (torch's ``batched_powerSGD_hook``, which raises in torch 2.13);
+state from ``batched_powersgd_state``."""
+
+def powersgd_state(rank: int = 1, **settings):
+  """The per-bucket state of ``powersgd_hook``: pass it as ``comm_hook``'s ``state``::
 
     tx = jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, jaxcomp.hooks.powersgd_state(rank=2))
     tx = jaxcomp.comm_hook(jaxcomp.fp16_compress_wrapper(jaxcomp.hooks.powersgd_hook),
                            jaxcomp.hooks.powersgd_state(rank=2))
 
-  Under ``fp16_compress_wrapper`` the hook computes in float16 while the state keeps the bucket's
-  own dtype; it stores only float16 values there, so it runs as torch's float16 state does.
+  Each bucket gets a ``jaxcomp.PowerSGDState`` for its parameters, which carries these settings
+  (torch keeps one ``PowerSGDState`` with per-bucket dictionaries instead). Under
+  ``fp16_compress_wrapper`` the hook computes in float16 while the state keeps the bucket's own
+  dtype, storing only float16 values there, as torch's float16 state does.
+
+  Args:
+    rank, **settings: as ``jaxcomp.powersgd`` (without ``axis_name`` and ``bucket_cap_mb``).
 
   Returns:
     A function ``bucket -> PowerSGDState``.
   """
-  config = powersgd.PowerSGDConfig(
-      rank=rank, start_iter=start_iter, min_compression_rate=min_compression_rate,
-      error_feedback=error_feedback, warm_start=warm_start, epsilon=epsilon, seed=seed,
-      matrix_view=matrix_view)
-  return lambda bucket: powersgd.init_state(config, bucket.gradients())
+  return compressor.hook_state(powersgd.POWERSGD, dict(rank=rank, **settings))
 
 
-def powersgd_hook(state, bucket: GradBucket):
-  """Layer-wise PowerSGD on one bucket (torch's ``powerSGD_hook``); state from ``powersgd_state``.
+def batched_powersgd_state(rank: int = 1, **settings):
+  """The per-bucket state of ``batched_powersgd_hook``: each bucket is one zero-padded square matrix.
 
-  The same code as ``jaxcomp.powersgd``, run on the bucket's parameters. ``comm_hook`` applies the
-  non-finite policy.
-  """
-  grads, state = powersgd.update(state, bucket.gradients(), bucket.axis_name, batched=False)
-  return tree_lib.flatten(grads), state
-
-
-def batched_powersgd_state(rank: int = 1, *, start_iter: int = 1000, error_feedback: bool = True,
-                           warm_start: bool = True, seed: int = 0):
-  """The per-bucket state of ``batched_powersgd_hook``: pass it as ``comm_hook``'s ``state``.
-
-  Arguments as ``jaxcomp.batched_powersgd``; each bucket is one zero-padded square matrix.
+  Args:
+    rank, **settings: as ``jaxcomp.batched_powersgd`` (without ``axis_name``).
 
   Returns:
-    A function ``bucket -> PowerSGDState`` (``config.batched`` set).
+    A function ``bucket -> PowerSGDState``.
   """
-  config = powersgd.PowerSGDConfig(rank=rank, start_iter=start_iter, error_feedback=error_feedback,
-                                   warm_start=warm_start, seed=seed, batched=True)
-  return lambda bucket: powersgd.init_state(config, [bucket.buffer])
-
-
-def batched_powersgd_hook(state, bucket: GradBucket):
-  """Batched PowerSGD on one bucket (torch's ``batched_powerSGD_hook``, which raises in torch 2.13).
-
-  The state comes from ``batched_powersgd_state``; the code is ``jaxcomp.batched_powersgd``'s.
-  """
-  (buffer,), state = powersgd.update(state, [bucket.buffer], bucket.axis_name, batched=True)
-  return buffer, state
+  return compressor.hook_state(powersgd.BATCHED_POWERSGD, dict(rank=rank, **settings))
 
 
 # ---------------------------------------------------------------------------------------- DGC
