@@ -39,9 +39,10 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
+import optax
 
 from jaxcomp.train import registry
 
@@ -261,8 +262,36 @@ class Step:
     return self.run.lower(params, opt_state, *self.dp.shard((inputs, targets)))
 
 
-def make_step(task, tx, mesh) -> Step:
-  """The training step of ``task`` (its ``loss``) with the optimizer ``tx`` over ``mesh``'s ``AXIS``.
+class _CopiesState(NamedTuple):
+  """The state of ``_with_stacked_params``: ``inner``, the optimizer's own, and the declaration
+  that makes ``jaxcomp.data_parallel`` keep the parameters stacked, one copy per device."""
+  inner: Any
+  PARAMS_PER_DEVICE = True
+
+
+def _with_stacked_params(tx):
+  """``tx``, its parameters kept stacked by ``jaxcomp.data_parallel`` (``make_params``), one copy
+  per device.
+
+  A workaround for DGC (``jaxcomp.dgc``, ``jaxcomp.coarse_dgc``): its mean is the same on every
+  device, but it is built on ``jnp.zeros_like`` of the per-device ``v`` (``_zeros`` in
+  ``jaxcomp/_src/dgc.py``), so it is typed per device, and ``data_parallel`` refuses replicated
+  parameters updated with it. Stacked, as under ``jax.pmap``, the copies stay bitwise identical
+  (``tests/test_train.py`` checks it); ``jnp.zeros(like.shape, like.dtype)`` there ends the need.
+  """
+  def init(params):
+    return _CopiesState(tx.init(params))
+
+  def update(updates, state, params=None):
+    updates, inner = tx.update(updates, state.inner, params)
+    return updates, _CopiesState(inner)
+
+  return optax.GradientTransformation(init, update)
+
+
+def make_step(task, entry, tx, mesh) -> Step:
+  """The training step of ``task`` (its ``loss``) with ``tx``, registry ``entry``'s optimizer,
+  over ``mesh``'s ``AXIS``.
 
   ``jaxcomp.data_parallel`` builds it: per-device loss and gradient (of a per-device copy of the
   parameters, so that autodiff adds no all-reduce of its own), then ``tx``, whose compressor is the
@@ -272,6 +301,8 @@ def make_step(task, tx, mesh) -> Step:
   import jax
 
   import jaxcomp
+  if entry.factory in (jaxcomp.dgc, jaxcomp.coarse_dgc):
+    tx = _with_stacked_params(tx)
   dp = jaxcomp.data_parallel(task.loss, mesh, axis_name=AXIS, tx=tx)
   # dp.step calls its jitted function under the mesh; on an Auto mesh the jitted function alone
   # is the same step, and jitting it again adds the donation data_parallel does not offer.
@@ -321,7 +352,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   def wire_bytes(entry, **settings):
     """Bytes per step of ``entry``'s steady state with ``settings``: requested (before XLA
     optimises), and the lowered step (compile it for what is sent)."""
-    step = make_step(task, task.optimizer(entry, **settings), mesh)
+    step = make_step(task, entry, task.optimizer(entry, **settings), mesh)
     lowered = step.lower(*step.start(params0), x0, y0)
     return entry.bytes_per_step(parse_hlo(lowered.as_text(dialect="hlo"), n)), lowered
 
@@ -334,7 +365,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   runs, states = [], []
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
-    step = make_step(task, task.optimizer(entry, steps=steps), mesh)
+    step = make_step(task, entry, task.optimizer(entry, steps=steps), mesh)
     phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(steps)]
     # A narrow wire dtype's bytes as XLA compiles them: more than requested where it widens bf16.
     requested, note = program_bytes[phases[-1][1]], ""
