@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import optax
@@ -243,50 +244,61 @@ class Step:
   """A task's data-parallel training step under one optimizer, built by ``jaxcomp.data_parallel``.
 
   Attributes:
-    dp: the ``jaxcomp.DataParallel`` (its loss-function form, with ``tx``).
-    run: ``dp.step`` with the parameters and the optimizer state donated: ``run(params, opt_state,
-      inputs, targets) -> (params, opt_state, losses)``, one loss per device.
+    dp: the ``jaxcomp.DataParallel`` (its loss-function form, with the optimizer); ``dp.shard``
+      places a batch.
+    run: the jitted step with the parameters and the optimizer state donated: ``run(params,
+      opt_state, inputs, targets) -> (params, opt_state, losses)``, one loss per device.
+    start: ``start(params) -> (params, opt_state)`` placed on the mesh for ``run``, from one
+      device's parameters.
   """
   dp: "jaxcomp.DataParallel"
   run: Callable
-
-  def start(self, params):
-    """``(params, opt_state)`` placed on the mesh from one device's ``params``: the optimizer state
-    from ``dp.make_state``, the parameters from ``dp.make_params`` (stacked, one copy per device,
-    for local SGD and DiLoCo, which move each device's copy on its own between syncs)."""
-    opt_state = self.dp.make_state(params)
-    return self.dp.make_params(params), opt_state
+  start: Callable
 
   def lower(self, params, opt_state, inputs, targets):
     """The lowered step (``as_text()``, ``compile()``) for a global batch of host arrays."""
     return self.run.lower(params, opt_state, *self.dp.shard((inputs, targets)))
 
 
-class _CopiesState(NamedTuple):
-  """The state of ``_with_stacked_params``: ``inner``, the optimizer's own, and the declaration
-  that makes ``jaxcomp.data_parallel`` keep the parameters stacked, one copy per device."""
-  inner: Any
-  PARAMS_PER_DEVICE = True
+def _start(dp, params) -> tuple:
+  """``(params, opt_state)`` as ``dp.step`` takes them: the optimizer state from ``dp.make_state``,
+  the parameters from ``dp.make_params`` (stacked, one copy per device, for local SGD and DiLoCo,
+  which move each device's copy on its own between synchronizations)."""
+  opt_state = dp.make_state(params)
+  return dp.make_params(params), opt_state
 
 
-def _with_stacked_params(tx):
-  """``tx``, its parameters kept stacked by ``jaxcomp.data_parallel`` (``make_params``), one copy
-  per device.
+def _unchecked(task, tx, mesh) -> tuple:
+  """``(run, start)`` of DGC's step: ``jax.shard_map(check_vma=False)`` (pmap's semantics), with
+  ``data_parallel``'s batch and losses, until DGC runs under ``data_parallel``.
 
-  A workaround for DGC (``jaxcomp.dgc``, ``jaxcomp.coarse_dgc``): its mean is the same on every
-  device, but it is built on ``jnp.zeros_like`` of the per-device ``v`` (``_zeros`` in
-  ``jaxcomp/_src/dgc.py``), so it is typed per device, and ``data_parallel`` refuses replicated
-  parameters updated with it. Stacked, as under ``jax.pmap``, the copies stay bitwise identical
-  (``tests/test_train.py`` checks it); ``jnp.zeros(like.shape, like.dtype)`` there ends the need.
+  DGC's mean is the same on every device, but it is built on ``jnp.zeros_like`` of the per-device
+  ``v`` (``_zeros`` in ``jaxcomp/_src/dgc.py``), so it is typed per device: ``data_parallel``
+  refuses replicated parameters updated with it, and the warm-up's ``lax.switch`` refuses a dense
+  stage (typed replicated) beside a sparse one. ``jnp.zeros(like.shape, like.dtype)`` there fixes
+  both; ``tests/test_train.py`` fails on purpose when it does, so that this goes.
   """
-  def init(params):
-    return _CopiesState(tx.init(params))
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
-  def update(updates, state, params=None):
-    updates, inner = tx.update(updates, state.inner, params)
-    return updates, _CopiesState(inner)
+  import jaxcomp
+  specs = jaxcomp.state_partition_specs(tx, task.init(0), axis_name=AXIS)
 
-  return optax.GradientTransformation(init, update)
+  def local(params, opt_state, inputs, targets):
+    loss, grads = jax.value_and_grad(task.loss)(params, inputs, targets)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss[None]
+
+  run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
+                              out_specs=(P(), specs, P(AXIS)), check_vma=False),
+                donate_argnums=(0, 1))
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+  def start(params):
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    return params, init(params)
+
+  return run, start
 
 
 def make_step(task, entry, tx, mesh) -> Step:
@@ -296,17 +308,19 @@ def make_step(task, entry, tx, mesh) -> Step:
   ``jaxcomp.data_parallel`` builds it: per-device loss and gradient (of a per-device copy of the
   parameters, so that autodiff adds no all-reduce of its own), then ``tx``, whose compressor is the
   cross-device mean. Its jitted step does not donate; ``run`` jits the same global step again with
-  the parameters and the optimizer state donated, as a training loop wants.
+  the parameters and the optimizer state donated, as a training loop wants. (DGC's step is built
+  around it for now: ``_unchecked``.)
   """
   import jax
 
   import jaxcomp
-  if entry.factory in (jaxcomp.dgc, jaxcomp.coarse_dgc):
-    tx = _with_stacked_params(tx)
   dp = jaxcomp.data_parallel(task.loss, mesh, axis_name=AXIS, tx=tx)
+  if entry.factory in (jaxcomp.dgc, jaxcomp.coarse_dgc):
+    return Step(dp, *_unchecked(task, tx, mesh))
   # dp.step calls its jitted function under the mesh; on an Auto mesh the jitted function alone
   # is the same step, and jitting it again adds the donation data_parallel does not offer.
-  return Step(dp, jax.jit(dp.step.__wrapped__, donate_argnums=(0, 1)))
+  return Step(dp, jax.jit(dp.step.__wrapped__, donate_argnums=(0, 1)),
+              functools.partial(_start, dp))
 
 
 def first_copy(params, like):
