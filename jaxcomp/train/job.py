@@ -295,7 +295,9 @@ def _unchecked(task, tx, mesh) -> tuple:
   init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
 
   def start(params):
-    params = jax.device_put(params, NamedSharding(mesh, P()))
+    # From the host: device_put would reuse the buffer of an array already on one of the devices
+    # (may_alias=False too), which run's donation would then delete under the caller.
+    params = jax.device_put(jax.tree.map(np.asarray, params), NamedSharding(mesh, P()))
     return params, init(params)
 
   return run, start
