@@ -17,11 +17,11 @@ What runs (one command):
    of the steps, DGC's warm-up densities over the first 10% — and held-out evaluations). A compressor
    that has not reached allreduce's final held-out loss after ``--steps`` goes on, up to 2×.
 2. **Step times over each link.** The W workers time every phase's steady-state step of every
-   compressor (``registry.Phase``: a PowerSGD warm-up step is allreduce's step, a DGC warm-up stage is
-   DGC at that density) — the main job's step, ``jaxcomp.data_parallel`` over a mesh of the W workers'
-   devices — and torch 2.13 ``DistributedDataParallel`` steps of the same model on the same batches
-   (``benchmarks/torch_ddp.py``; a fresh batch every step for both, input pipeline included, as in
-   training; default all-reduce, ``fp16_compress_hook``, ``powerSGD_hook`` rank 1 and 4;
+   compressor (``registry.Phase``: a PowerSGD warm-up step is allreduce's step, a DGC warm-up stage
+   is DGC at that density) — the main job's step, ``jaxcomp.data_parallel`` over a mesh of the W
+   workers' devices — and torch 2.13 ``DistributedDataParallel`` steps of the same model on the same
+   batches (``benchmarks/torch_ddp.py``; a fresh batch every step for both, input pipeline included,
+   as in training; default all-reduce, ``fp16_compress_hook``, ``powerSGD_hook`` rank 1 and 4;
    ``bucket_cap_mb=100``: one bucket, since torch 2.13's PowerSGD hook hangs on gloo with several),
    interleaved round by round, over each ``--rates`` link in turn (the workers re-rate the link in
    place). The link's throughput (one TCP stream) and latency (ping-pong) are measured first.

@@ -13,9 +13,9 @@ Every step is the main job's data-parallel step (``jaxcomp.train.job.make_step``
 ``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself, and after EF-SignSGD;
 nothing after 1-bit Adam, an optimizer) — over a mesh of W simulated CPU devices (``--devices``,
 default 8) with the parameters and the optimizer state donated, as the main job runs it. Compressors
-compress from the first step
-(``start_iter=0``). The steps of all compressors run round-robin on the same batch, each one blocked
-on; the ratio is the median over rounds of time(compressor) / time(allreduce) in the same round.
+compress from the first step (``start_iter=0``). The steps of all compressors run round-robin on the
+same batch, each one blocked on; the ratio is the median over rounds of time(compressor) /
+time(allreduce) in the same round.
 
 On XLA:CPU the W "devices" share the host's cores and a collective is a memory copy (and a barrier
 of W threads), so this measures the compute a compressor adds to a step, not what it saves on a
@@ -144,9 +144,9 @@ def main(argv=None) -> int:
   table = common.markdown_table(
       ["model", "compressor", "settings", "step ms", "step / allreduce", "W", "global batch"], rows,
       "lllrrrr")
-  body = (f"W simulated devices (`jaxcomp.data_parallel`, parameters and optimizer state donated, "
-          f"as the main job runs it); median of {repeats} interleaved per-round ratios. The ms column is for scale "
-          "only: the devices share the machine's cores.\n\n" + table)
+  body = (f"W simulated devices (`jaxcomp.data_parallel`, parameters and optimizer state "
+          f"donated, as the main job runs it); median of {repeats} interleaved per-round ratios. "
+          "The ms column is for scale only: the devices share the machine's cores.\n\n" + table)
   common.emit(args, "step_time", "Training step time against allreduce", "step_time.py", body)
   return 0
 

@@ -63,7 +63,8 @@ def ddp(module, hook, rank):
 
 def programs(worker) -> dict:
   """``{"torch:NAME": run(k)}`` for every NAME in ``worker.job.extra["torch"]``: ``run(k)`` takes
-  ``k`` DDP steps, each on this worker's rows of a fresh batch (``worker.next_step()``), blocking."""
+  ``k`` DDP steps, each on this worker's rows of a fresh batch (``worker.next_step()``),
+  blocking."""
   names = (worker.job.extra or {}).get("torch") or []
   if not names:
     return {}

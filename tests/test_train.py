@@ -1,5 +1,5 @@
-"""The main job, ``python -m jaxcomp.train``: its table, files and command-line errors, and its step —
-``jaxcomp.data_parallel``'s, for every registry entry, training as the pmap step did."""
+"""The main job, ``python -m jaxcomp.train``: its table, files and command-line errors, and its
+step — ``jaxcomp.data_parallel``'s, training as the pmap step did."""
 
 import json
 import os
@@ -74,8 +74,9 @@ def test_digits_task_trains_without_torch(tmp_path, without_torch):
   assert proc.returncode == 0, proc.stderr
   assert "| fp16 |" in proc.stdout and "| local_sgd_h8 |" in proc.stdout
   imported = subprocess.run(
-      [sys.executable, "-c", "import jaxcomp, jaxcomp.hooks, jaxcomp.train.job, jaxcomp.train.link, "
-       "jaxcomp.train.tasks, jaxcomp.train.registry"], env=dict(os.environ, **without_torch),
+      [sys.executable, "-c", "import jaxcomp, jaxcomp.hooks, jaxcomp.train.job, "
+       "jaxcomp.train.link, jaxcomp.train.tasks, jaxcomp.train.registry"],
+      env=dict(os.environ, **without_torch),
       capture_output=True, text=True, timeout=120)
   assert imported.returncode == 0, imported.stderr
 

@@ -1,20 +1,19 @@
 """The main job: train a Flax model once per compressor and compare them (``python -m jaxcomp.train``).
 
 Every compressor trains the same model from the same initial parameters on the same batches, on N
-data-parallel devices (simulated CPU devices unless the host has accelerators), in the step users are
-told to build: ``jaxcomp.data_parallel``'s loss-function form over a one-axis mesh (``make_step``),
-with
-``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum
-itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its paper; 1-bit Adam is a whole
-optimizer with its own learning rate, so nothing follows it); local SGD and DiLoCo wrap
-``chain(clip_by_global_norm(1), sgd(lr, momentum=0.9))`` as their inner optimizer, and their bytes per
-step are those of a sync step divided by its period. Each compressor runs the recipe of
-``jaxcomp.train.registry`` for the run's length (PowerSGD's ``start_iter`` and DGC's warm-up over the
-first 10% of the steps, 1-bit Adam's dense Adam over the first 20%); the bytes are those of a
-compressed step. The compressors advance
-side by side — step t of every compressor before step t + 1 of any — so their step times are measured
-under the same load. After ``--steps``, compressors that have not yet reached allreduce's final
-held-out loss (the target) go on, up to ``--max-steps``.
+data-parallel devices (simulated CPU devices unless the host has accelerators), in the step users
+are told to build — ``jaxcomp.data_parallel``'s loss-function form over a one-axis mesh
+(``make_step``) — with ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))``
+(DGC applies the momentum itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its
+paper; 1-bit Adam is a whole optimizer with its own learning rate, so nothing follows it); local SGD
+and DiLoCo wrap ``chain(clip_by_global_norm(1), sgd(lr, momentum=0.9))`` as their inner optimizer,
+and their bytes per step are those of a sync step divided by its period. Each compressor runs the
+recipe of ``jaxcomp.train.registry`` for the run's length (PowerSGD's ``start_iter`` and DGC's
+warm-up over the first 10% of the steps, 1-bit Adam's dense Adam over the first 20%); the bytes are
+those of a compressed step. The compressors advance side by side — step t of every compressor before
+step t + 1 of any — so their step times are measured under the same load. After ``--steps``,
+compressors that have not yet reached allreduce's final held-out loss (the target) go on, up to
+``--max-steps``.
 
 Outputs: a table on stdout (also ``OUT/results.md``; raw numbers in ``OUT/results.json``) with, per
 compressor, the bytes each device sends per step in the steady state (``jaxcomp.report`` reading the
@@ -330,8 +329,8 @@ def first_copy(params, like):
   parameters): replicated leaves are the parameters, stacked ones (local SGD, DiLoCo) hold one
   copy per device. Read from the device's shard: no indexing program to compile."""
   import jax
-  return jax.tree.map(lambda x, ref: np.asarray(x.addressable_shards[0].data).reshape(np.shape(ref)),
-                      params, like)
+  first = lambda x, ref: np.asarray(x.addressable_shards[0].data).reshape(np.shape(ref))
+  return jax.tree.map(first, params, like)
 
 
 def phase_programs(names: Sequence[str], steps: int) -> dict:

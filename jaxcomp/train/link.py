@@ -26,8 +26,8 @@ has is measured instead (``probe``: a TCP ping-pong inside the namespace) and fe
 Jobs: ``run_job`` starts W workers (``python -m jaxcomp.train.link --worker``), one CPU device each,
 joined by ``jax.distributed.initialize`` on 127.0.0.1 (gloo collectives). Their steps are the main
 job's (``jaxcomp.train.job.make_step``): ``jaxcomp.data_parallel`` over a mesh of the W workers'
-devices, each worker feeding its own rows of the batch. For each rate in turn the workers set the link
-(rank 0 runs ``tc`` inside the namespace), measure it, and time every program — a compressor's
+devices, each worker feeding its own rows of the batch. For each rate in turn the workers set the
+link (rank 0 runs ``tc`` inside the namespace), measure it, and time every program — a compressor's
 training step in the steady state of one phase of its recipe (``registry.Phase``) —
 side by side: round after round, every program runs a few steps in a rotating order, so that a busy
 machine slows them alike; the median over rounds is reported. Optionally the workers then train whole
@@ -512,8 +512,9 @@ class _Worker:
     return {"seconds": total, "losses": [float(v) for v in losses]}
 
   def run(self, extra_programs: Optional[Callable] = None) -> dict:
-    """Every link of the job in turn: set it, probe it, time the programs (``extra_programs(self)``'s
-    too: ``{key: run(k)}`` that a benchmark times beside the jaxcomp steps); then the check runs."""
+    """Every link of the job in turn: set it, probe it, time the programs (and those of
+    ``extra_programs(self)``: ``{key: run(k)}`` a benchmark times beside the jaxcomp steps); then
+    the check runs."""
     import numpy as np
     runners, collectives = self.jax_programs()
     if extra_programs is not None:
