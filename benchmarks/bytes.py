@@ -2,8 +2,11 @@
 
 For ResNet-18, ResNet-50 and GPT-2 small shaped gradients (shapes only: nothing is allocated), each
 compressor's ``update`` is compiled under ``jax.pmap`` over W = 8 simulated devices and
-``jaxcomp.comm_report`` reads the bytes of every collective from the compiled HLO. The minimum is
-computed here from the algorithm's definition, independently of jaxcomp:
+``jaxcomp.comm_report`` reads the bytes of every collective from the compiled HLO. The update
+alone, not a training step (``jaxcomp.data_parallel`` builds one from a loss, which shape-only
+models do not have): what a step sends besides its compressor is the step builder's doing, and
+``tests/test_train.py`` checks that the main job's ``data_parallel`` step sends nothing else. The
+minimum is computed here from the algorithm's definition, independently of jaxcomp:
 
 * dense means: 4 bytes per element (2 for fp16 / bf16);
 * PowerSGD: 4·r·(n + m) per compressed leaf (P and Q) and 4·n·m for the rest, with each leaf viewed as

@@ -3,9 +3,11 @@
 For ResNet-18, ResNet-50 and GPT-2 small shaped gradients (shapes only), each compressor's ``update``
 is compiled under ``jax.pmap`` over W = 8 simulated devices with the gradient and the state donated,
 as in a training step, where the gradient is dead once the update has it and the new state may reuse
-the old one's buffers. (Donating the state alone misleads: JAX pairs donated inputs with outputs of the
-same shape in output order, so the update — the first output — would take the error's or the
-momentum's buffer, and XLA would copy the state before overwriting it.) Per device:
+the old one's buffers (the update alone, not a ``jaxcomp.data_parallel`` step: a model's forward
+and backward passes would add their temporaries to every compressor's and hide them). (Donating
+the state alone misleads: JAX pairs donated inputs with outputs of the same shape in output order,
+so the update — the first output — would take the error's or the momentum's buffer, and XLA would
+copy the state before overwriting it.) Per device:
 
 * state: the bytes of the compressor's state (``jax.eval_shape`` of ``init``);
 * temporaries: ``temp_size_in_bytes`` of the compiled program's memory analysis — the peak of the

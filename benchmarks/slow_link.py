@@ -17,9 +17,11 @@ What runs (one command):
    of the steps, DGC's warm-up densities over the first 10% — and held-out evaluations). A compressor
    that has not reached allreduce's final held-out loss after ``--steps`` goes on, up to 2×.
 2. **Step times over each link.** The W workers time every phase's steady-state step of every
-   compressor (``registry.Phase``: a PowerSGD warm-up step is allreduce's step, a DGC warm-up stage is
-   DGC at that density) and torch 2.13 ``DistributedDataParallel`` steps of the same model on the same
-   batches (a fresh batch every step for both, input pipeline included, as in training; default all-reduce, ``fp16_compress_hook``, ``powerSGD_hook`` rank 1 and 4;
+   compressor (``registry.Phase``: a PowerSGD warm-up step is allreduce's step, a DGC warm-up stage
+   is DGC at that density) — the main job's step, ``jaxcomp.data_parallel`` over a mesh of the W
+   workers' devices — and torch 2.13 ``DistributedDataParallel`` steps of the same model on the same
+   batches (``benchmarks/torch_ddp.py``; a fresh batch every step for both, input pipeline included,
+   as in training; default all-reduce, ``fp16_compress_hook``, ``powerSGD_hook`` rank 1 and 4;
    ``bucket_cap_mb=100``: one bucket, since torch 2.13's PowerSGD hook hangs on gloo with several),
    interleaved round by round, over each ``--rates`` link in turn (the workers re-rate the link in
    place). The link's throughput (one TCP stream) and latency (ping-pong) are measured first.
@@ -54,66 +56,11 @@ import numpy as np  # noqa: E402
 
 from jaxcomp.train import link  # noqa: E402
 
+from benchmarks import torch_ddp  # noqa: E402
+
 DEFAULT_NAMES = "allreduce,fp16,powersgd_r1,powersgd_r2,powersgd_r4,dgc"
 QUICK_NAMES = "allreduce,fp16,powersgd_r1"
-# torch 2.13 DDP counterparts: jaxcomp program -> (label, hook, PowerSGD rank or None).
-TORCH = {"allreduce": ("DDP all-reduce", None, None),
-         "fp16": ("fp16_compress_hook", "fp16", None),
-         "powersgd_r1": ("powerSGD_hook(rank=1)", "powersgd", 1),
-         "powersgd_r4": ("powerSGD_hook(rank=4)", "powersgd", 4)}
 GOALS = {"powersgd": 0.2, "dgc": 0.3, "fp16": 0.6}  # wall-clock to target / allreduce's, at W = 4
-
-
-# ------------------------------------------------------------------------------ torch DDP worker
-
-
-def torch_programs(worker) -> dict:
-  """``{"torch:NAME": run(k)}``: DDP steps of the task's MLP (the JAX initial parameters, the same
-  fresh batch rows per step as the jaxcomp steps), one DDP model per hook, over a gloo group inside
-  the namespace."""
-  import torch
-  import torch.distributed as dist
-  from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
-
-  torch.set_num_threads(1)
-  job = worker.job
-  dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{link.TORCH_PORT}",
-                          rank=worker.rank, world_size=job.world)
-  params = worker.task.init(job.seed)
-  layers = sorted(params)  # Dense_0, Dense_1, Dense_2
-  runners = {}
-  for name in job.extra["torch"]:
-    _, hook, rank = TORCH[name]
-    modules = []
-    for i, layer in enumerate(layers):
-      kernel = np.asarray(params[layer]["kernel"])
-      linear = torch.nn.Linear(*kernel.shape)
-      with torch.no_grad():
-        linear.weight.copy_(torch.from_numpy(kernel.T.copy()))
-        linear.bias.copy_(torch.from_numpy(np.asarray(params[layer]["bias"])))
-      modules += [linear] + ([torch.nn.ReLU()] if i < len(layers) - 1 else [])
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*modules),
-                                                      bucket_cap_mb=100)
-    if hook == "fp16":
-      model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == "powersgd":
-      model.register_comm_hook(psgd.PowerSGDState(process_group=None,
-                                                  matrix_approximation_rank=rank,
-                                                  start_powerSGD_iter=2), psgd.powerSGD_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=worker.task.learning_rate, momentum=0.9)
-
-    def run(k, model=model, opt=opt):
-      for _ in range(k):
-        inputs, targets = worker.local_batch(worker.next_step())
-        x, y = torch.from_numpy(inputs), torch.from_numpy(targets.astype(np.int64))
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()  # DDP's hook averages the gradient here
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss.item()
-    runners[f"torch:{name}"] = run
-  return runners
 
 
 # ------------------------------------------------------------------------------------- analysis
@@ -227,7 +174,7 @@ def main(argv=None) -> int:
   if not args.no_torch:
     try:
       import torch  # noqa: F401
-      torch_names = [n for n in TORCH if n in names]
+      torch_names = [n for n in torch_ddp.TORCH if n in names]
     except ImportError:
       print("  torch is not installed: no DDP comparison", file=sys.stderr)
 
@@ -253,7 +200,7 @@ def main(argv=None) -> int:
                  round_seconds=0.2 if args.quick else 1.0,
                  check={"rate": args.check_rate, "names": checks, "steps": check_steps},
                  extra={"torch": torch_names})
-  result = link.run_job(job, worker=[sys.executable, os.path.abspath(__file__), "--worker"])
+  result = link.run_job(job, worker=torch_ddp.WORKER)
   timed = time.perf_counter() - started - trained
   print(f"  link job took {timed:.0f} s", file=sys.stderr, flush=True)
 
@@ -330,7 +277,7 @@ def report(args, runs, result, task, names, rates, world, steps, batch_size, tor
   # 2. torch DDP.
   torch_rows, torch_ok = [], True
   for name in torch_names:
-    label = TORCH[name][0]
+    label = torch_ddp.TORCH[name][0]
     for rate in rates:
       mine, theirs = links[rate]["seconds"][name], links[rate]["seconds"][f"torch:{name}"]
       rounds_ratio = float(np.median(np.asarray(links[rate]["rounds"][name])
@@ -416,7 +363,4 @@ def report(args, runs, result, task, names, rates, world, steps, batch_size, tor
 
 
 if __name__ == "__main__":
-  if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    sys.exit(link.worker_main(sys.argv[2:], extra_programs=lambda w: (
-        torch_programs(w) if w.job.extra and w.job.extra.get("torch") else {})))
   sys.exit(main())

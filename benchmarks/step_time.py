@@ -8,13 +8,14 @@ Three models:
   pre-LayerNorm causal transformer on Python standard-library text): the default one and a wider and
   deeper one (3.2M parameters), global batch 64 sequences.
 
-Every step is the data-parallel step of ``jaxcomp.train.job.make_step`` — forward, backward, the
-compressor, then ``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself, and
-after EF-SignSGD; nothing after 1-bit Adam, an optimizer) — jitted under ``jax.pmap`` over W
-simulated CPU devices (``--devices``, default 8) with the parameters and the optimizer state
-donated, as the main job runs it. Compressors compress from the first step
-(``start_iter=0``). The steps of all compressors run round-robin on the same batch, each one blocked
-on; the ratio is the median over rounds of time(compressor) / time(allreduce) in the same round.
+Every step is the main job's data-parallel step (``jaxcomp.train.job.make_step``: the step
+``jaxcomp.data_parallel`` builds from the loss) — forward, backward, the compressor, then
+``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself, and after EF-SignSGD;
+nothing after 1-bit Adam, an optimizer) — over a mesh of W simulated CPU devices (``--devices``,
+default 8) with the parameters and the optimizer state donated, as the main job runs it. Compressors
+compress from the first step (``start_iter=0``). The steps of all compressors run round-robin on the
+same batch, each one blocked on; the ratio is the median over rounds of time(compressor) /
+time(allreduce) in the same round.
 
 On XLA:CPU the W "devices" share the host's cores and a collective is a memory copy (and a barrier
 of W threads), so this measures the compute a compressor adds to a step, not what it saves on a
@@ -36,7 +37,6 @@ import jax  # noqa: E402
 MAX_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", MAX_DEVICES)
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -48,7 +48,7 @@ MODELS = ("mlp", "chars", "chars-wide")
 @dataclasses.dataclass(frozen=True)
 class MLPTask:
   """Issue 15's MLP on random data, with the interface of ``jaxcomp.train.tasks.Task`` that
-  ``make_step`` and this script use."""
+  ``job.make_step`` and this script use."""
   sizes: tuple = (784, 1024, 1024, 1024, 10)
 
   def init(self, seed: int):
@@ -90,27 +90,21 @@ def model_tasks(quick: bool, names) -> dict:
 
 
 def step_runners(task, compressor_list, batch, devices):
-  """A function per compressor running one blocked pmapped training step on ``batch``."""
-  from jaxcomp.train.job import make_step
-  w = len(devices)
-  # On the devices already, on a mesh axis of the step's name, as the step returns them: other
-  # inputs would compile the step a second time.
-  on_devices = jax.pmap(lambda x: x, axis_name=common.AXIS, devices=devices)
-  params0 = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (w,) + x.shape), task.init(0))
-  inputs, targets = on_devices([a.reshape((w, -1) + a.shape[1:]) for a in batch])
+  """A function per compressor running one blocked training step on ``batch``."""
+  from jaxcomp.train import job
+  mesh = job.make_mesh(devices)
   runners = {}
   for c in compressor_list:
     tx = c.make(common.AXIS) if c.is_optimizer else optax.chain(
         c.make(common.AXIS),
         optax.sgd(task.learning_rate if hasattr(task, "learning_rate") else 0.01,
                   momentum=c.sgd_momentum))
-    step = jax.pmap(make_step(task, tx), axis_name=common.AXIS, devices=devices,
-                    donate_argnums=(0, 1))
-    params = on_devices(params0)
-    holder = [params, jax.pmap(tx.init, axis_name=common.AXIS, devices=devices)(params)]
+    step = job.make_step(task, c, tx, mesh)
+    inputs, targets = step.dp.shard(batch)
+    holder = list(step.start(task.init(0)))
 
-    def run(step=step, holder=holder):
-      holder[0], holder[1], loss = step(holder[0], holder[1], inputs, targets)
+    def run(step=step, holder=holder, inputs=inputs, targets=targets):
+      holder[0], holder[1], loss = step.run(holder[0], holder[1], inputs, targets)
       jax.block_until_ready((holder, loss))  # XLA:CPU needs every multi-device step blocked on
     runners[c.name] = run
   return runners
@@ -150,9 +144,9 @@ def main(argv=None) -> int:
   table = common.markdown_table(
       ["model", "compressor", "settings", "step ms", "step / allreduce", "W", "global batch"], rows,
       "lllrrrr")
-  body = (f"W simulated devices (`jax.pmap`, parameters and optimizer state donated, as the main job "
-          f"runs it); median of {repeats} interleaved per-round ratios. The ms column is for scale "
-          "only: the devices share the machine's cores.\n\n" + table)
+  body = (f"W simulated devices (`jaxcomp.data_parallel`, parameters and optimizer state "
+          f"donated, as the main job runs it); median of {repeats} interleaved per-round ratios. "
+          "The ms column is for scale only: the devices share the machine's cores.\n\n" + table)
   common.emit(args, "step_time", "Training step time against allreduce", "step_time.py", body)
   return 0
 

@@ -1,7 +1,8 @@
 """Checkpoint a compressed run with orbax-checkpoint mid-run, resume it, and get the same result.
 
 A jaxcomp state is an optax state: orbax saves it and restores it with its shardings — per-device
-leaves sharded along the mesh axis (``jaxcomp.state_partition_specs``), the rest replicated. The run is
+leaves stacked and sharded along the mesh axis (as ``jaxcomp.data_parallel``'s ``make_state`` places
+them), the rest replicated. The run is
 interrupted between micro-steps of ``jaxcomp.accumulate``, with a half-filled accumulator, and the
 resumed run must end exactly where the uninterrupted one does::
 
@@ -25,8 +26,7 @@ import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 import jaxcomp  # noqa: E402
 from jaxcomp.train.tasks import digits_data  # noqa: E402
@@ -40,40 +40,31 @@ class MLP(nn.Module):
 
 
 model = MLP()
-tx = jaxcomp.accumulate(optax.chain(jaxcomp.fp16_compress(axis_name="batch"),
-                                    optax.sgd(0.1, momentum=0.9)), every_k=3)
-mesh = jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(AxisType.Auto,))
-train_x, train_y, _, _ = digits_data()
-params0 = model.init(jax.random.key(0), train_x[:1])["params"]
-specs = jaxcomp.state_partition_specs(tx, params0, axis_name="batch")
-init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
 
 
-def loss_fn(params, images, labels):
+def loss_fn(params, images, labels):  # on one device's shard of the batch
   logits = model.apply({"params": params}, images)
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-@jax.jit
-@functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("batch"), P("batch")),
-                   out_specs=(P(), specs, P()))
-def train_step(params, opt_state, images, labels):
-  loss, grads = jax.value_and_grad(loss_fn)(lax.pcast(params, "batch", to="varying"), images, labels)
-  updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "batch")
+tx = jaxcomp.accumulate(optax.chain(jaxcomp.fp16_compress(axis_name="batch"),
+                                    optax.sgd(0.1, momentum=0.9)), every_k=3)
+mesh = jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(AxisType.Auto,))
+dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+train_x, train_y, _, _ = digits_data()
+params0 = model.init(jax.random.key(0), train_x[:1])["params"]
 
 
 def train(params, opt_state, start, stop):
   batch = 8 * jax.device_count()
   for step in range(start, stop):
     idx = np.random.default_rng([0, step]).integers(0, len(train_y), batch)  # batch of `step`
-    params, opt_state, loss = train_step(params, opt_state, train_x[idx], train_y[idx])
-    float(loss)  # reading a value every step keeps XLA:CPU from deadlocking
+    params, opt_state, loss = dp.step(params, opt_state, *dp.shard((train_x[idx], train_y[idx])))
+    float(loss.mean())  # reading a value every step keeps XLA:CPU from deadlocking
   return params, opt_state
 
 
-replicated = NamedSharding(mesh, P())
-start = (jax.device_put(params0, replicated), init(params0))
+start = (dp.make_params(params0), dp.make_state(params0))
 final = train(*start, 0, args.steps)
 
 half = args.steps // 2

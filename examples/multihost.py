@@ -14,6 +14,9 @@ On GPU or TPU hosts the same script runs once per host, without ``--launch`` and
 
 (on Cloud TPU, or under SLURM / Open MPI, ``jax.distributed.initialize()`` finds these by itself).
 
+The step is ``jaxcomp.data_parallel``'s, as on one host: its mesh spans every process's devices, and
+``dp.shard`` makes each process's own rows part of the global batch.
+
 Besides the gradient exchange the job keeps PyTorch DDP's other promises. Identical start: every
 process takes process 0's initial parameters (``jaxcomp.broadcast_replicated``) and the job checks
 that the replicas agree (``jaxcomp.check_replicated``, one fingerprint per leaf) after the start, after
@@ -110,14 +113,11 @@ if args.num_processes > 1:
                              num_processes=args.num_processes, process_id=args.process_id,
                              heartbeat_timeout_seconds=args.heartbeat_timeout)
 
-import functools  # noqa: E402
-
 import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
 
 import jaxcomp  # noqa: E402
 from jaxcomp.train.tasks import digits_data  # noqa: E402
@@ -131,10 +131,18 @@ class MLP(nn.Module):
 
 
 model = MLP()
+
+
+def loss_fn(params, images, labels):  # on one device's shard of the batch
+  logits = model.apply({"params": params}, images)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
 tx = jaxcomp.accumulate(optax.chain(jaxcomp.fp16_compress(axis_name="batch"),
                                     optax.sgd(0.1, momentum=0.9)), every_k=2)
 # All devices of all processes, process by process: each process holds a contiguous block.
 mesh = Mesh(np.array(jax.devices()), ("batch",), axis_types=(AxisType.Auto,))
+dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
 train_x, train_y, _, _ = digits_data()
 params = model.init(jax.random.key(0), train_x[:1])["params"]
 last_process = jax.process_index() == jax.process_count() - 1
@@ -143,28 +151,11 @@ if args.perturb_start and last_process:  # as if this process had loaded another
 if not args.no_broadcast:
   params = jaxcomp.broadcast_replicated(params)  # DDP's start: process 0's parameters everywhere
 jaxcomp.check_replicated(params)  # ReplicaMismatchError naming the first leaf that differs
-specs = jaxcomp.state_partition_specs(tx, params, axis_name="batch")
-params = jax.device_put(params, NamedSharding(mesh, P()))
-opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-
-
-def loss_fn(params, images, labels):
-  logits = model.apply({"params": params}, images)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-@jax.jit
-@functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("batch"), P("batch")),
-                   out_specs=(P(), specs, P()))
-def train_step(params, opt_state, images, labels):
-  loss, grads = jax.value_and_grad(loss_fn)(lax.pcast(params, "batch", to="varying"), images, labels)
-  updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "batch")
-
+opt_state = dp.make_state(params)  # the accumulator per device (stacked), the rest replicated
+params = dp.make_params(params)  # on the mesh, replicated
 
 batch = 8 * jax.device_count()
 rows = batch // jax.process_count()  # this process feeds its own devices' share of the batch
-data = NamedSharding(mesh, P("batch"))
 
 
 def local_batches(first_step):
@@ -191,10 +182,8 @@ step = first_step
 batches = local_batches(first_step)
 # Every process asks before every step whether all still have a batch: all stop at the same step.
 while jaxcomp.all_have_data((local := next(batches, None)) is not None):
-  images = jax.make_array_from_process_local_data(data, local[0], (batch, 64))
-  labels = jax.make_array_from_process_local_data(data, local[1], (batch,))
-  params, opt_state, loss = train_step(params, opt_state, images, labels)
-  losses.append(float(loss.addressable_data(0)))  # reading it blocks: no XLA:CPU deadlock
+  params, opt_state, loss = dp.step(params, opt_state, *dp.shard(local))  # each its own rows
+  losses.append(float(loss.mean()))  # one loss per device; reading it blocks: no XLA:CPU deadlock
   step += 1
   if manager is not None:
     manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))

@@ -9,6 +9,24 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+SHOWCASES = {"train_linen_pmap.py": "jax.pmap", "train_nnx_pmap.py": "jax.pmap",
+             "train_shard_map.py": "jax.shard_map", "batchnorm.py": "jax.pmap"}
+"""Examples that show pmap or shard_map on purpose (batchnorm.py beside data_parallel)."""
+
+
+def test_every_other_example_builds_its_step_with_data_parallel():
+  for name in sorted(os.listdir(os.path.join(ROOT, "examples"))):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(ROOT, "examples", name)) as f:
+      source = f.read()
+    if name in SHOWCASES:
+      assert SHOWCASES[name] in source, name
+    else:
+      assert "data_parallel(" in source, f"{name} builds its step without jaxcomp.data_parallel"
+      assert "jax.pmap(" not in source and "jax.shard_map" not in source, name
+
+
 def run_example(name, *args):
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], cwd=ROOT,
                         env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,

@@ -1,5 +1,6 @@
 """The slow-link harness (``jaxcomp.train.link``): rates, the refusal messages, a link that is really
-rate-limited, and a namespace that is gone on every exit path.
+rate-limited, a namespace that is gone on every exit path, and workers that time the main job's
+``data_parallel`` steps without torch.
 
 The namespace tests need root and the ``ip`` / ``tc`` commands; where they are missing they skip with
 that reason (CI runs as root, so there they run).
@@ -12,9 +13,10 @@ import sys
 import textwrap
 import time
 
+import jax
 import pytest
 
-from jaxcomp.train import link
+from jaxcomp.train import link, tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REASON = link.unavailable_reason()
@@ -179,3 +181,26 @@ def test_added_latency_works_or_says_netem_is_missing():
     assert "\n" not in str(e)
   assert not any(n.startswith(link.PREFIX + str(os.getpid()))
                  for n in _namespaces().split())
+
+
+@needs_link
+def test_workers_time_the_main_jobs_data_parallel_steps_without_torch(tmp_path, monkeypatch):
+  blocker = tmp_path / "torch"
+  blocker.mkdir()
+  (blocker / "__init__.py").write_text("raise ImportError('jaxcomp imported torch')\n")
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), ROOT]))  # the workers' too
+  job = link.Job(task="digits", quick=True, seed=0, batch_size=16, world=2, rates=["none"],
+                 programs={"allreduce": ["allreduce", {}], "fp16": ["fp16", {}]}, rounds=1,
+                 round_seconds=0.05, check={"rate": "none", "names": ["fp16"], "steps": 3})
+  try:
+    result = link.run_job(job, timeout=600, log=lambda line: None)
+  finally:
+    assert not any(n.startswith(f"{link.PREFIX}{os.getpid()}-") for n in _namespaces().split())
+  dense = 4 * sum(x.size for x in jax.tree.leaves(tasks.digits(quick=True).init(0)))
+  # data_parallel's step: the compressor's mean and nothing else, not even a mean of the loss (the
+  # losses come back per device).
+  assert result["collectives"] == {"allreduce": [["all-reduce", dense]],
+                                   "fp16": [["all-reduce", dense // 2]]}
+  assert set(result["links"]["none"]["seconds"]) == {"allreduce", "fp16"}
+  losses = result["checks"]["fp16"]["losses"]
+  assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)

@@ -1,18 +1,19 @@
 """The main job: train a Flax model once per compressor and compare them (``python -m jaxcomp.train``).
 
 Every compressor trains the same model from the same initial parameters on the same batches, on N
-data-parallel devices (simulated CPU devices unless the host has accelerators), with
-``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum
-itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its paper; 1-bit Adam is a whole
-optimizer with its own learning rate, so nothing follows it); local SGD and DiLoCo wrap
-``chain(clip_by_global_norm(1), sgd(lr, momentum=0.9))`` as their inner optimizer, and their bytes per
-step are those of a sync step divided by its period. Each compressor runs the recipe of
-``jaxcomp.train.registry`` for the run's length (PowerSGD's ``start_iter`` and DGC's warm-up over the
-first 10% of the steps, 1-bit Adam's dense Adam over the first 20%); the bytes are those of a
-compressed step. The compressors advance
-side by side — step t of every compressor before step t + 1 of any — so their step times are measured
-under the same load. After ``--steps``, compressors that have not yet reached allreduce's final
-held-out loss (the target) go on, up to ``--max-steps``.
+data-parallel devices (simulated CPU devices unless the host has accelerators), in the step users
+are told to build — ``jaxcomp.data_parallel``'s loss-function form over a one-axis mesh
+(``make_step``) — with ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))``
+(DGC applies the momentum itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its
+paper; 1-bit Adam is a whole optimizer with its own learning rate, so nothing follows it); local SGD
+and DiLoCo wrap ``chain(clip_by_global_norm(1), sgd(lr, momentum=0.9))`` as their inner optimizer,
+and their bytes per step are those of a sync step divided by its period. Each compressor runs the
+recipe of ``jaxcomp.train.registry`` for the run's length (PowerSGD's ``start_iter`` and DGC's
+warm-up over the first 10% of the steps, 1-bit Adam's dense Adam over the first 20%); the bytes are
+those of a compressed step. The compressors advance side by side — step t of every compressor before
+step t + 1 of any — so their step times are measured under the same load. After ``--steps``,
+compressors that have not yet reached allreduce's final held-out loss (the target) go on, up to
+``--max-steps``.
 
 Outputs: a table on stdout (also ``OUT/results.md``; raw numbers in ``OUT/results.json``) with, per
 compressor, the bytes each device sends per step in the steady state (``jaxcomp.report`` reading the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -40,6 +42,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+import optax
 
 from jaxcomp.train import registry
 
@@ -228,28 +231,106 @@ class Run:
     return sum(self.link_seconds[self.phase_at(t)] for t in range(steps))
 
 
-def _replicate(tree, n):
+def make_mesh(devices) -> "jax.sharding.Mesh":
+  """The data-parallel mesh: one ``AXIS`` over ``devices`` (an Auto axis, left to the partitioner
+  outside the step, as ``jaxcomp.data_parallel`` expects of pmap-style code)."""
+  from jax.sharding import AxisType, Mesh
+  return Mesh(np.asarray(devices), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """A task's data-parallel training step under one optimizer, built by ``jaxcomp.data_parallel``.
+
+  Attributes:
+    dp: the ``jaxcomp.DataParallel`` (its loss-function form, with the optimizer); ``dp.shard``
+      places a batch.
+    run: the jitted step with the parameters and the optimizer state donated: ``run(params,
+      opt_state, inputs, targets) -> (params, opt_state, losses)``, one loss per device.
+    start: ``start(params) -> (params, opt_state)`` placed on the mesh for ``run``, from one
+      device's parameters.
+  """
+  dp: "jaxcomp.DataParallel"
+  run: Callable
+  start: Callable
+
+  def lower(self, params, opt_state, inputs, targets):
+    """The lowered step (``as_text()``, ``compile()``) for a global batch of host arrays."""
+    return self.run.lower(params, opt_state, *self.dp.shard((inputs, targets)))
+
+
+def _start(dp, params) -> tuple:
+  """``(params, opt_state)`` as ``dp.step`` takes them: the optimizer state from ``dp.make_state``,
+  the parameters from ``dp.make_params`` (stacked, one copy per device, for local SGD and DiLoCo,
+  which move each device's copy on its own between synchronizations)."""
+  opt_state = dp.make_state(params)
+  return dp.make_params(params), opt_state
+
+
+def _unchecked(task, tx, mesh) -> tuple:
+  """``(run, start)`` of DGC's step: ``jax.shard_map(check_vma=False)`` (pmap's semantics), with
+  ``data_parallel``'s batch and losses, until DGC runs under ``data_parallel``.
+
+  DGC's mean is the same on every device, but it is built on ``jnp.zeros_like`` of the per-device
+  ``v`` (``_zeros`` in ``jaxcomp/_src/dgc.py``), so it is typed per device: ``data_parallel``
+  refuses replicated parameters updated with it, and the warm-up's ``lax.switch`` refuses a dense
+  stage (typed replicated) beside a sparse one. ``jnp.zeros(like.shape, like.dtype)`` there fixes
+  both; ``tests/test_train.py`` fails on purpose when it does, so that this goes.
+  """
   import jax
-  return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + np.shape(x)), tree)
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
+  import jaxcomp
+  specs = jaxcomp.state_partition_specs(tx, task.init(0), axis_name=AXIS)
 
-def _first_replica(tree):
-  """Device 0's copy of pmap-replicated arrays, on the host (no indexing op to compile)."""
-  import jax
-  return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
-
-
-def make_step(task, tx):
-  """The data-parallel training step: per-device loss and gradient, then the optax chain."""
-  import jax
-  import optax
-
-  def step(params, opt_state, inputs, targets):
+  def local(params, opt_state, inputs, targets):
     loss, grads = jax.value_and_grad(task.loss)(params, inputs, targets)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), opt_state, loss[None]
 
-  return step
+  run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
+                              out_specs=(P(), specs, P(AXIS)), check_vma=False),
+                donate_argnums=(0, 1))
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+  def start(params):
+    # From the host: device_put would reuse the buffer of an array already on one of the devices
+    # (may_alias=False too), which run's donation would then delete under the caller.
+    params = jax.device_put(jax.tree.map(np.asarray, params), NamedSharding(mesh, P()))
+    return params, init(params)
+
+  return run, start
+
+
+def make_step(task, entry, tx, mesh) -> Step:
+  """The training step of ``task`` (its ``loss``) with ``tx``, registry ``entry``'s optimizer,
+  over ``mesh``'s ``AXIS``.
+
+  ``jaxcomp.data_parallel`` builds it: per-device loss and gradient (of a per-device copy of the
+  parameters, so that autodiff adds no all-reduce of its own), then ``tx``, whose compressor is the
+  cross-device mean. Its jitted step does not donate; ``run`` jits the same global step again with
+  the parameters and the optimizer state donated, as a training loop wants. (DGC's step is built
+  around it for now: ``_unchecked``.)
+  """
+  import jax
+
+  import jaxcomp
+  dp = jaxcomp.data_parallel(task.loss, mesh, axis_name=AXIS, tx=tx)
+  if entry.factory in (jaxcomp.dgc, jaxcomp.coarse_dgc):
+    return Step(dp, *_unchecked(task, tx, mesh))
+  # dp.step calls its jitted function under the mesh; on an Auto mesh the jitted function alone
+  # is the same step, and jitting it again adds the donation data_parallel does not offer.
+  return Step(dp, jax.jit(dp.step.__wrapped__, donate_argnums=(0, 1)),
+              functools.partial(_start, dp))
+
+
+def first_copy(params, like):
+  """Device 0's copy of the step's parameters, on the host, shaped as ``like`` (one device's
+  parameters): replicated leaves are the parameters, stacked ones (local SGD, DiLoCo) hold one
+  copy per device. Read from the device's shard: no indexing program to compile."""
+  import jax
+  first = lambda x, ref: np.asarray(x.addressable_shards[0].data).reshape(np.shape(ref))
+  return jax.tree.map(first, params, like)
 
 
 def phase_programs(names: Sequence[str], steps: int) -> dict:
@@ -277,20 +358,17 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   from jaxcomp.train import link
 
   n = len(devices)
+  mesh = make_mesh(devices)
   max_steps = max(max_steps or steps, steps)
   every = max(steps // EVALUATIONS, 1)
   params0 = task.init(seed)
   x0, y0 = task.batch(seed, 0, batch_size)
-  shard = lambda a: a.reshape((n, -1) + a.shape[1:])
-  # Placed as pmap places its outputs, so that the step compiles once, not again at step 2.
-  params = jax.pmap(lambda x: x, devices=devices)(_replicate(params0, n))
 
   def wire_bytes(entry, **settings):
     """Bytes per step of ``entry``'s steady state with ``settings``: requested (before XLA
     optimises), and the lowered step (compile it for what is sent)."""
-    tx = task.optimizer(entry, **settings)
-    lowered = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices).lower(
-        params, jax.pmap(tx.init, devices=devices)(params), shard(x0), shard(y0))
+    step = make_step(task, entry, task.optimizer(entry, **settings), mesh)
+    lowered = step.lower(*step.start(params0), x0, y0)
     return entry.bytes_per_step(parse_hlo(lowered.as_text(dialect="hlo"), n)), lowered
 
   programs = phase_programs(names, steps)
@@ -302,9 +380,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   runs, states = [], []
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
-    tx = task.optimizer(entry, steps=steps)
-    step = jax.pmap(make_step(task, tx), axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
-    opt_state = jax.pmap(tx.init, devices=devices)(params)
+    step = make_step(task, entry, task.optimizer(entry, steps=steps), mesh)
     phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(steps)]
     # A narrow wire dtype's bytes as XLA compiles them: more than requested where it widens bf16.
     requested, note = program_bytes[phases[-1][1]], ""
@@ -316,7 +392,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
     run = Run(name, steps, phases, {key: program_bytes[key] for _, key in phases}, requested, note)
     run.evals.append((0,) + task.evaluate(params0))
     runs.append(run)
-    states.append([step, jax.tree.map(lambda x: x.copy(), params), opt_state])
+    states.append([step, *step.start(params0)])
 
   bar = tqdm.tqdm(total=steps * len(names), desc=f"{task.name} x{len(names)}", unit="step",
                   disable=not progress, file=sys.stderr, mininterval=0.5)
@@ -332,16 +408,17 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
       bar.total += len(active) * (max_steps - steps)
     if not active:
       break
-    inputs, targets = (shard(a) for a in task.batch(seed, t, batch_size))
+    batch = task.batch(seed, t, batch_size)
     for i in active:
-      run, state = runs[i], states[i]
+      run, (step, params, opt_state) = runs[i], states[i]
       start = time.perf_counter()
-      state[1], state[2], loss = state[0](state[1], state[2], inputs, targets)
+      params, opt_state, loss = step.run(params, opt_state, *step.dp.shard(batch))
       loss = float(np.mean(jax.device_get(loss)))  # blocks every step (XLA:CPU needs it)
       run.step_seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
+      states[i] = [step, params, opt_state]
       if (t + 1) % every == 0 or t + 1 == steps:
-        run.evals.append((t + 1,) + task.evaluate(_first_replica(state[1])))
+        run.evals.append((t + 1,) + task.evaluate(first_copy(params, params0)))
       bar.set_postfix_str(f"{run.name} loss {loss:.3f}", refresh=False)
       bar.update()
     if target is not None:

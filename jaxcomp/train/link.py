@@ -24,9 +24,11 @@ added latency cannot be emulated here: asking for it fails with that message. Th
 has is measured instead (``probe``: a TCP ping-pong inside the namespace) and fed to the α-β model.
 
 Jobs: ``run_job`` starts W workers (``python -m jaxcomp.train.link --worker``), one CPU device each,
-joined by ``jax.distributed.initialize`` on 127.0.0.1 (gloo collectives). For each rate in turn the
-workers set the link (rank 0 runs ``tc`` inside the namespace), measure it, and time every program —
-a compressor's training step in the steady state of one phase of its recipe (``registry.Phase``) —
+joined by ``jax.distributed.initialize`` on 127.0.0.1 (gloo collectives). Their steps are the main
+job's (``jaxcomp.train.job.make_step``): ``jaxcomp.data_parallel`` over a mesh of the W workers'
+devices, each worker feeding its own rows of the batch. For each rate in turn the workers set the
+link (rank 0 runs ``tc`` inside the namespace), measure it, and time every program — a compressor's
+training step in the steady state of one phase of its recipe (``registry.Phase``) —
 side by side: round after round, every program runs a few steps in a rotating order, so that a busy
 machine slows them alike; the median over rounds is reported. Optionally the workers then train whole
 runs of some compressors' recipes over one of the links, timing the whole run (``check``): the sum of
@@ -60,7 +62,7 @@ PREFIX = "jaxcomp-"  # namespace names: jaxcomp-<pid of the creating process>-<r
 MTU = 9000
 BURST = "256kb"
 LIMIT = "64mb"
-JAX_PORT, TORCH_PORT, PROBE_PORT = 12355, 12356, 12357
+JAX_PORT, PROBE_PORT = 12355, 12357
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 WORKER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
@@ -315,7 +317,7 @@ class Job:
     round_seconds: each program runs enough steps per round to take about this long (at most 20).
     check: ``{"rate": ..., "names": [...], "steps": N}``: afterwards, train each named compressor's
       recipe for N steps over that link and time the whole run; or None.
-    extra: anything an extended worker needs (the torch comparison of benchmarks/slow_link.py).
+    extra: anything a worker started with ``extra_programs`` needs (``worker_main``).
   """
   task: str
   quick: bool
@@ -394,7 +396,9 @@ def program_key(name: str, settings: dict) -> str:
 
 
 class _Worker:
-  """One worker process: jax.distributed over the namespace's loopback, one CPU device."""
+  """One worker process: jax.distributed over the namespace's loopback, one CPU device; its steps
+  are the main job's (``job.make_step``: ``jaxcomp.data_parallel`` over a mesh of every worker's
+  device)."""
 
   def __init__(self, job: Job, rank: int):
     import jax
@@ -403,13 +407,11 @@ class _Worker:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{JAX_PORT}",
                                num_processes=job.world, process_id=rank,
                                heartbeat_timeout_seconds=120)
-    from jax.sharding import AxisType, Mesh
-    import numpy as np
-
+    from jaxcomp.train import job as job_lib
     from jaxcomp.train import tasks
     self.job, self.rank = job, rank
     self.task = tasks.get(job.task, quick=job.quick)
-    self.mesh = Mesh(np.array(jax.devices()), (AXIS,), axis_types=(AxisType.Auto,))
+    self.mesh = job_lib.make_mesh(jax.devices())
     self.rows = job.batch_size // job.world
 
   def say(self, text: str) -> None:
@@ -438,63 +440,41 @@ class _Worker:
     self.steps_timed = getattr(self, "steps_timed", 0) + 1
     return self.steps_timed
 
-  def batch(self, step: int):
-    """This step's global batch as arrays sharded over the workers (each feeds its own rows)."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    sharding = NamedSharding(self.mesh, P(AXIS))
-    return tuple(jax.make_array_from_process_local_data(
-        sharding, rows, (self.job.batch_size,) + rows.shape[1:]) for rows in self.local_batch(step))
-
   def compressor_step(self, name: str, steps: Optional[int] = None, settings: Optional[dict] = None):
-    """``(step, params, opt_state, collectives)`` of one compressor: its recipe for ``steps``
-    steps, or its steady state with ``settings``."""
-    import functools
+    """``(run, collectives)`` of one compressor's training step, its recipe for ``steps`` steps or
+    its steady state with ``settings``: ``run(t)`` takes the step on the batch of step ``t`` and
+    returns this worker's loss (numpy, so it has blocked until every worker finished the step);
+    ``collectives`` are ``[op, bytes each worker contributes]`` of the compiled step."""
+    import numpy as np
 
-    import jax
-    import optax
-    from jax import lax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import jaxcomp
     from jaxcomp._src.report import parse_hlo
+    from jaxcomp.train import job as job_lib
     from jaxcomp.train import registry
 
-    tx = self.task.optimizer(registry.REGISTRY[name], steps=steps, **(settings or {}))
-    params = self.task.init(self.job.seed)
-    specs = jaxcomp.state_partition_specs(tx, params, axis_name=AXIS)
-    params = jax.device_put(params, NamedSharding(self.mesh, P()))
-    opt_state = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(), out_specs=specs))(
-        params)
-
-    # check_vma=False: pmap's semantics (no all-reduce inserted by autodiff; DGC's scattered mean
-    # is not typed as replicated), the same program as the main job's pmap step.
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    @functools.partial(jax.shard_map, mesh=self.mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                       out_specs=(P(), specs, P()), check_vma=False)
-    def step(params, opt_state, inputs, targets):
-      loss, grads = jax.value_and_grad(self.task.loss)(params, inputs, targets)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, AXIS)
-
-    compiled = step.lower(params, opt_state, *self.batch(0)).compile()
+    entry = registry.REGISTRY[name]
+    tx = self.task.optimizer(entry, steps=steps, **(settings or {}))
+    step = job_lib.make_step(self.task, entry, tx, self.mesh)
+    state = list(step.start(self.task.init(self.job.seed)))
+    compiled = step.run.lower(*state, *step.dp.shard(self.local_batch(0))).compile()
     report = parse_hlo(compiled.as_text(), self.job.world)
     collectives = [[c.op, c.payload_bytes / (c.group_size if c.op == "all-gather" else 1)]
                    for c in report.collectives]
-    return compiled, params, opt_state, collectives
+
+    def run(t):
+      state[0], state[1], losses = compiled(*state, *step.dp.shard(self.local_batch(t)))
+      return np.asarray(losses.addressable_data(0))[0]
+    return run, collectives
 
   def jax_programs(self) -> tuple:
     """``({key: run(k)}, {key: collectives})``: each ``run(k)`` takes ``k`` steps on fresh batches,
     blocking."""
     runners, collectives = {}, {}
     for key, (name, settings) in self.job.programs.items():
-      compiled, params, opt_state, collectives[key] = self.compressor_step(name, settings=settings)
-      state = [params, opt_state]
+      step, collectives[key] = self.compressor_step(name, settings=settings)
 
-      def run(k, compiled=compiled, state=state):
+      def run(k, step=step):
         for _ in range(k):
-          state[0], state[1], loss = compiled(state[0], state[1], *self.batch(self.next_step()))
-          float(loss.addressable_data(0))  # blocks: every worker finished the step
+          step(self.next_step())
       runners[key] = run
       self.say(f"compiled {key}")
     return runners, collectives
@@ -519,21 +499,22 @@ class _Worker:
     return times
 
   def check_run(self, name: str, steps: int) -> dict:
-    """Trains ``name``'s recipe for ``steps`` steps; the whole run is timed (batches included)."""
-    import jax
-    compiled, params, opt_state, _ = self.compressor_step(name, steps=steps)
+    """Trains ``name``'s recipe for ``steps`` steps; the whole run is timed (batches included).
+    ``losses``: each step's loss, the mean over the workers (gathered after the timed run)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    step, _ = self.compressor_step(name, steps=steps)
     self.barrier(f"check {name}")
-    losses = []
     start = time.perf_counter()
-    for t in range(steps):
-      params, opt_state, loss = compiled(params, opt_state, *self.batch(t))
-      losses.append(float(loss.addressable_data(0)))
+    mine = [step(t) for t in range(steps)]
     total = time.perf_counter() - start
-    del jax
-    return {"seconds": total, "losses": losses}
+    losses = multihost_utils.process_allgather(np.asarray(mine, np.float32)).mean(axis=0)
+    return {"seconds": total, "losses": [float(v) for v in losses]}
 
   def run(self, extra_programs: Optional[Callable] = None) -> dict:
-    """Every link of the job in turn: set it, probe it, time the programs; then the check runs."""
+    """Every link of the job in turn: set it, probe it, time the programs (and those of
+    ``extra_programs(self)``: ``{key: run(k)}`` a benchmark times beside the jaxcomp steps); then
+    the check runs."""
     import numpy as np
     runners, collectives = self.jax_programs()
     if extra_programs is not None:
@@ -564,7 +545,12 @@ class _Worker:
 
 
 def worker_main(argv: Sequence[str], extra_programs: Optional[Callable] = None) -> int:
-  """``SPEC RANK OUT``: runs one worker of the job in SPEC; rank 0 writes the results to OUT."""
+  """``SPEC RANK OUT``: runs one worker of the job in SPEC; rank 0 writes the results to OUT.
+
+  ``extra_programs(worker) -> {key: run(k)}``: programs a benchmark times beside the jaxcomp steps,
+  round by round over every link (``benchmarks/torch_ddp.py``'s torch DDP steps); each ``run(k)``
+  takes ``k`` steps, blocking.
+  """
   spec, rank, out = argv
   with open(spec) as f:
     job = Job(**json.load(f))
