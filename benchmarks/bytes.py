@@ -23,12 +23,18 @@ minimum is computed here from the algorithm's definition, independently of jaxco
 * sign (EF-SignSGD): W·ceil(L/8) bytes of packed signs and W·4 per leaf of scales, all-gathered;
 * 1-bit Adam (compressed stage): W shards of S = 8·ceil(L / (8·W)) signs, W·S/8 bytes through an
   all-to-all and an all-gather each, and one 4-byte scale per device through each: 2·W·S/8 + 2·4·W;
+* chunked top-k (SparseLoCo's compressor, 64 of every 4,096 at 2 bits): per chunk of c elements
+  (leaves cut into ceil(numel/4096) near-equal chunks) keeping k_c = ceil(64·c/4096), a row of
+  ceil((k_c·l + k_c + ((c − 1) >> l) + 2·k_c) / 8) bytes (Elias–Fano positions, l = floor(log2(c /
+  k_c)), and 2-bit codes) plus 4 bytes of bfloat16 centroids, all-gathered (W rows);
 * stateful compressors add the 4-byte int32 all-reduce that checks that the gradient is finite on
   every device (their state must not absorb a NaN step);
 * local SGD and DiLoCo (``registry.PERIODIC``) send once every H steps: the parameters (local SGD) or
   the pseudo-gradient (DiLoCo) in f32, or through their compressor by its formula above, divided by
   H — amortised bytes per step. Their compiled step holds the sync in a conditional branch, which
-  ``Compressor.bytes_per_step`` divides by H.
+  ``Compressor.bytes_per_step`` divides by H. Streaming DiLoCo sends the same bytes over a period,
+  a fragment at a time; through int8 ``quantized`` each piece (a fragment's leaves cut in τ blocks of
+  rows) is padded on its own; SparseLoCo sends chunked top-k's bytes every 30 steps.
 
 Payload bytes are those of ``comm_report``: the reduced buffer for all-reduce, the gathered result (W
 contributions) for all-gather, the input for all-to-all. Under the ring algorithm an all-reduce sends
@@ -122,6 +128,41 @@ def _onebit_min(tree):
   return 2 * W * shard // 8 + 2 * 4 * W + FLAG
 
 
+def _chunked_topk_min(tree, k=64, chunk=4096, bits=2):
+  """SparseLoCo's chunk rows (Elias–Fano positions, codes, bfloat16 centroids), all-gathered."""
+  total = 0
+  for shape in _sizes(tree):
+    numel = math.prod(shape)
+    rows = -(-numel // chunk)
+    width = -(-numel // rows)
+    kept = min(width, -(-k * width // chunk))
+    low = max(int(math.log2(width / kept)), 0)
+    row_bits = kept * low + kept + ((width - 1) >> low) + kept * bits
+    total += rows * (-(-row_bits // 8) + 2 * 2 ** (bits - 1))
+  return W * total + FLAG
+
+
+def _streaming_quantized_min(tree, fragments, pieces):
+  """Streaming DiLoCo's pieces through ``quantized`` int8, each padded on its own: fragments strided
+  over the leaves of two or more dimensions (each other leaf with the next such leaf), every leaf
+  of a fragment cut along its first axis into ``pieces`` near-equal blocks of rows."""
+  shapes = _sizes(tree)
+  units = [i for i, s in enumerate(shapes) if len(s) >= 2] or list(range(len(shapes)))
+  owner = {unit: k % fragments for k, unit in enumerate(units)}
+  total = 0
+  for fragment in range(fragments):
+    held = [i for i in range(len(shapes))
+            if owner[i if i in owner else next((u for u in units if u > i), units[-1])] == fragment]
+    for piece in range(pieces):
+      numel = 0
+      for i in held:
+        rows = shapes[i][0] if shapes[i] else 1
+        numel += ((piece + 1) * rows // pieces - piece * rows // pieces) * math.prod(shapes[i][1:])
+      if numel:
+        total += _quantized_min({"piece": jax.ShapeDtypeStruct((numel,), "float32")})
+  return total
+
+
 def minimum(name: str, tree) -> float:
   """The algorithm's bytes per step per device (payload), computed from its definition."""
   numel = common.num_params(tree)
@@ -144,6 +185,10 @@ def minimum(name: str, tree) -> float:
       "quantized_fp8": lambda: _quantized_min(tree),
       "sign": lambda: _sign_min(tree),
       "onebit_adam": lambda: _onebit_min(tree),
+      "chunked_topk": lambda: _chunked_topk_min(tree),
+      "sparseloco_h30": lambda: _chunked_topk_min(tree) / 30,
+      "streaming_diloco_h20_p2": lambda: 4 * numel / 20,
+      "streaming_diloco_h100_p4_int8": lambda: _streaming_quantized_min(tree, 4, 2) / 100,
   }[name]()
 
 

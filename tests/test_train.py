@@ -93,16 +93,8 @@ def _step(task, name, tx=None, **settings):
                        job.make_mesh(jax.devices()[:W]))
 
 
-_DGC_TYPED_PER_DEVICE = pytest.mark.xfail(
-    strict=True, reason="DGC's mean is typed per device (jnp.zeros_like of the per-device v in "
-    "jaxcomp/_src/dgc.py's _zeros): data_parallel refuses it, so job._unchecked builds DGC's step. "
-    "When this passes, drop job._unchecked.")
-
-
 @pytest.mark.parametrize("name", ["allreduce", "fp16", "powersgd_r1", "onebit_adam", "local_sgd_h8",
-                                  "diloco_h20_fp16",
-                                  pytest.param("dgc", marks=_DGC_TYPED_PER_DEVICE),
-                                  pytest.param("coarse_dgc", marks=_DGC_TYPED_PER_DEVICE)])
+                                  "diloco_h20_fp16", "dgc", "coarse_dgc"])
 def test_the_jobs_step_is_data_parallel_and_sends_only_the_compressors_collectives(digits, name):
   step = _step(digits, name)
   params, opt_state = step.start(digits.init(0))
@@ -169,14 +161,6 @@ def test_the_jobs_step_trains_as_the_pmap_step_did(digits, name):
   np.testing.assert_allclose(np.stack(losses), ref_losses, **tol)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol),
                job.first_copy(params, digits.init(0)), ref_params)
-
-
-@_DGC_TYPED_PER_DEVICE
-def test_dgc_updates_replicated_parameters_under_data_parallel(digits):
-  dp = jaxcomp.data_parallel(digits.loss, job.make_mesh(jax.devices()[:W]), axis_name=job.AXIS,
-                             tx=digits.optimizer(registry.REGISTRY["dgc"]))
-  params = digits.init(0)
-  dp.step.lower(params, dp.make_state(params), *dp.shard(digits.batch(0, 0, 8 * W)))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -267,41 +267,6 @@ def _start(dp, params) -> tuple:
   return dp.make_params(params), opt_state
 
 
-def _unchecked(task, tx, mesh) -> tuple:
-  """``(run, start)`` of DGC's step: ``jax.shard_map(check_vma=False)`` (pmap's semantics), with
-  ``data_parallel``'s batch and losses, until DGC runs under ``data_parallel``.
-
-  DGC's mean is the same on every device, but it is built on ``jnp.zeros_like`` of the per-device
-  ``v`` (``_zeros`` in ``jaxcomp/_src/dgc.py``), so it is typed per device: ``data_parallel``
-  refuses replicated parameters updated with it, and the warm-up's ``lax.switch`` refuses a dense
-  stage (typed replicated) beside a sparse one. ``jnp.zeros(like.shape, like.dtype)`` there fixes
-  both; ``tests/test_train.py`` fails on purpose when it does, so that this goes.
-  """
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  import jaxcomp
-  specs = jaxcomp.state_partition_specs(tx, task.init(0), axis_name=AXIS)
-
-  def local(params, opt_state, inputs, targets):
-    loss, grads = jax.value_and_grad(task.loss)(params, inputs, targets)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss[None]
-
-  run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                              out_specs=(P(), specs, P(AXIS)), check_vma=False),
-                donate_argnums=(0, 1))
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-
-  def start(params):
-    # From the host: device_put would reuse the buffer of an array already on one of the devices
-    # (may_alias=False too), which run's donation would then delete under the caller.
-    params = jax.device_put(jax.tree.map(np.asarray, params), NamedSharding(mesh, P()))
-    return params, init(params)
-
-  return run, start
-
-
 def make_step(task, entry, tx, mesh) -> Step:
   """The training step of ``task`` (its ``loss``) with ``tx``, registry ``entry``'s optimizer,
   over ``mesh``'s ``AXIS``.
@@ -309,15 +274,12 @@ def make_step(task, entry, tx, mesh) -> Step:
   ``jaxcomp.data_parallel`` builds it: per-device loss and gradient (of a per-device copy of the
   parameters, so that autodiff adds no all-reduce of its own), then ``tx``, whose compressor is the
   cross-device mean. Its jitted step does not donate; ``run`` jits the same global step again with
-  the parameters and the optimizer state donated, as a training loop wants. (DGC's step is built
-  around it for now: ``_unchecked``.)
+  the parameters and the optimizer state donated, as a training loop wants.
   """
   import jax
 
   import jaxcomp
   dp = jaxcomp.data_parallel(task.loss, mesh, axis_name=AXIS, tx=tx)
-  if entry.factory in (jaxcomp.dgc, jaxcomp.coarse_dgc):
-    return Step(dp, *_unchecked(task, tx, mesh))
   # dp.step calls its jitted function under the mesh; on an Auto mesh the jitted function alone
   # is the same step, and jitting it again adds the donation data_parallel does not offer.
   return Step(dp, jax.jit(dp.step.__wrapped__, donate_argnums=(0, 1)),
@@ -369,7 +331,8 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
     optimises), and the lowered step (compile it for what is sent)."""
     step = make_step(task, entry, task.optimizer(entry, **settings), mesh)
     lowered = step.lower(*step.start(params0), x0, y0)
-    return entry.bytes_per_step(parse_hlo(lowered.as_text(dialect="hlo"), n)), lowered
+    text = lowered.as_text(dialect="hlo", debug_info=True)  # keeps the phases' labels
+    return entry.bytes_per_step(parse_hlo(text, n)), lowered
 
   programs = phase_programs(names, steps)
   program_bytes = {}
