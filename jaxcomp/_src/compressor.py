@@ -218,8 +218,8 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
     return apply(updates, state, None, lambda x: x.shape)
 
   def scatter_fn(updates, state):
-    world = axis.axis_size(axis_name)
-    return apply(updates, state, algorithm.scatter, lambda x: shards.shard_shape(x.shape, world))
+    cut = shards.layout(axis_name)
+    return apply(updates, state, algorithm.scatter, lambda x: cut.shape(x.shape))
 
   update_fn.scatter = scatter_fn if algorithm.scatter else _owning(update_fn, axis_name)
   return optax.GradientTransformation(init_fn, update_fn)

@@ -563,8 +563,8 @@ class DataParallel:
                            axis_names=set(axes), check_vma=True)(_to_auto(auto, params))
 
   def _abstract_state(self, params):
-    """The loss form's optimizer state as ``jax.ShapeDtypeStruct``\\ s (made on the devices, as a
-    sharded optimizer's must be), each leaf with a leading axis of W: its structure is what counts."""
+    """The loss form's optimizer state as ``jax.ShapeDtypeStruct``\\ s, made on the devices (as a
+    sharded optimizer's must be), each leaf with a leading axis of W: for its structure."""
     return jax.eval_shape(self._init_per_device, params)
 
   def _init_on_devices(self, params):
@@ -640,8 +640,8 @@ def _refuse_sharded_state(tree) -> None:
     raise ValueError(
         "tree holds a jaxcomp.sharded_optimizer state, which is made on each device (each keeps "
         "its own shards), so one device's state cannot be copied to the others. Use the "
-        "loss-function form, data_parallel(loss_fn, mesh, tx=tx) with arrays as the parameters: its "
-        "make_state(params) makes it on every device (an nnx model: nnx.split it and pass the "
+        "loss-function form, data_parallel(loss_fn, mesh, tx=tx) with arrays as the parameters: "
+        "its make_state(params) makes it on every device (an nnx model: nnx.split it and pass the "
         "nnx.Param state as the parameters)")
 
 

@@ -1,4 +1,4 @@
-"""Sharded optimizer state (ZeRO-1/2) with compressed exchanges: reduce-scatter, update a shard, gather.
+"""Sharded optimizer state (ZeRO-1/2), compressed exchanges: reduce-scatter, update a shard, gather.
 
 Models that fill their accelerators shard the optimizer state over the data-parallel devices
 (DeepSpeed ZeRO-1/2, PyTorch FSDP's ``SHARD_GRAD_OP``, ``jax.jit`` with sharded optimizer state).
@@ -29,10 +29,10 @@ Bytes per device per step (ring): (W−1)/W·N values in the exchange's wire dty
 reduce-scatter and (W−1)/W·N in the gather dtype, against 2·(W−1)/W·N float32 values for an
 all-reduce; the padding of each leaf to a multiple of W adds at most W − 1 values per leaf to each.
 
-**What the optimizer may do.** It sees one shard of each leaf. Elementwise optimizers (SGD, momentum,
-Adam, AdamW, Lion, RMSProp, Adagrad, ...; masks on the rank, which shards keep) compute on a shard
-exactly what they compute on that part of the whole leaf. Two things would silently differ, and are
-refused while the step is traced, naming what was found:
+**What the optimizer may do.** It sees one shard of each leaf. Elementwise optimizers (SGD,
+momentum, Adam, AdamW, Lion, RMSProp, Adagrad, ...; masks on the rank, which shards keep) compute on
+a shard exactly what they compute on that part of the whole leaf. Two things would silently differ,
+and are refused while the step is traced, naming what was found:
 
 * a computation that depends on a leaf's shape (Adafactor's factored moments, a mask on a
   dimension's size): the optimizer's program on the shards differs from its program on the leaves;
@@ -44,8 +44,9 @@ refused while the step is traced, naming what was found:
   is refused too.
 
 References:
-  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC 2020
-  (https://arxiv.org/abs/1910.02054): optimizer state (stage 1) and gradients (stage 2) partitioned.
+  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+  SC 2020 (https://arxiv.org/abs/1910.02054): optimizer state (stage 1) and gradients (stage 2)
+  partitioned.
   Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model Training", 2023
   (https://arxiv.org/abs/2306.10209): qgZ, the quantized gradient reduce-scatter; qwZ, the quantized
   weight all-gather.
@@ -113,7 +114,7 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
                       optimizer: optax.GradientTransformation, *,
                       gather_dtype: Optional[str] = None,
                       axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
-  """``optax.chain(exchange, optimizer)`` with the optimizer's state sharded over the devices (ZeRO).
+  """``optax.chain(exchange, optimizer)`` with the optimizer's state sharded over the devices.
 
   Each device keeps 1/W of the optimizer's state, receives its shard of the mean gradient (a
   reduce-scatter through the jaxcomp compressor ``exchange``), updates that shard of the parameters,
@@ -156,8 +157,9 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
   if not isinstance(exchange, optax.GradientTransformation) or scatter is None:
     raise TypeError(
         "exchange must be a jaxcomp compressor, the cross-device mean that sharded_optimizer turns "
-        "into a reduce-scatter (jaxcomp.allreduce(), jaxcomp.bf16_compress(), jaxcomp.powersgd(...), "
-        f"...); got {_describe(exchange)}. Pass the optimizer alone as the second argument")
+        "into a reduce-scatter (jaxcomp.allreduce(), jaxcomp.bf16_compress(), "
+        f"jaxcomp.powersgd(...), ...); got {_describe(exchange)}. Pass the optimizer alone as the "
+        "second argument")
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(f"optimizer must be an optax.GradientTransformation; got {optimizer!r}")
   gather_dtype = validate.choice(gather_dtype, "gather_dtype", GATHER_DTYPES)
@@ -309,7 +311,8 @@ def _shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list) -> list:
     A frozenset of reductions per output.
   """
   taint = dict(zip(jaxpr.invars, taints))
-  of = lambda v: frozenset() if isinstance(v, jax.extend.core.Literal) else taint.get(v, frozenset())
+  of = lambda v: (frozenset() if isinstance(v, jax.extend.core.Literal)
+                  else taint.get(v, frozenset()))
   for eqn in jaxpr.eqns:
     inputs = frozenset().union(*(of(v) for v in eqn.invars))
     names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
@@ -345,6 +348,23 @@ def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple
     vary = lambda tree: jax.tree.map(lambda x: axis.make_varying(x, tuple(axes)), tree)
   update = lambda *args: optimizer.update(*vary(args))
   on_shards = jax.make_jaxpr(update)(*shard_args)
+  if axis.axis_size(axis_name) > 1:
+    exchanged: list = []
+    reductions = frozenset().union(*_shard_local(
+        on_shards.jaxpr, [frozenset()] * len(on_shards.jaxpr.invars), axes, exchanged))
+    if exchanged:
+      raise ValueError(
+          f"sharded_optimizer: the optimizer communicates over {axis_name!r} on the shards "
+          f"themselves ({'; '.join(exchanged)}): a compressor inside it? The exchange is "
+          "sharded_optimizer's first argument; pass the optimizer alone as the second")
+    if reductions:
+      raise ValueError(
+          "sharded_optimizer: the optimizer reduces over the elements of a leaf, and would see "
+          f"only this device's shard ({'; '.join(sorted(reductions))}). Sum such a reduction over "
+          f"{axis_name!r} (jaxcomp.axis.psum): jaxcomp.sharded_clip_by_global_norm replaces "
+          "optax.clip_by_global_norm; jaxcomp.skip_if_nonfinite(sharded_optimizer(...), n) "
+          "replaces optax.apply_if_finite inside it; a per-leaf norm (LAMB, LARS) needs the whole "
+          "leaf: use optax.chain(exchange, optimizer)")
   whole = signature.unflatten([jax.ShapeDtypeStruct(s, d)
                                for s, d in zip(signature.shapes, signature.dtypes)])
   on_leaves = jax.make_jaxpr(update)(whole, jax.eval_shape(optimizer.init, whole), whole)
@@ -355,20 +375,3 @@ def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple
         "dimension's size, a matrix method such as Muon), which a shard does not keep. Use an "
         "elementwise optimizer (SGD, Adam, AdamW, Lion, ...) or optax.chain(exchange, optimizer) "
         "without sharding")
-  if axis.axis_size(axis_name) == 1:
-    return
-  exchanged: list = []
-  reductions = frozenset().union(*_shard_local(
-      on_shards.jaxpr, [frozenset()] * len(on_shards.jaxpr.invars), axes, exchanged))
-  if exchanged:
-    raise ValueError(
-        f"sharded_optimizer: the optimizer communicates over {axis_name!r} on the shards "
-        f"themselves ({'; '.join(exchanged)}): a compressor inside it? The exchange is "
-        "sharded_optimizer's first argument; pass the optimizer alone as the second")
-  if reductions:
-    raise ValueError(
-        "sharded_optimizer: the optimizer reduces over the elements of a leaf, and would see "
-        f"only this device's shard ({'; '.join(sorted(reductions))}). Sum such a reduction over "
-        f"{axis_name!r} (jaxcomp.axis.psum): jaxcomp.sharded_clip_by_global_norm replaces "
-        "optax.clip_by_global_norm; jaxcomp.skip_if_nonfinite(sharded_optimizer(...), n) replaces "
-        "optax.apply_if_finite inside it; a per-leaf norm (LAMB, LARS) needs the whole leaf: use optax.chain(exchange, optimizer)")

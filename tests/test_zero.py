@@ -1,0 +1,301 @@
+"""``jaxcomp.sharded_optimizer`` (sharded optimizer state, ZeRO-1/2) under
+``jaxcomp.data_parallel``: with exact exchanges it trains as ``optax.chain(exchange, optimizer)``
+does at W = 1, 2, 4, 8 with leaf sizes no W divides, while each device keeps 1/W of the optimizer
+state; it sends a reduce-scatter and an all-gather (in 16 bits where asked); a lossy gather keeps an
+exact master the parameters follow; it works on a (data, model) mesh and through an orbax
+checkpoint; and it refuses every optimizer that would compute something else on a shard than on
+the whole leaf."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxcomp
+from jaxcomp._src import shards
+from helpers import rounding_tol
+
+pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
+
+STEPS = 3
+
+
+def init_params(hidden=7):
+  """Leaf sizes 35, 7, 21 and 1 (hidden = 7): none is a multiple of 2, 4 or 8."""
+  rng = np.random.default_rng(0)
+  return {"w1": rng.normal(size=(5, hidden)).astype(np.float32),
+          "b1": np.zeros(hidden, np.float32),
+          "w2": rng.normal(size=(hidden, 3)).astype(np.float32),
+          "scale": np.float32(1.5)}
+
+
+def loss_fn(params, x, y):
+  hidden = jnp.tanh(x @ params["w1"] + params["b1"])
+  return jnp.mean((hidden @ params["w2"] * params["scale"] - y) ** 2)
+
+
+def batches(n=STEPS, rows=16, seed=1):
+  rng = np.random.default_rng(seed)
+  return [(rng.normal(size=(rows, 5)).astype(np.float32),
+           rng.normal(size=(rows, 3)).astype(np.float32)) for _ in range(n)]
+
+
+def mesh_1d(n, kind=AxisType.Auto):
+  return jax.make_mesh((n,), ("batch",), axis_types=(kind,), devices=jax.devices()[:n])
+
+
+def train(tx, mesh, data, params=None, axis_name="batch"):
+  """``data`` steps of ``data_parallel``; returns (params, opt_state, the DataParallel)."""
+  dp = jaxcomp.data_parallel(loss_fn, mesh, axis_name=axis_name, tx=tx)
+  params = init_params() if params is None else params
+  opt_state = dp.make_state(params)
+  for batch in data:
+    params, opt_state, loss = dp.step(params, opt_state, *dp.shard(batch))
+    jax.block_until_ready(loss)  # XLA:CPU needs a value every step with 4-8 devices
+  return params, opt_state, dp
+
+
+def sgd_momentum_and_adamw():
+  """SGD with momentum on two leaves, AdamW on the other two: both optimizers in one program."""
+  labels = {"w1": "adamw", "b1": "sgd", "w2": "sgd", "scale": "adamw"}
+  return optax.multi_transform({"sgd": optax.sgd(0.1, momentum=0.9),
+                                "adamw": optax.adamw(0.05, weight_decay=0.1)}, labels)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_exact_exchanges_train_as_the_unsharded_chain_with_1_over_w_of_the_state(world):
+  mesh, data = mesh_1d(world), batches()
+  ref, ref_state, _ = train(optax.chain(jaxcomp.allreduce(), sgd_momentum_and_adamw()), mesh, data)
+  got, state, _ = train(jaxcomp.sharded_optimizer(jaxcomp.allreduce(), sgd_momentum_and_adamw()),
+                        mesh, data)
+  # The mean is summed in another order (reduce-scatter against all-reduce): W terms a step.
+  tol = rounding_tol(8 * world * STEPS)
+  chex.assert_trees_all_close(got, ref, **tol)
+  assert not np.allclose(got["w1"], init_params()["w1"])  # it trained
+  # Every leaf of both optimizers' states (momentum; AdamW's mu and nu): W shards of ⌈n/W⌉
+  # values, one per device, stacked along the data axis; its global array is the leaf, padded.
+  moments = jax.tree.leaves(state.inner)
+  full = jax.tree.leaves(ref_state)
+  assert len(moments) == len(full) == 1 + 2 + 2 * 2  # AdamW's count, 2 traces, 2·2 moments
+  for got_leaf, ref_leaf in zip(moments, full):
+    if ref_leaf.ndim == 0 and ref_leaf.dtype == np.int32:  # a step count
+      continue
+    per_device = got_leaf.addressable_shards[0].data
+    assert got_leaf.shape[0] == world and (world == 1 or got_leaf.sharding.spec[0] == "batch")
+    assert per_device.size == -(-ref_leaf.size // world), (got_leaf.shape, ref_leaf.shape)
+    assert per_device.ndim == ref_leaf.ndim + 1  # a shard keeps the leaf's rank
+    np.testing.assert_allclose(shards.Layout(world).join(np.asarray(got_leaf), ref_leaf.shape),
+                               ref_leaf, **tol)
+
+
+def test_shards_split_and_join_with_padding_in_both_layouts():
+  x = jnp.arange(35.0).reshape(5, 7)
+  flat, by_leaf = shards.Layout(8), shards.Layout(4, by_leaf=True)
+  rows = flat.split(x)
+  assert rows.shape == (8, 1, 5) and flat.shape((5, 7)) == (1, 5)
+  np.testing.assert_array_equal(rows[7, 0], [0.0] * 5)  # 40 − 35 values of padding, at the end
+  np.testing.assert_array_equal(flat.join(rows, (5, 7)), x)
+  rows = by_leaf.split(x)  # the last axis dealt round-robin: column j to device j mod 4
+  assert rows.shape == (4, 5, 2) and by_leaf.shape((5, 7)) == (5, 2)
+  np.testing.assert_array_equal(rows[1], x[:, [1, 5]])
+  np.testing.assert_array_equal(rows[3, :, 1], [0.0] * 5)  # column 7 is padding
+  np.testing.assert_array_equal(by_leaf.join(rows, (5, 7)), x)
+  for cut in (flat, by_leaf):  # 0-d: device 0 owns the value
+    assert cut.shape(()) == ()
+    assert cut.split(jnp.float32(2.0)).tolist() == [2.0] + [0.0] * (cut.world - 1)
+
+
+def test_comm_report_shows_a_reduce_scatter_and_an_all_gather_in_the_wire_dtypes():
+  mesh, (batch,) = mesh_1d(8), batches(1)
+  params = init_params()
+  padded = sum(8 * -(-np.size(x) // 8) for x in jax.tree.leaves(params))  # 40 + 8 + 24 + 8
+
+  def report(tx, stage="compiled"):
+    dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+    return jaxcomp.comm_report(dp.step, params, dp.make_state(params), *dp.shard(batch),
+                               stage=stage)
+
+  f32 = report(jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adamw(0.1)))
+  assert [c.op for c in f32.collectives] == ["reduce-scatter", "all-gather"]
+  assert f32.bytes_by_dtype() == {"f32": 2 * 4 * padded}
+  # float16 both ways: half the bytes, narrow in the compiled program too.
+  f16 = report(jaxcomp.sharded_optimizer(jaxcomp.fp16_compress(), optax.adamw(0.1),
+                                         gather_dtype="float16"))
+  assert [c.op for c in f16.collectives] == ["reduce-scatter", "all-gather"]
+  assert f16.bytes_by_dtype() == {"f16": 2 * 2 * padded}
+  # bfloat16: XLA:CPU widens it when compiling; the requested program sends bf16 both ways.
+  bf16 = report(jaxcomp.sharded_optimizer(jaxcomp.bf16_compress(), optax.adamw(0.1),
+                                          gather_dtype="bfloat16"), stage="lowered")
+  assert bf16.bytes_by_dtype() == {"bf16": 2 * 2 * padded}
+  # Against the float32 all-reduce of the unsharded chain: the same ring bytes up to the padding.
+  chain = report(optax.chain(jaxcomp.allreduce(), optax.adamw(0.1)))
+  n = sum(np.size(x) for x in jax.tree.leaves(params))
+  assert [c.op for c in chain.collectives] == ["all-reduce"]
+  assert f32.ring_bytes == pytest.approx(chain.ring_bytes * padded / n)
+  assert bf16.ring_bytes == pytest.approx(chain.ring_bytes * padded / n / 2)
+
+
+def test_a_lossy_gather_keeps_an_exact_master_that_the_parameters_follow():
+  mesh, data = mesh_1d(8, AxisType.Explicit), batches(6)
+  tx = jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.sgd(0.1, momentum=0.9),
+                                 gather_dtype="bfloat16")
+  dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+  params = init_params()
+  state = dp.make_state(params)
+  master = lambda s: {k: shards.Layout(8).join(np.asarray(v), np.shape(params[k]))
+                      for k, v in s.master.items()}
+  chex.assert_trees_all_equal(master(state), params)  # it starts from the parameters
+  for batch in data:
+    before = jax.tree.map(np.asarray, params)
+    params, state, loss = dp.step(params, state, *dp.shard(batch))
+    jax.block_until_ready(loss)
+    for key, m in master(state).items():
+      # The parameters miss the master by one bfloat16 rounding of the distance they moved, at
+      # most: the rounding of the change, not of the parameters, and not accumulated over steps.
+      moved = np.abs(m - before[key])
+      np.testing.assert_array_less(np.abs(np.asarray(params[key]) - m),
+                                   moved * 2.0**-8 + 1e-7 + 4 * np.abs(m) * 2.0**-24, key)
+  assert state.master["w1"].sharding.spec[0] == "batch"  # each device keeps its own shard
+
+
+def test_2d_mesh_shards_the_state_over_data_and_leaves_model_to_the_partitioner():
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  spec = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "scale": P()}
+  params = {k: jax.device_put(v, NamedSharding(mesh, spec[k]))
+            for k, v in init_params(hidden=8).items()}
+  data = batches()
+  exchange = lambda: jaxcomp.allreduce(axis_name="data")
+  ref, _, _ = train(optax.chain(exchange(), optax.adamw(0.05)), mesh, data, params, "data")
+  got, state, dp = train(jaxcomp.sharded_optimizer(exchange(), optax.adamw(0.05),
+                                                   axis_name="data"), mesh, data, params, "data")
+  chex.assert_trees_all_close(got, ref, **rounding_tol(8 * 4 * STEPS))
+  assert got["w1"].sharding.spec == P(None, "model")  # the parameters keep their sharding
+  assert state.inner[0].mu["w1"].sharding.spec[0] == "data"
+  report = jaxcomp.comm_report(dp.step, got, state, *dp.shard(data[0])).by_axes(mesh)
+  over_data = sorted(c.op for c in report[("data",)].collectives)
+  assert over_data == ["all-gather"] * 4 + ["reduce-scatter"] * 4  # one each per leaf, by leaf
+
+
+def test_orbax_restores_the_sharded_state_to_its_shardings_and_training_resumes(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  mesh, data = mesh_1d(4), batches(4)
+  tx = jaxcomp.sharded_optimizer(jaxcomp.bf16_compress(), optax.adamw(0.05),
+                                 gather_dtype="bfloat16")
+  dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+  params = init_params()
+  state = dp.make_state(params)
+  for batch in data[:2]:
+    params, state, loss = dp.step(params, state, *dp.shard(batch))
+    jax.block_until_ready(loss)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+  with ocp.StandardCheckpointer() as checkpointer:
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          {"params": params, "opt_state": state},
+                          {"params": jax.tree.map(lambda x: x.sharding, params),
+                           "opt_state": dp.shardings(state)})
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+  assert restored["opt_state"].inner[0].mu["w1"].sharding.spec[0] == "batch"
+  chex.assert_trees_all_equal(restored["opt_state"], state)
+  resumed_params, resumed_state = restored["params"], restored["opt_state"]
+  for batch in data[2:]:
+    params, state, _ = dp.step(params, state, *dp.shard(batch))
+    resumed_params, resumed_state, loss = dp.step(resumed_params, resumed_state,
+                                                  *dp.shard(batch))
+    jax.block_until_ready(loss)
+  chex.assert_trees_all_equal(resumed_params, params)
+  chex.assert_trees_all_equal(resumed_state, state)
+
+
+def test_sharded_clip_by_global_norm_clips_as_optax_does_on_the_whole_gradient():
+  mesh, data = mesh_1d(8), batches()
+  ref, _, _ = train(optax.chain(jaxcomp.allreduce(), optax.clip_by_global_norm(0.05),
+                                optax.adamw(0.05)), mesh, data)
+  got, _, _ = train(jaxcomp.sharded_optimizer(
+      jaxcomp.allreduce(), optax.chain(jaxcomp.sharded_clip_by_global_norm(0.05),
+                                       optax.adamw(0.05))), mesh, data)
+  chex.assert_trees_all_close(got, ref, **rounding_tol(8 * 8 * STEPS))
+  # On a gradient that is the same on every device it would count each square W times.
+  with pytest.raises(ValueError, match="the same on every device.*optax.clip_by_global_norm"):
+    train(optax.chain(jaxcomp.allreduce(), jaxcomp.sharded_clip_by_global_norm(1.0),
+                      optax.sgd(0.1)), mesh, data[:1])
+
+
+def test_skip_if_nonfinite_around_it_skips_on_every_device_together():
+  mesh, ((x, y),) = mesh_1d(4), batches(1)
+  tx = jaxcomp.skip_if_nonfinite(
+      jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adamw(0.05)), 3)
+  dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+  params = init_params()
+  state = dp.make_state(params)
+  params, state, _ = dp.step(params, state, *dp.shard((x, y)))
+  bad = x.copy()
+  bad[5, 0] = np.nan  # one device's part of the batch
+  skipped, skipped_state, loss = dp.step(params, state, *dp.shard((bad, y)))
+  jax.block_until_ready(loss)
+  chex.assert_trees_all_equal(skipped, params)
+  assert int(skipped_state.notfinite_count) == 1
+  chex.assert_trees_all_equal(skipped_state.inner_state, state.inner_state)
+
+
+def trace(tx, world=8):
+  """Traces and lowers the step of ``tx`` (where the optimizer is checked); compiles nothing."""
+  dp = jaxcomp.data_parallel(loss_fn, mesh_1d(world), tx=tx)
+  params = init_params()
+  dp.step.lower(params, dp.make_state(params), *dp.shard(batches(1)[0]))
+
+
+def refusal(tx, world=8):
+  """The error tracing the step of ``tx`` raises."""
+  with pytest.raises((TypeError, ValueError)) as error:
+    trace(tx, world)
+  return str(error.value)
+
+
+def test_optimizers_that_would_compute_otherwise_on_a_shard_are_refused_naming_the_cause():
+  sharded = lambda opt: jaxcomp.sharded_optimizer(jaxcomp.allreduce(), opt)
+  # A reduction over a shard's elements: optax's global norm sees one shard only.
+  message = refusal(sharded(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1))))
+  assert "reduces over the elements of a leaf" in message and "reduce_sum at" in message
+  assert "jaxcomp.sharded_clip_by_global_norm" in message
+  assert "reduce_and" in refusal(sharded(optax.apply_if_finite(optax.sgd(0.1), 3)))
+  assert "reduce_sum" in refusal(sharded(optax.lamb(0.1)))  # per-leaf trust ratios
+  # Factored moments: row and column means of a matrix.
+  assert "reduce_sum" in refusal(sharded(optax.adafactor(0.1, min_dim_size_to_factor=2)))
+  # Decided by a shape, which a shard does not keep: a mask on a dimension's size.
+  assert "decides by the leaves' shapes" in refusal(sharded(optax.adamw(
+      0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 0 and x.shape[0] > 4, p))))
+  # At W = 1 nothing is summed, but a shard's shape still differs from its leaf's.
+  assert "decides by the leaves' shapes" in refusal(sharded(optax.adafactor(
+      0.1, min_dim_size_to_factor=2, clipping_threshold=None)), world=1)
+  # A compressor inside the optimizer would average shards of different coordinates.
+  assert "communicates over 'batch' on the shards" in refusal(
+      sharded(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1))))
+
+
+def test_elementwise_optimizers_and_rank_masks_are_accepted():
+  for optimizer in (optax.lion(0.01), optax.rmsprop(0.01), optax.sgd(0.1, nesterov=True),
+                    optax.adamw(0.05, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+                    optax.inject_hyperparams(optax.adam)(learning_rate=0.01)):
+    trace(jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optimizer))  # no error
+
+
+def test_bad_arguments_and_states_are_named():
+  with pytest.raises(TypeError, match="exchange must be a jaxcomp compressor.*got a "
+                                      "GradientTransformation whose update is"):
+    jaxcomp.sharded_optimizer(optax.identity(), optax.sgd(0.1))
+  with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
+    jaxcomp.sharded_optimizer(jaxcomp.allreduce(), "adam")
+  with pytest.raises(ValueError, match="gather_dtype must be None, 'bfloat16' or 'float16'"):
+    jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.sgd(0.1), gather_dtype="int4")
+  tx = jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.sgd(0.1))
+  params = init_params()
+  with pytest.raises(ValueError, match="update needs the parameters"):
+    tx.update(params, tx.init(params))
+  # The per-device-step form copies one device's state to every device: not a sharded one.
+  dp = jaxcomp.data_parallel(lambda state, x, y: (state, None), mesh_1d(4))
+  with pytest.raises(ValueError, match="made on each device.*loss-function form"):
+    dp.make_state((params, tx.init(params)))
