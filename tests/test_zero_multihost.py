@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.numeric]
 
 def test_sharded_optimizer_trains_across_two_processes(tmp_path):
   port = free_port()
-  outs, logs = [tmp_path / f"p{i}.npz" for i in range(2)], [tmp_path / f"p{i}.log" for i in range(2)]
+  outs = [tmp_path / f"p{i}.npz" for i in range(2)]
+  logs = [tmp_path / f"p{i}.log" for i in range(2)]
   codes, text = run_two(lambda i: [
       str(ROOT / "tests" / "workers" / "sharded_optimizer.py"), "--coordinator",
       f"127.0.0.1:{port}", "--process-id", str(i), "--out", str(outs[i])], logs)
