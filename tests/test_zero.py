@@ -6,6 +6,8 @@ exact master the parameters follow; it works on a (data, model) mesh and through
 checkpoint; and it refuses every optimizer that would compute something else on a shard than on
 the whole leaf."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxcomp
-from jaxcomp._src import shards
+from jaxcomp._src import compressor, dense, shards
 from helpers import rounding_tol
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
@@ -136,6 +138,22 @@ def test_comm_report_shows_a_reduce_scatter_and_an_all_gather_in_the_wire_dtypes
   assert [c.op for c in chain.collectives] == ["all-reduce"]
   assert f32.ring_bytes == pytest.approx(chain.ring_bytes * padded / n)
   assert bf16.ring_bytes == pytest.approx(chain.ring_bytes * padded / n / 2)
+
+
+def test_without_a_native_scatter_the_whole_mean_is_taken_and_the_shard_kept():
+  # The adapter's fallback, for algorithms without Algorithm.scatter (PowerSGD, DGC, ...) and for
+  # bucketed transformations: allreduce without its native reduce-scatter, whole and in buckets.
+  mesh, data = mesh_1d(8), batches(2)
+  no_scatter = dataclasses.replace(dense.ALLREDUCE, scatter=None)
+  native, _, _ = train(jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adamw(0.05)), mesh, data)
+  params = init_params()
+  for exchange in (compressor.transformation(no_scatter, "batch"),
+                   compressor.transformation(dense.ALLREDUCE, "batch", bucket_cap_mb=1e-4)):
+    tx = jaxcomp.sharded_optimizer(exchange, optax.adamw(0.05))
+    got, state, dp = train(tx, mesh, data)
+    chex.assert_trees_all_close(got, native, **rounding_tol(8 * 8 * 2))
+    report = jaxcomp.comm_report(dp.step, params, state, *dp.shard(data[0]), stage="lowered")
+    assert {c.op for c in report.collectives} == {"all-reduce", "all-gather"}
 
 
 def test_a_lossy_gather_keeps_an_exact_master_that_the_parameters_follow():
@@ -299,3 +317,13 @@ def test_bad_arguments_and_states_are_named():
   dp = jaxcomp.data_parallel(lambda state, x, y: (state, None), mesh_1d(4))
   with pytest.raises(ValueError, match="made on each device.*loss-function form"):
     dp.make_state((params, tx.init(params)))
+
+
+def test_an_nnx_model_is_refused_with_the_array_form_as_the_fix():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+  tx = jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.sgd(0.1))
+  dp = jaxcomp.data_parallel(lambda m, x, y: jnp.mean((m(x) - y) ** 2), mesh_1d(4), tx=tx)
+  with pytest.warns(UserWarning, match="not bound"), \
+      pytest.raises(ValueError, match="made on each device.*nnx.split it"):
+    dp.make_state(model)

@@ -30,10 +30,11 @@ Every jaxcomp compressor is an algorithm module that holds its math and nothing 
 4. traced hyperparameters: ``configure`` refuses every static setting given as an array in one error
    that lists them all (the ``static_args`` that ``optax.inject_hyperparams`` needs), and hands the
    traceable ones to the step as arrays;
-5. the reduce-scatter for sharded optimizer state (``jaxcomp.sharded_optimizer``): the transformation's
-   ``update.scatter(updates, state) -> (shards, state)`` gives this device its shard (``shards.py``'s
-   layout) of each leaf's mean, with 1–4 as for ``update``: the algorithm's own ``scatter`` where it
-   has one (the dense means' ``psum_scatter``), else the whole mean with this device's shard kept.
+5. the reduce-scatter for sharded optimizer state (``jaxcomp.sharded_optimizer``): the
+   transformation's ``update.scatter(updates, state) -> (shards, state)`` gives this device its
+   shard (``shards.py``'s layout) of each leaf's mean, with 1–4 as for ``update``: the algorithm's
+   own ``scatter`` where it has one (the dense means' ``psum_scatter``), else the whole mean with
+   this device's shard kept.
 """
 
 from __future__ import annotations

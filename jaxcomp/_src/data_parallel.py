@@ -715,6 +715,17 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
   the step they are this device's own copy, already varying, so take the gradient of them directly
   (no ``pcast``). Left replicated, they are refused with an error naming them.
 
+  Models that fill the devices shard the optimizer state over them (ZeRO-1/2): with
+  ``tx=jaxcomp.sharded_optimizer(exchange, optimizer)`` in place of ``optax.chain(exchange,
+  optimizer)`` each device keeps 1/W of the optimizer's state, receives its shard of the mean
+  gradient (a reduce-scatter through the compressor ``exchange``) and updates that shard of the
+  parameters, which are all-gathered (loss-function form, arrays as the parameters)::
+
+    tx = jaxcomp.sharded_optimizer(jaxcomp.bf16_compress(), optax.adamw(1e-3),
+                                   gather_dtype="bfloat16")
+    dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+    opt_state = dp.make_state(params)       # made on every device: each keeps its own shards
+
   In a job of several processes ``make_state`` starts every process from process 0's state (see
   ``DataParallel.make_state``).
 
@@ -723,8 +734,9 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
     mesh: the device mesh; its other axes (a model axis, say) are left to the partitioner.
     axis_name: the mesh axis (or tuple of axes) the batch is split over; it must be the
       ``axis_name`` of the jaxcomp transformations in the optimizer.
-    tx: the optimizer, normally ``optax.chain(<jaxcomp compressor>, <optax optimizer>)``; an
-      ``optax.MultiSteps`` too.
+    tx: the optimizer, normally ``optax.chain(<jaxcomp compressor>, <optax optimizer>)``, or
+      ``jaxcomp.sharded_optimizer(<jaxcomp compressor>, <optax optimizer>)`` to shard its state;
+      an ``optax.MultiSteps`` too.
     has_aux: ``fn`` returns ``(loss, aux)`` (loss-function form only).
     buffers: ``"mean"``, ``"first"`` or ``"per_device"``: what an nnx model's Variables that the
       forward pass writes become (loss-function form; see above).
