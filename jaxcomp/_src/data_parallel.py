@@ -53,13 +53,13 @@ parameters the caller keeps, so ``make_state`` and ``make_params`` check them
 differs; ``params = jaxcomp.broadcast_replicated(params)`` before them is the fix. Leaves already
 sharded over the mesh (a global ``jax.Array``, one value by construction) are left as they are.
 
-Sharded optimizer state (ZeRO-1/2): with ``tx=jaxcomp.sharded_optimizer(exchange, optimizer)`` each
-device keeps 1/W of the optimizer's state and updates its shard of the parameters, between a
-reduce-scatter of the gradient and an all-gather of the update (``jaxcomp._src.zero``). Nothing in the
-step changes for it: its state declares those shards per device, so they are stored as per-device
-leaves are, stacked along a leading axis of W and sharded along it — the global array of a shard is
-its leaf, padded and reshaped — and ``make_state`` makes that state on every device (each cuts its
-own shards) instead of stacking copies of one device's.
+Sharded optimizer state (ZeRO-1/2): with ``tx=jaxcomp.sharded_optimizer(exchange, optimizer)``
+each device keeps 1/W of the optimizer's state and updates its shard of the parameters, between a
+reduce-scatter of the gradient and an all-gather of the update (``jaxcomp._src.zero``). Nothing in
+the step changes for it: its state declares those shards per device, so they are stored as
+per-device leaves are, stacked along a leading axis of W and sharded along it — the global array of
+a shard is its leaf, padded and rearranged — and ``make_state`` makes that state on every device
+(each cuts its own shards) instead of stacking copies of one device's.
 
 The interface is small on purpose (other parts of jaxcomp build on it): ``make_state`` (the state,
 placed), ``make_params`` (the parameters of the loss-function form, placed), ``step`` (the jitted
