@@ -7,30 +7,116 @@ selection modes of ``jaxcomp.dgc``. Both are jitted and timed round-robin in one
 figure is the median over rounds of time(exact) / time(sampled). Absolute times are for scale only (a
 shared CPU). ``--quick`` is for CI: small shapes, three rounds, no claims.
 
-  PYTHONPATH=. python benchmarks/dgc_selection.py [--quick] [--n N] [--density D] [--repeats R]
+``--kernels`` measures instead the backend workarounds of the DGC section of ``jaxcomp._src.kernels``,
+each against the obvious form it replaces: the sampled selection's time with each selection kernel
+swapped for its obvious form, and the temporaries of a whole DGC update (ResNet-18's gradient shapes,
+``--quick``: a small pytree; W = 8 under ``jax.pmap``, gradient and state donated, as
+``benchmarks/memory.py`` measures them) with each scatter kernel swapped.
+
+  PYTHONPATH=. python benchmarks/dgc_selection.py [--quick] [--kernels] [--n N] [--density D]
+      [--repeats R]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from jaxcomp._src import dgc  # noqa: E402
+from jaxcomp._src import dgc, kernels  # noqa: E402
 
+
+def _plain_counts(x, threshold):  # the same counts, the comparison free to be written out
+  blocks = -(-x.size // 32)
+  padded = jnp.pad(x, (0, blocks * 32 - x.size), constant_values=jnp.nan)
+  return (jnp.abs(padded.reshape(blocks, 32)) >= threshold).sum(1, dtype=jnp.int32)
+
+
+def _nonzero_candidates(x, threshold, counts, capacity):  # a cumsum over all of x
+  del counts
+  indices = jnp.nonzero(jnp.abs(x) >= threshold, size=capacity, fill_value=x.size)[0]
+  return indices, jnp.where(indices < x.size, jnp.abs(x.at[indices].get(mode="clip")), -1)
+
+
+def _flat(update):  # the same update through the leaf's flat view
+  return lambda x, i, *values: update(x.ravel(), i, *values).reshape(x.shape)
+
+
+# What each kernel replaces: {label: {kernel name: the obvious form}}.
+SELECTION_KERNELS = {
+    "count_at_least without the barrier": {"count_at_least": _plain_counts},
+    "first_at_least as jnp.nonzero": {"first_at_least": _nonzero_candidates},
+    "kth_largest from top_k's values": {"kth_largest": lambda x, k: lax.top_k(x, k)[0][-1]},
+    "a while_loop entered always": {"while_loop_if_needed": lax.while_loop},
+}
+SCATTER_KERNELS = {
+    "scatter_add into shared zeros": {"scatter_add": lambda shape, i, values: jnp.zeros(
+        shape, values.dtype).at[kernels._coordinates(i, shape)].add(values, mode="drop")},
+    "scatters through the flat view": {
+        "scatter_add": lambda shape, i, values: _flat(lambda x, i, v: x.at[i].add(v, mode="drop"))(
+            jnp.zeros(shape, values.dtype), i, values),
+        "zero_at": _flat(lambda x, i: x.at[i].set(0, mode="drop")),
+        "subtract_at": _flat(lambda x, i, v: x.at[i].add(-v, mode="drop"))},
+    "v cleared by zero_at": {"subtract_at": lambda x, i, values: kernels.zero_at(x, i)},
+}
+
+
+def _patched(replacements: dict) -> contextlib.ExitStack:
+  """A context in which ``kernels`` holds ``replacements`` (``{name: function}``)."""
+  stack = contextlib.ExitStack()
+  for name, fn in replacements.items():
+    stack.enter_context(mock.patch.object(kernels, name, fn))
+  return stack
+
+
+def _update_temporaries(tree, **settings) -> float:
+  """Temporaries of one DGC update / the gradient's bytes, as ``benchmarks/memory.py`` measures them."""
+  tx = dgc.dgc(axis_name=common.AXIS, **settings)
+  state = jax.eval_shape(tx.init, tree)
+  step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=common.AXIS, devices=jax.devices()[:8],
+                  donate_argnums=(0, 1))
+  compiled = step.lower(common.stacked(tree, 8), common.stacked(state, 8)).compile()
+  grad = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  return compiled.memory_analysis().temp_size_in_bytes / grad
+
+
+def measure_kernels(x, plan, key, repeats: int, quick: bool) -> None:
+  """Prints each DGC kernel against the obvious form it replaces."""
+  fns = {}
+  for label, replacements in {"with the kernels": {}, **SELECTION_KERNELS}.items():
+    with _patched(replacements):
+      select = jax.jit(lambda x, key: dgc.sampled_topk(x, plan, key)[0])
+      jax.block_until_ready(select(x, key))  # traced and compiled with the replacements
+    fns[label] = lambda select=select: jax.block_until_ready(select(x, key))
+  times = common.interleaved(fns, repeats)
+  print(f"sampled selection of {x.size:,} elements, median of {repeats} rounds:")
+  for label in fns:
+    print(f"  {label:<38} {1e3 * common.median(times[label]):8.1f} ms "
+          f"({common.ratio(times, label, 'with the kernels'):.2f}x)")
+  tree = common.tiny() if quick else common.resnet18()
+  print(f"DGC update temporaries / gradient ({'tiny' if quick else 'ResNet-18'}, W = 8, donated):")
+  for label, replacements in {"with the kernels": {}, **SCATTER_KERNELS}.items():
+    with _patched(replacements):
+      row = [_update_temporaries(tree, ratio=0.001, selection=s) for s in ("sampled", "exact")]
+    print(f"  {label:<38} sampled {row[0]:.2f}, exact {row[1]:.2f}")
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="100k elements, 3 rounds (CI; no claims)")
+  p.add_argument("--kernels", action="store_true",
+                 help="each DGC kernel against the obvious form it replaces")
   p.add_argument("--n", type=int, default=None, help="elements (default 10M, --quick 100k)")
   p.add_argument("--density", type=float, default=0.001)
   p.add_argument("--repeats", type=int, default=None, help="rounds (default 21, --quick 3)")
@@ -41,6 +127,9 @@ def main(argv=None) -> int:
   plan = dgc.sampling_plan(n, args.density)
   x = jax.random.normal(jax.random.PRNGKey(args.seed), (n,), jnp.float32)
   key = jax.random.PRNGKey(args.seed + 1)
+  if args.kernels:
+    measure_kernels(x, plan, key, repeats, args.quick)
+    return 0
   sampled = jax.jit(lambda x, key: dgc.sampled_topk(x, plan, key)[0])
   exact = jax.jit(lambda x: dgc.exact_topk(x, plan.k))
 
@@ -62,4 +151,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  jax.config.update("jax_num_cpu_devices", 8)  # --kernels runs a DGC update on W = 8
   sys.exit(main())

@@ -14,6 +14,9 @@ from jaxcomp._src.axis import UnboundAxisError
 from jaxcomp._src.buckets import CommHookState
 from jaxcomp._src.buckets import GradBucket
 from jaxcomp._src.buckets import comm_hook
+from jaxcomp._src.chunked_topk import ChunkedTopKConfig
+from jaxcomp._src.chunked_topk import ChunkedTopKState
+from jaxcomp._src.chunked_topk import chunked_topk
 from jaxcomp._src.data_parallel import DataParallel
 from jaxcomp._src.data_parallel import data_parallel
 from jaxcomp._src.dense import DenseState
@@ -64,6 +67,7 @@ from jaxcomp._src.sharding import state_partition_specs
 from jaxcomp._src.sign import SignConfig
 from jaxcomp._src.sign import SignState
 from jaxcomp._src.sign import sign_compress
+from jaxcomp._src.sparseloco import sparseloco
 from jaxcomp._src.tree import TreeSignature
 from jaxcomp._src.zero import ShardedOptimizerState
 from jaxcomp._src.zero import sharded_clip_by_global_norm
@@ -75,6 +79,8 @@ __all__ = (
     "AccumulateState",
     "Assign",
     "ChunkExchange",
+    "ChunkedTopKConfig",
+    "ChunkedTopKState",
     "Collective",
     "CommHookState",
     "CommReport",
@@ -112,6 +118,7 @@ __all__ = (
     "bf16_compress_wrapper",
     "broadcast_replicated",
     "check_replicated",
+    "chunked_topk",
     "coarse_dgc",
     "comm_hook",
     "comm_report",
@@ -132,6 +139,7 @@ __all__ = (
     "sharded_optimizer",
     "sign_compress",
     "skip_if_nonfinite",
+    "sparseloco",
     "state_partition_specs",
     "sync_buffers",
 )

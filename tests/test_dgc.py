@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 from jaxcomp import hooks
 from jaxcomp._src import dgc as dgc_module
+from jaxcomp._src import validate
 
 from helpers import assert_identical_across_devices, replicate, rounding_tol
 
@@ -277,10 +278,10 @@ def _step_report(tx, params, world):
   return jaxcomp.comm_report(pmapped_update(tx, world), grads, state)
 
 
-def _bytes(report, op, dtype, in_conditional=None):
+def _bytes(report, op, dtype):
   total = 0
   for c in report.collectives:
-    if c.op == op and (in_conditional is None or c.in_conditional == in_conditional):
+    if c.op == op:
       scale = c.payload_bytes / max(sum(math.prod(s) * np.dtype(_np(d)).itemsize
                                         for d, s in zip(c.dtypes, c.shapes)), 1)
       total += sum(math.prod(s) * np.dtype(_np(d)).itemsize * scale
@@ -305,7 +306,9 @@ def test_comm_report_dgc_sends_k_values_and_indices_per_leaf(world):
   assert _bytes(report, "all-gather", "s32") == sum(world * k * 4 for k in ks)
   assert _bytes(report, "all-reduce", "f32") == 64 * 4  # the 1-D leaf only
   assert _bytes(report, "all-reduce", "s32") == 4  # the non-finite flag
-  assert all(not c.in_conditional for c in report.collectives)
+  # Without warm-up the step has one phase, the final density; only the flag runs outside it.
+  assert report.phase_names == ("dgc.density=0.01",)
+  assert [(c.op, c.dtypes) for c in report.every_step.collectives] == [("all-reduce", ("s32",))]
 
 
 def test_comm_report_dgc_fp16_values():
@@ -316,18 +319,24 @@ def test_comm_report_dgc_fp16_values():
   assert _bytes(report, "all-reduce", "f16") == 64 * 2
 
 
-def test_comm_report_warmup_dense_stages_show_as_dense():
+def test_comm_report_warmup_stages_are_phases_and_dense_ones_send_the_mean():
   # W = 8: 0.25 and 0.0625 send at least a dense all-reduce (8·0.0625·2 = 1), 0.015625 does not.
   tx = jaxcomp.dgc(0.001, warmup="paper", steps_per_epoch=10)
   report = _step_report(tx, {"w": np.zeros((256, 64), np.float32)}, 8)
-  cond = [c for c in report.collectives if c.in_conditional]
-  assert any(c.op == "all-reduce" and c.payload_bytes == 16384 * 4 for c in cond)
-  gathered = {c.payload_bytes for c in cond if c.op == "all-gather"}
-  for density in (0.015625, 0.004, 0.001):
-    assert 8 * math.ceil(16384 * density) * 4 in gathered or 8 * math.ceil(
-        16384 * density) * 8 in gathered
-  assert not any(c.op == "all-gather" and c.payload_bytes >= 8 * math.ceil(16384 * 0.0625) * 4
-                 for c in cond)
+  densities = jaxcomp.PAPER_WARMUP + (0.001,)
+  assert report.phase_names == tuple(f"dgc.density={d:g}" for d in densities)
+  for density in densities:
+    phase = report.phase(f"dgc.density={density:g}")
+    k = math.ceil(16384 * density)
+    if density >= 0.0625:  # the dense mean of v, and the flag
+      assert _bytes(phase, "all-reduce", "f32") == 16384 * 4
+      assert _bytes(phase, "all-gather", "f32") == 0
+    else:
+      assert _bytes(phase, "all-gather", "f32") == _bytes(phase, "all-gather", "s32") == 8 * k * 4
+      assert _bytes(phase, "all-reduce", "f32") == 0
+    assert _bytes(phase, "all-reduce", "s32") == 4
+  # Totals are per step of the steady state: the final density's exchange and the flag.
+  assert report.payload_bytes == 2 * 8 * math.ceil(16384 * 0.001) * 4 + 4
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -377,7 +386,8 @@ def test_world_size_one_under_plain_jit():
   grads = {k: (np.full(p.shape, 0.5, np.float32) if p.dtype == np.float32 else p)
            for k, p in params.items()}
   grads["w1"][3, 4] = 9.0
-  out, _ = jax.jit(tx.update)(grads, state)
+  # The state donated, as in a training step: u and v must not share a buffer.
+  out, _ = jax.jit(tx.update, donate_argnums=1)(grads, state)
   assert float(out["w1"][3, 4]) == pytest.approx(-0.9)
   assert np.count_nonzero(out["w1"]) == math.ceil(512 * 0.05)
   np.testing.assert_allclose(out["b1"], -0.05)
@@ -443,6 +453,76 @@ def test_shard_map_matches_pmap():
   np.testing.assert_allclose(new_state.v["w"], np.concatenate(list(expected_state.v["w"])), **tol)
 
 
+def regression_loss(params, x, y):
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+# Two warm-up steps at density 0.25 (for dgc a dense stage: W·0.25·2 >= 1), then sparse ones.
+DATA_PARALLEL_CASES = {
+    "dgc": lambda: jaxcomp.dgc(0.05, warmup=((2, 0.25),)),
+    "dgc_exact": lambda: jaxcomp.dgc(0.05, selection="exact", warmup=((2, 0.25),)),
+    "coarse_dgc": lambda: jaxcomp.coarse_dgc(0.125, chunk_size=8, warmup=((2, 0.25),)),
+    "dgc_hook": lambda: jaxcomp.comm_hook(hooks.dgc_hook, hooks.dgc_state(0.05, warmup=((2, 0.25),)),
+                                          bucket_cap_mb=1e-4),
+}
+
+
+@pytest.mark.parametrize("name", list(DATA_PARALLEL_CASES))
+def test_data_parallel_keeps_replicas_identical_and_matches_pmap(name):
+  """The mean of every DGC variant is typed invariant under shard_map(check_vma=True), so
+  data_parallel accepts the parameters it updates as replicated; they equal pmap's."""
+  make = lambda: optax.chain(optax.add_decayed_weights(1e-4), DATA_PARALLEL_CASES[name](),
+                             optax.sgd(0.1))
+  params = {"w": np.zeros((16, 8), np.float32), "b": np.zeros((8,), np.float32)}
+  rng = np.random.default_rng(13)
+  xs = rng.standard_normal((3, W, 2, 16)).astype(np.float32)
+  ys = rng.standard_normal((3, W, 2, 8)).astype(np.float32)
+  mesh = jax.make_mesh((W,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:W])
+  dp = jaxcomp.data_parallel(regression_loss, mesh, tx=make())
+  p, s = dp.make_params(params), dp.make_state(params)
+  for x, y in zip(xs, ys):
+    p, s, _ = jax.block_until_ready(dp.step(p, s, *dp.shard((x.reshape(2 * W, 16),
+                                                              y.reshape(2 * W, 8)))))
+  for leaf in jax.tree.leaves(p):
+    assert_identical_across_devices(np.stack([np.asarray(x.data) for x in leaf.addressable_shards]))
+
+  tx = make()
+
+  def pmap_step(params, state, x, y):
+    updates, state = tx.update(jax.grad(regression_loss)(params, x, y), state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.pmap(pmap_step, axis_name="batch", devices=jax.devices()[:W])
+  ref, ref_state = replicate(params, W), replicate(tx.init(params), W)
+  for x, y in zip(xs, ys):
+    ref, ref_state = jax.block_until_ready(step(ref, ref_state, x, y))
+  # Two programs: per step the 16-term products, the 2-sample mean, momentum, v, the sum over W.
+  chex.assert_trees_all_close(p, jax.tree.map(lambda a: a[0], ref),
+                              **rounding_tol(3 * (16 + 2 + 3 + W)))
+
+
+def test_vmap_with_an_axis_name_matches_pmap():
+  tx = jaxcomp.dgc(0.05)
+  params = make_params()
+  grads = device_grads(np.random.default_rng(14), params, W)
+  state = replicate(tx.init(params), W)
+  out, new_state = jax.block_until_ready(jax.vmap(tx.update, axis_name="batch")(grads, state))
+  expected, expected_state = jax.block_until_ready(pmapped_update(tx, W)(grads, state))
+  assert_identical_across_devices(out)
+  tol = rounding_tol(W + 3)  # two programs, one step: the momentum, v and the sum over W round
+  chex.assert_trees_all_close((out, new_state.v), (expected, expected_state.v), **tol)
+
+
+def test_phases_are_the_densities_warm_up_first():
+  # A density repeated, or equal to ratio, is one phase: the report counts each once.
+  config = dgc_module.DGC.configure(ratio=0.01, warmup=((2, 0.25), (4, 0.01), (6, 0.25)))
+  assert [(p.name, p.share, p.value) for p in dgc_module.phases(config)] == [
+      ("density=0.25", 0.0, 0.25), ("density=0.01", 1.0, 0.01)]
+  assert [int(dgc_module.phase_of(config, jnp.int32(c))) for c in range(8)] == [0, 0, 1, 1, 0, 0,
+                                                                                1, 1]
+
+
 def test_bad_arguments_name_the_argument():
   for kwargs, name in [(dict(ratio=0), "ratio"), (dict(ratio=1.5), "ratio"),
                        (dict(momentum=1.0), "momentum"), (dict(selection="approx"), "selection"),
@@ -470,12 +550,13 @@ def test_selection_benchmark_runs_quick(capsys):
 
 def test_static_hyperparameters_are_refused_when_traced():
   params = make_params()
-  with pytest.raises(TypeError, match=r"ratio is static: it fixes k, the number of coordinates "
-                     r"sent; schedule the density with warmup=.*static_args=\('ratio',\)"):
+  # Every static setting given as an array, in one error.
+  with pytest.raises(TypeError, match=r"coarse_dgc: ratio, chunk_size are static .* "
+                     r"static_args=\('ratio', 'chunk_size'\); only momentum, clip_norm, "
+                     r"clip_exponent may be scheduled"):
+    optax.inject_hyperparams(jaxcomp.coarse_dgc)(ratio=0.1, chunk_size=8).init(params)
+  with pytest.raises(TypeError, match=r"dgc: ratio is static .*static_args=\('ratio',\)"):
     optax.inject_hyperparams(jaxcomp.dgc)(ratio=0.01).init(params)
-  with pytest.raises(TypeError, match=r"chunk_size is static: it fixes the chunks' shape"):
-    optax.inject_hyperparams(jaxcomp.coarse_dgc, static_args=("ratio",))(
-        ratio=0.1, chunk_size=8).init(params)
   tx = optax.inject_hyperparams(jaxcomp.dgc, static_args=("ratio",))(ratio=0.01, momentum=0.9,
                                                                      axis_name=None)
   out, state = jax.jit(tx.update)({k: np.ones_like(p) for k, p in params.items()}, tx.init(params))
@@ -497,7 +578,7 @@ def test_traced_momentum_and_clip_norm_from_inject_hyperparams(coarse):
       ratio=ratio, momentum=0.9, clip_norm=20.0, **extra)
   params = make_params()
   state = replicate(injected.init(params), W)
-  assert state.inner_state.config.momentum is dgc_module.TRACED
+  assert state.inner_state.config.momentum is validate.TRACED
   update = pmapped_update(injected, W)
   rng = np.random.default_rng(11)
   for momentum in (0.9, 0.9, 0.5):
@@ -513,9 +594,18 @@ def test_traced_momentum_and_clip_norm_from_inject_hyperparams(coarse):
                                 (ref_state.u, ref_state.v), rtol=1e-6, atol=1e-6)
 
 
+def momenta(state):
+  """``{path: (u, v, dense_u)}`` of a ``DGCState``, or of the per-bucket ones of a bucketed state."""
+  states = getattr(state, "hook_states", (state,))
+  return {s.signature.paths[i]: leaves for s in states
+          for i, leaves in zip(s.signature.reduced,
+                               zip(*(s.signature.pick(t) for t in (s.u, s.v, s.dense_u))))}
+
+
 def test_bucketed_dgc_gives_the_same_step():
   params = {f"l{i}": {"kernel": np.zeros((24, 16), np.float32), "bias": np.zeros(16, np.float32)}
             for i in range(3)}
+  # Sampled selection too: a leaf's sampling key comes from its path, the same in a bucket.
   for factory in (functools.partial(jaxcomp.dgc, 0.05, selection="exact"),
                   functools.partial(jaxcomp.dgc, 0.05),
                   functools.partial(jaxcomp.coarse_dgc, 0.25, chunk_size=8)):
@@ -529,9 +619,22 @@ def test_bucketed_dgc_gives_the_same_step():
       (a, states[0]), (b, states[1]) = [jax.block_until_ready(f(grads, s))
                                         for f, s in zip(updates, states)]
       chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-6)
-      chex.assert_trees_all_close(states[0], states[1], rtol=1e-6, atol=1e-6)
+      assert len(states[1].hook_states) > 1  # one DGCState per bucket, each with its own count
+      assert all(int(s.count[0]) == int(states[0].count[0]) for s in states[1].hook_states)
+      whole, bucketed = momenta(states[0]), momenta(states[1])
+      assert set(whole) == set(bucketed) and len(whole) == 6
+      chex.assert_trees_all_close(whole, bucketed, rtol=1e-6, atol=1e-6)
     bad = jax.tree.map(np.copy, grads)
     bad["l1"]["kernel"][1, 2, 3] = np.inf
     out, kept = jax.block_until_ready(updates[1](bad, states[1]))
     chex.assert_trees_all_equal(kept, states[1])
     assert all(np.isnan(x).all() for x in jax.tree.leaves(out))
+
+
+def test_clip_norm_is_refused_bucket_by_bucket():
+  for make in (lambda: jaxcomp.dgc(0.01, clip_norm=1.0, bucket_cap_mb=1.0),
+               lambda: jaxcomp.coarse_dgc(0.01, clip_norm=1.0, bucket_cap_mb=1.0),
+               lambda: hooks.dgc_state(0.01, clip_norm=1.0)):
+    with pytest.raises(ValueError, match=r"local clipping \(clip_norm\) needs the whole "
+                       r"gradient's norm, which a bucket does not see"):
+      make()

@@ -125,8 +125,18 @@ def configure(algorithm: Algorithm, settings: dict) -> tuple:
         + (f"; only {', '.join(algorithm.traceable)} may be scheduled" if algorithm.traceable
            else ""))
   traced = {name: settings[name] for name in arrays}
-  config = algorithm.configure(**{name: validate.TRACED if name in traced else value
-                                  for name, value in settings.items()})
+  try:
+    config = algorithm.configure(**{name: validate.TRACED if name in traced else value
+                                    for name, value in settings.items()})
+  except TypeError as e:
+    if "unexpected keyword argument" not in str(e):
+      raise
+    unexpected = e.args[0].split("argument ")[-1]
+    raise TypeError(f"{algorithm.name}: no setting named {unexpected}; the settings are "
+                    f"jaxcomp.{algorithm.name}'s arguments, but axis_name (a hook uses its bucket's) "
+                    "and bucket_cap_mb (comm_hook's)") from None
+  # A concrete array is checked as its number would be (a tracer cannot be).
+  _live(config, {n: v for n, v in traced.items() if not isinstance(v, jax.core.Tracer)})
   return config, traced
 
 

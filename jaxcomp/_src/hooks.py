@@ -119,38 +119,24 @@ def batched_powersgd_hook(state, bucket: GradBucket):
 
 # ---------------------------------------------------------------------------------------- DGC
 
-def dgc_state(ratio: float = 0.001, **kwargs):
+dgc_hook = compressor.hook(dgc.DGC, name="dgc")
+"""Deep Gradient Compression on one bucket, each parameter treated as ``jaxcomp.dgc`` treats a leaf;
+state from ``dgc_state``."""
+
+
+def dgc_state(ratio: float = 0.001, **settings):
   """The per-bucket state of ``dgc_hook``: pass it as ``comm_hook``'s ``state``::
 
     tx = jaxcomp.comm_hook(jaxcomp.hooks.dgc_hook, jaxcomp.hooks.dgc_state(0.001, momentum=0.9))
 
   Args:
-    ratio: density after warm-up.
-    **kwargs: ``jaxcomp.dgc``'s other keyword arguments except ``axis_name`` (the bucket's is used),
-      ``clip_norm`` and ``clip_exponent`` (local clipping needs the whole gradient's norm, which a
-      bucket does not see: use ``jaxcomp.dgc`` for it); ``sparsify`` receives the parameter's path.
+    ratio, **settings: as ``jaxcomp.dgc`` (without ``axis_name`` and ``bucket_cap_mb``; not
+      ``clip_norm``: local clipping needs the whole gradient's norm, which a bucket does not see).
 
   Returns:
-    A function ``bucket -> jaxcomp.DGCState``, which carries these settings.
+    A function ``bucket -> jaxcomp.DGCState``.
   """
-  for name in ("axis_name", "clip_norm", "clip_exponent"):
-    if name in kwargs:
-      raise TypeError(f"dgc_state takes no {name}: " + (
-          "the bucket's axis is used" if name == "axis_name" else
-          "local clipping needs the whole gradient's norm, which a bucket does not see; use "
-          "jaxcomp.dgc(..., clip_norm=...) for it"))
-  config = dgc.topk_config(ratio, **kwargs)
-  return lambda bucket: dgc.init_bucket_state(config, bucket)
-
-
-def dgc_hook(state, bucket: GradBucket):
-  """Deep Gradient Compression on one bucket; state from ``dgc_state``.
-
-  Each parameter of the bucket is treated as ``jaxcomp.dgc`` treats a leaf (sparsified if
-  ``ndim > 1``, else the dense mean with momentum after averaging), by the same code. ``comm_hook``
-  applies the non-finite policy.
-  """
-  return dgc.update_bucket(state, bucket)
+  return compressor.hook_state(dgc.DGC, dict(ratio=ratio, **settings))
 
 
 # ---------------------------------------------------------------------------------------- quantized, sign, 1-bit Adam (shared check)
