@@ -141,7 +141,7 @@ def test_comm_report_shows_a_reduce_scatter_and_an_all_gather_in_the_wire_dtypes
 
 
 def test_without_a_native_scatter_the_whole_mean_is_taken_and_the_shard_kept():
-  # The adapter's fallback, for algorithms without Algorithm.scatter (PowerSGD, DGC, ...) and for
+  # The adapter's fallback, for algorithms without Algorithm.scatter (DGC, PowerSGD, ...) and for
   # bucketed transformations: allreduce without its native reduce-scatter, whole and in buckets.
   mesh, data = mesh_1d(8), batches(2)
   no_scatter = dataclasses.replace(dense.ALLREDUCE, scatter=None)
@@ -154,6 +154,15 @@ def test_without_a_native_scatter_the_whole_mean_is_taken_and_the_shard_kept():
     chex.assert_trees_all_close(got, native, **rounding_tol(8 * 8 * 2))
     report = jaxcomp.comm_report(dp.step, params, state, *dp.shard(data[0]), stage="lowered")
     assert {c.op for c in report.collectives} == {"all-reduce", "all-gather"}
+
+
+def test_dgc_through_the_fallback_trains_as_its_unsharded_chain():
+  mesh, data = mesh_1d(4), batches(2)
+  dgc = lambda: jaxcomp.dgc(0.25, selection="exact")  # its momenta stay per device, whole
+  ref, _, _ = train(optax.chain(dgc(), optax.sgd(0.1)), mesh, data)
+  got, state, _ = train(jaxcomp.sharded_optimizer(dgc(), optax.sgd(0.1)), mesh, data)
+  chex.assert_trees_all_close(got, ref, **rounding_tol(8 * 4 * 2))
+  assert state.exchange.u["w1"].shape == (4, 5, 7)
 
 
 def test_a_lossy_gather_keeps_an_exact_master_that_the_parameters_follow():
