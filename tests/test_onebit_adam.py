@@ -98,6 +98,7 @@ def test_matches_the_reference_step_for_step(bias_correction):
   grads = gradients(np.random.default_rng(0), steps)
   tx = jaxcomp.onebit_adam(0.01, freeze_steps=freeze, bias_correction=bias_correction)
   outs, states = run_updates(tx, grads, W)
+  states = [state for state, _ in states]  # (1-bit Adam's, the learning rate's)
   ref = RefOneBitAdam(66, 0.01, freeze, bias_correction=bias_correction)
   for t in range(steps):
     expected = ref.step(flat(grads[t]))
@@ -109,15 +110,30 @@ def test_matches_the_reference_step_for_step(bias_correction):
                                atol=64 * EPS * np.abs(ref.m).max())
     np.testing.assert_allclose(flat(states[t].nu_root)[0] ** 2, ref.v, rtol=0,
                                atol=64 * EPS * ref.v.max())
-    np.testing.assert_allclose(states[t].worker_error, ref.worker, rtol=0,
+    np.testing.assert_allclose(flat(states[t].worker_error), ref.worker, rtol=0,
                                atol=64 * EPS * np.abs(ref.m).max())
-    np.testing.assert_allclose(states[t].server_error, ref.server, rtol=0,
+    np.testing.assert_allclose(flat(states[t].server_error), ref.server, rtol=0,
                                atol=64 * EPS * np.abs(ref.m).max())
     np.testing.assert_array_equal(outs[t]["n"], grads[t]["n"])
   assert np.abs(ref.server).max() > 0 and np.abs(ref.worker).max() > 0
   np.testing.assert_array_equal(np.asarray(states[-1].nu_root["w"]),
                                 np.asarray(states[freeze - 1].nu_root["w"]))  # frozen
   np.testing.assert_array_equal(np.asarray(outs[-1]["w"])[:, 0], 0)  # never a gradient: no step
+
+
+def test_vmap_with_an_axis_name_gives_the_reference_update():
+  """``jax.vmap(tx.update, axis_name=...)`` runs the devices on one (its all-gather: no pvary);
+  both stages."""
+  grads = gradients(np.random.default_rng(7), 3)
+  tx = jaxcomp.onebit_adam(0.01, freeze_steps=1)
+  update = jax.jit(jax.vmap(tx.update, axis_name="batch"))
+  state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads[0])), W)
+  ref = RefOneBitAdam(66, 0.01, 1)
+  for g in grads:
+    out, state = jax.block_until_ready(update(g, state))
+    expected = ref.step(flat(g))
+    np.testing.assert_allclose(flat(out), np.stack([expected] * W), rtol=0,
+                               atol=64 * EPS * np.abs(expected).max())
 
 
 def test_before_the_freeze_it_is_adam_on_the_mean_gradient():
@@ -140,6 +156,22 @@ def test_the_hook_with_sgd_is_the_optimizer():
   for out, hook_out in zip(outs, hook_outs):
     np.testing.assert_allclose(hook_out["w"], out["w"], rtol=0,
                                atol=16 * EPS * np.abs(np.asarray(out["w"])).max())
+
+
+def test_b1_b2_and_eps_may_be_injected_hyperparameters_and_a_static_one_is_named():
+  grads = gradients(np.random.default_rng(8), 3)
+  inject = lambda **static: optax.inject_hyperparams(  # noqa: E731
+      jaxcomp.scale_by_onebit_adam, static_args=tuple(static))
+  injected, states = run_updates(
+      inject(freeze_steps=1)(freeze_steps=1, b1=0.9, b2=0.999, eps=1e-8),
+      grads, W)
+  plain, _ = run_updates(jaxcomp.scale_by_onebit_adam(freeze_steps=1), grads, W)
+  assert np.asarray(states[-1].hyperparams["b2"]).dtype == np.float32  # an array, not a number
+  for out, expected in zip(injected, plain):
+    # log(b2) of float32 b2 (injected) and of the Python float differ by 1.3e-5 of it.
+    np.testing.assert_allclose(flat(out), flat(expected), rtol=2e-5, atol=0)
+  with pytest.raises(TypeError, match=r"freeze_steps is static.*static_args=\('freeze_steps',\)"):
+    optax.inject_hyperparams(jaxcomp.scale_by_onebit_adam)(freeze_steps=1).init({"w": np.ones(3)})
 
 
 def test_a_learning_rate_schedule_is_called_with_the_step():
@@ -175,17 +207,23 @@ def test_a_non_finite_step_keeps_the_state_and_gives_nan(bad_step):
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(outs[bad_step + 1]))
 
 
-def test_comm_report_of_the_compressed_stage_shows_only_bits_and_scales():
+def test_comm_report_shows_the_dense_warm_up_and_a_compressed_stage_of_bits_and_scales():
   grads = gradients(np.random.default_rng(6), 1)[0]
-  tx = jaxcomp.onebit_adam(0.01, freeze_steps=0)
+  tx = jaxcomp.onebit_adam(0.01, freeze_steps=2)
   state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads)), W)
   report = jaxcomp.comm_report(jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W]),
                                grads, state, num_devices=W)
+  warmup, compressed = "scale_by_onebit_adam.warmup", "scale_by_onebit_adam.compressed"
+  assert report.phase_names == (warmup, compressed)
+  # The warm-up: the dense float32 mean (and the finiteness flag); its share of the steady state 0.
+  assert report.phase(warmup).bytes_by_dtype() == {"f32": 4 * 66, "s32": 4}
+  stage = report.phase(compressed)
   shard = -(-66 // (8 * W)) * 8
-  bits = [c for c in report.collectives if c.dtypes[0] == "u8"]
+  bits = [c for c in stage.collectives if c.dtypes[0] == "u8"]
   assert sorted(c.op for c in bits) == ["all-gather", "all-to-all"]
   assert all(c.payload_bytes == W * shard // 8 for c in bits)
-  scales = [c for c in report.collectives if c.dtypes[0] == "f32"]
+  scales = [c for c in stage.collectives if c.dtypes[0] == "f32"]
   assert sorted(c.op for c in scales) == ["all-gather", "all-to-all"]
   assert all(c.payload_bytes == 4 * W for c in scales)
-  assert report.payload_bytes == 2 * W * shard // 8 + 2 * 4 * W + 4  # + the finiteness flag
+  # A steady-state step is a compressed one: bits, scales and the finiteness flag.
+  assert report.payload_bytes == stage.payload_bytes == 2 * W * shard // 8 + 2 * 4 * W + 4

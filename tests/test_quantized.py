@@ -80,13 +80,13 @@ def recorded_exchange(config):
   def run(x, worker, server):
     sent = []
 
-    def encode(values, count, key):
-      payload, decoded = codec.encode(values, count, key)
+    def encode(rows, count, key):
+      payload, decoded = codec.encode(rows, count, key)
       sent.append(payload)
       return payload, decoded
 
-    mean, worker, server = exchange.compressed_mean(codec._replace(encode=encode), x, worker,
-                                                    server, "batch")
+    (mean,), (worker,), (server,) = exchange.compressed_mean(
+        codec._replace(encode=encode), [x], [worker], [server], "batch")
     return mean, worker, server, sent
 
   return jax.pmap(run, axis_name="batch", devices=jax.devices()[:W])
@@ -125,9 +125,9 @@ def test_codes_and_scales_equal_the_reference_two_phase_average_exactly(bits):
     assert np.asarray(codes1).dtype == CODE_DTYPES[bits]
     for d in range(W):
       np.testing.assert_array_equal(values_of(codes1[d]), values_of(phase1[d][0]), err_msg=f"step {t}")
-      np.testing.assert_array_equal(scales1[d], phase1[d][1], err_msg=f"step {t}")
+      np.testing.assert_array_equal(scales1[d].reshape(W, -1), phase1[d][1], err_msg=f"step {t}")
       np.testing.assert_array_equal(values_of(codes2[d]), values_of(phase2[d][0]), err_msg=f"step {t}")
-      np.testing.assert_array_equal(scales2[d], phase2[d][1], err_msg=f"step {t}")
+      np.testing.assert_array_equal(scales2[d].reshape(1, -1), phase2[d][1], err_msg=f"step {t}")
       np.testing.assert_allclose(mean[d], ref_mean, rtol=0, atol=4 * EPS * np.abs(ref_mean).max())
     top = np.abs(grads[t]).max()
     np.testing.assert_allclose(worker, ref_worker, rtol=0, atol=4 * EPS * top)
@@ -151,8 +151,40 @@ def test_the_transformation_and_the_hook_give_the_reference_mean(bits):
     for d in range(W):
       np.testing.assert_allclose(outs[t]["w"][d].ravel(), ref_mean, rtol=0, atol=bound)
       np.testing.assert_allclose(hook_outs[t]["w"][d].ravel(), ref_mean, rtol=0, atol=bound)
-    np.testing.assert_allclose(states[t].worker_error, worker, rtol=0,
+    np.testing.assert_allclose(states[t].worker_error["w"].reshape(W, -1), worker, rtol=0,
                                atol=4 * EPS * np.abs(grads[t]).max())
+
+
+def test_vmap_with_an_axis_name_gives_the_reference_mean():
+  """``jax.vmap(tx.update, axis_name=...)`` runs the devices on one (its all-gather: no pvary)."""
+  grads = gradients(np.random.default_rng(8), 2, 3 * 50)
+  tx = jaxcomp.quantized(8, block_size=32)
+  update = jax.jit(jax.vmap(tx.update, axis_name="batch"))
+  state = replicate(tx.init({"w": grads[0, 0].reshape(3, 50)}), W)
+  worker = server = np.zeros((W, grads.shape[-1]), np.float32)
+  for t in range(2):
+    out, state = jax.block_until_ready(update({"w": grads[t].reshape(W, 3, 50)}, state))
+    ref_mean, worker, server, _, _ = ref_step(grads[t], worker, server, 32, 8)
+    np.testing.assert_allclose(np.asarray(out["w"]).reshape(W, -1), np.stack([ref_mean] * W),
+                               rtol=0, atol=4 * EPS * np.abs(ref_mean).max())
+
+
+def test_bucket_cap_mb_runs_one_exchange_and_one_state_per_bucket():
+  """Leaves of 4,000 and 4,400 bytes with a 4,000-byte cap: two buckets, each its own two-phase
+  average (one flat vector of both would put blocks across the leaves' boundary)."""
+  rng = np.random.default_rng(9)
+  grads = gradients(rng, 2, 2100)
+  tx = jaxcomp.quantized(8, block_size=64, bucket_cap_mb=4000 / 2**20)
+  trees = [{"a": g[:, :1000], "b": g[:, 1000:]} for g in grads]
+  outs, states = run_updates(tx, trees, W)
+  assert isinstance(states[-1], jaxcomp.CommHookState) and len(states[-1].hook_states) == 2
+  assert all(isinstance(s, jaxcomp.QuantizedState) for s in states[-1].hook_states)
+  for k in ("a", "b"):  # DDP's buckets: "b" first; each holds one leaf
+    worker = server = np.zeros((W, trees[0][k].shape[-1]), np.float32)
+    for t in range(2):
+      ref_mean, worker, server, _, _ = ref_step(trees[t][k], worker, server, 64, 8)
+      np.testing.assert_allclose(outs[t][k], np.stack([ref_mean] * W), rtol=0,
+                                 atol=4 * EPS * np.abs(ref_mean).max())
 
 
 def test_error_feedback_telescopes():
@@ -168,8 +200,10 @@ def test_error_feedback_telescopes():
   state = states[-1]
   total_mean = np.concatenate([grads[k].astype(np.float64).mean(1).sum(0).reshape(-1)
                                for k in ("b", "w")])
-  worker = np.asarray(state.worker_error, np.float64).mean(0)
-  server = np.asarray(state.server_error, np.float64).sum(0)
+  worker = np.concatenate([np.asarray(state.worker_error[k], np.float64).mean(0).ravel()
+                           for k in ("b", "w")])
+  server = np.concatenate([np.asarray(state.server_error[k], np.float64).sum(0).ravel()
+                           for k in ("b", "w")])
   assert np.abs(worker).max() > 1e-4 and np.abs(server).max() > 1e-4  # both errors are in play
   np.testing.assert_allclose(total_out, total_mean - worker - server, rtol=0,
                              atol=steps * 16 * EPS * np.abs(total_mean).max())
@@ -249,14 +283,15 @@ def test_comm_report_shows_8_bit_collectives_and_the_minimum_bytes(bits, wire):
 
 
 def test_the_state_does_not_depend_on_the_number_of_devices():
+  """The errors have the params' structure (so they can be sharded like the parameters)."""
   tx = jaxcomp.quantized(8)
   params = {"w": jnp.zeros((10, 3)), "n": jnp.zeros(4, jnp.int32)}
   state = tx.init(params)
-  assert state.worker_error.shape == state.server_error.shape == (30,)
-  assert isinstance(jaxcomp.quantized(8, error_feedback=False).init(params).worker_error,
-                    optax.MaskedNode)
+  assert state.worker_error["w"].shape == state.server_error["w"].shape == (10, 3)
+  assert isinstance(state.worker_error["n"], optax.MaskedNode)
+  assert not jax.tree.leaves(jaxcomp.quantized(8, error_feedback=False).init(params).worker_error)
   specs = jaxcomp.state_partition_specs(tx, params)
-  assert specs.worker_error == specs.server_error == jax.sharding.PartitionSpec("batch")
+  assert specs.worker_error["w"] == specs.server_error["w"] == jax.sharding.PartitionSpec("batch")
 
 
 def test_a_hook_without_its_state_says_which_state_to_pass():

@@ -7,7 +7,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp import hooks
-from helpers import run_updates
+from helpers import replicate, run_updates
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -72,6 +72,21 @@ def test_matches_the_ef_signsgd_reference_step_for_step(error_feedback):
     final = np.asarray(states[-1].error[k], np.float64).mean(0)
     np.testing.assert_allclose(total_out, total_mean - final, rtol=0,
                                atol=steps * 16 * EPS * np.abs(total_mean).max())
+
+
+def test_vmap_with_an_axis_name_gives_the_reference_mean():
+  """``jax.vmap(tx.update, axis_name=...)`` runs the devices on one (its all-gather: no pvary)."""
+  grads = trees(np.random.default_rng(5), 2)
+  tx = jaxcomp.sign_compress()
+  update = jax.jit(jax.vmap(tx.update, axis_name="batch"))
+  state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads[0])), W)
+  ref = RefEFSign({"b": (7,), "w": (13, 11)})
+  for g in grads:
+    out, state = jax.block_until_ready(update(g, state))
+    expected = ref.step({k: g[k] for k in ("b", "w")})
+    for k in ("b", "w"):
+      np.testing.assert_allclose(out[k], np.stack([expected[k]] * W), rtol=0,
+                                 atol=16 * EPS * np.abs(expected[k]).max())
 
 
 def test_the_hook_gives_the_transformation_s_mean():

@@ -19,9 +19,12 @@ Every jaxcomp compressor is an algorithm module that holds its math and nothing 
 1. ``transformation``: the optax ``GradientTransformation`` — the state and signature checks, the
    refusal of a gradient that autodiff already summed over the devices, the phase switch (each
    phase's collectives labelled for ``comm_report``), ``count``, and the non-finite policy of
-   ``finite.py``: a step whose gradient is not finite on some device runs no collective but the
-   4-byte flag, keeps the state exactly and returns NaN on every device (a ``lax.cond`` on the flag,
-   which is the same everywhere, so every device takes the same branch);
+   ``finite.py``: a step whose gradient is not finite on some device keeps the state exactly and
+   returns NaN on every device. By default the step is skipped by a ``lax.cond`` on the all-device
+   flag (the same everywhere, so every device takes the same branch): such a step runs no
+   collective but the flag's 4 bytes. An algorithm may instead have its step run and its results
+   replaced (``Algorithm.nonfinite="select"``), where XLA compiles the step inside a conditional
+   with more memory (see ``Algorithm``);
 2. with ``bucket_cap_mb``, the same on DDP's buckets: one state and one set of collectives per bucket
    (``buckets.comm_hook`` with the algorithm's hook), so that each bucket's collectives depend on its
    own gradients only;
@@ -89,6 +92,13 @@ class Algorithm:
     traceable: the settings that may be arrays (``optax.inject_hyperparams`` schedules).
     unbucketable: ``unbucketable(config) -> reason or None``: why it cannot run bucket by bucket
       (DGC's local clipping needs the whole gradient's norm).
+    nonfinite: how a non-finite step keeps the state: ``"skip"``, a ``lax.cond`` that does not run
+      the step (no collectives; with the state donated, XLA updates it in place inside the branch:
+      DGC's temporaries fell from 1.7–1.9× the gradient to 1.05×); or ``"select"``, the step runs
+      and ``jnp.where`` keeps the old state and outputs NaN — for steps XLA:CPU compiles worse
+      inside a conditional branch (it leaves their concatenations unfused and copies the state in
+      and out: quantized's update temporaries on ResNet-18 3.26× the gradient under the cond
+      against 2.26× selected, 1-bit Adam's 3.19× against 2.16×; ``benchmarks/memory.py``).
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.
@@ -103,6 +113,7 @@ class Algorithm:
   stateful: bool = True
   traceable: tuple = ()
   unbucketable: Callable = _anywhere
+  nonfinite: str = "skip"
   scatter: Optional[Callable] = None
 
 
@@ -119,8 +130,11 @@ def configure(algorithm: Algorithm, settings: dict) -> tuple:
     names = ", ".join(static)
     listed = ", ".join(repr(n) for n in static) + ("," if len(static) == 1 else "")
     raise TypeError(
-        f"{algorithm.name}: {names} {'is' if len(static) == 1 else 'are'} static (they fix shapes or "
-        "which program runs) and must be Python values, not arrays. Under optax.inject_hyperparams "
+        f"{algorithm.name}: {names} "
+        + ("is static (it fixes shapes or which program runs) and must be a Python value"
+           if len(static) == 1 else
+           "are static (they fix shapes or which program runs) and must be Python values")
+        + ", not arrays. Under optax.inject_hyperparams "
         f"pass static_args=({listed})"
         + (f"; only {', '.join(algorithm.traceable)} may be scheduled" if algorithm.traceable
            else ""))
@@ -177,6 +191,18 @@ def _owning(update: Callable, axis_name: axis.AxisName) -> Callable:
   return scatter
 
 
+def _guarded(algorithm: Algorithm, config, state, leaves: list, axis_name,
+             step: Optional[Callable], shape_of: Callable) -> tuple:
+  """``run_step`` under the non-finite policy (``Algorithm.nonfinite`` says how); ``shape_of(leaf)``
+  is the shape of its output (a shard's with ``step=algorithm.scatter``)."""
+  ok = finite.all_finite(leaves, axis_name)
+  run = lambda s, g: run_step(algorithm, config, s, g, axis_name, step)  # noqa: E731
+  if algorithm.nonfinite == "skip":
+    return lax.cond(ok, run, functools.partial(_skip, shape_of), state, leaves)
+  means, new_state = run(state, leaves)
+  return finite.gated(ok, means, new_state, state)
+
+
 def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
                    bucket_cap_mb: Optional[float] = None,
                    **settings) -> optax.GradientTransformation:
@@ -214,12 +240,10 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
     reduced = [leaves[i] for i in state.signature.reduced]
     axis.refuse_summed_gradient(reduced, axis_name, algorithm.name)
     live = _live(state.config, traced)
-    run = lambda s, g: run_step(algorithm, live, s, g, axis_name, step)  # noqa: E731
     if algorithm.stateful and reduced:
-      means, new_state = lax.cond(finite.all_finite(reduced, axis_name), run,
-                                  functools.partial(_skip, shape_of), state, reduced)
+      means, new_state = _guarded(algorithm, live, state, reduced, axis_name, step, shape_of)
     else:
-      means, new_state = run(state, reduced)
+      means, new_state = run_step(algorithm, live, state, reduced, axis_name, step)
     for i, mean in zip(state.signature.reduced, means):
       leaves[i] = mean
     return tree_lib.like(updates, leaves), new_state

@@ -1,15 +1,15 @@
-"""The two-phase compressed mean with error feedback at both ends: reduce-scatter, re-compress, gather.
+"""The two-phase compressed mean with error feedback at both ends: reduce-scatter, encode, gather.
 
 An all-reduce sums on the wire, so whatever travels must be summable: an integer psum of int8 codes
 overflows and a shared scale wastes range. A compressed mean is built from the collectives that only
-move data instead (XLA's collective quantizer narrows exactly these). With W devices, each holding a
-flat float32 vector ``x`` of length L, zero-padded to W shards of S elements:
+move data instead (XLA's collective quantizer narrows exactly these). With W devices, each holding
+float32 arrays ``x`` (L values in all), laid out in W rows, one per owner (``layout``):
 
 1. ``p = x + e``: this device's worker error is added (error feedback);
-2. ``p`` is encoded (``codec.encode``): small codes plus their scales, one row per shard;
-3. ``all_to_all``: shard d of every device's encoding goes to device d, its owner — a reduce-scatter
+2. ``p``'s rows are encoded (``codec.encode``): small codes plus their scales;
+3. ``all_to_all``: row d of every device's encoding goes to device d, its owner — a reduce-scatter
    whose reduction the owner does itself; ``e ← p − decode(encoding)`` (the worker error);
-4. the owner decodes the W encodings of its shard and averages them in float32 (each ÷W, then
+4. the owner decodes the W encodings of its row and averages them in float32 (each ÷W, then
    summed in device order), adds its server error ``s`` and zeroes the padding;
 5. the owner encodes that mean once more, ``s ← mean − decode(encoding)`` (the server error);
 6. ``all_gather`` of every owner's encoding: each device decodes the whole mean, identically.
@@ -17,13 +17,21 @@ flat float32 vector ``x`` of length L, zero-padded to W shards of S elements:
 Each device sends (W−1)/W of its encoding twice: 2·(W−1)/W·L codes plus the scales, against
 2·(W−1)/W·L float32 values for a ring all-reduce. With both errors kept, nothing is lost, only
 delayed: summed over steps, the outputs are the mean inputs minus the mean of the final worker errors
-and minus the final server errors (each device holds the server error of its own shard, zero
+and minus the final server errors (each device holds the server error of its own row, zero
 elsewhere).
 
+The rows (``layout``): the arrays raveled and concatenated into one flat vector, zero-padded to W
+shards of S values (S a multiple of the codec's ``granule``), shard d being row d. Where the mesh
+leaves other axes to the SPMD partitioner (``kernels.keeps_leaves``: a 2-D
+``jaxcomp.data_parallel`` mesh whose parameters are sharded over a model axis) that vector would
+move the sharded values across the mesh, so there each array is laid out on its own: its last axis
+dealt round-robin to the owners (value j to owner j mod W), its other axes kept, so that its rows
+keep its sharding, and each array travels in collectives of its own.
+
 A codec decides how values travel (``jaxcomp.quantized``: int8 or float8 codes with one scale per
-block; ``jaxcomp.onebit_adam``: sign bits with one scale per encoded array). The errors are kept at
-the vector's own length L, whatever W is, so a state does not depend on the number of devices:
-padding is zero before encoding and decodes to nothing that is kept.
+block; ``jaxcomp.scale_by_onebit_adam``: sign bits with one scale per encoded row). The errors have
+the arrays' own shapes, whatever W is, so a state does not depend on the number of devices: padding
+is zero before encoding and decodes to nothing that is kept.
 
 References:
   Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
@@ -37,29 +45,47 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp._src import axis
+from jaxcomp._src import axis, kernels
+from jaxcomp._src import tree as tree_lib
 
 
 class Codec(NamedTuple):
   """How values travel.
 
   Attributes:
-    encode: ``encode(x, count, key) -> (payload, decoded)``: ``x`` is float32 of shape (R, S), zero
-      past its first ``count`` elements (in row-major order); ``payload`` is a tuple of arrays with
-      the leading axis R (what is sent), ``decoded`` the float32 values the receiver will decode
-      from it; ``key`` is a PRNG key for stochastic rounding, or None.
-    decode: ``decode(payload) -> decoded``, the inverse on the receiving side.
-    granule: the shard length S is a multiple of it (a block, or 8 bits of a byte).
+    encode: ``encode(rows, count, key) -> (payload, decoded)``: ``rows`` is a list of float32
+      pieces of shape (R, …) holding ``count`` values in all and zero padding; ``payload`` is a list
+      of arrays with the leading axis R (what is sent), ``decoded`` the float32 pieces the receiver
+      will decode from it; ``key`` is a PRNG key for stochastic rounding, or None.
+    decode: ``decode(payload, tails) -> decoded``, the inverse on the receiving side; ``tails`` are
+      the pieces' shapes after their leading axis.
+    granule: the flat layout's shard length S is a multiple of it (a block, or 8 bits of a byte).
   """
   encode: Callable
   decode: Callable
   granule: int
+
+
+class Layout(NamedTuple):
+  """How a list of arrays is cut into W rows, one per owner.
+
+  Attributes:
+    split: ``split(arrays) -> pieces``, each of shape (W, …): row d of every piece is owner d's.
+    join: ``join(pieces) -> arrays``, the inverse (padding dropped).
+    valid: ``valid(owner) -> masks``: a bool array per piece of shape (1, …), False at the padding
+      of the owner's row.
+    count: ``count(owner)``: the number of values (not padding) in the owner's row, an int32.
+  """
+  split: Callable
+  join: Callable
+  valid: Callable
+  count: Callable
 
 
 def shard_length(length: int, world: int, granule: int) -> int:
@@ -67,62 +93,120 @@ def shard_length(length: int, world: int, granule: int) -> int:
   return max(math.ceil(length / (world * granule)), 1) * granule
 
 
-def _owner_mean(codec: Codec, received: tuple, world: int) -> jax.Array:
-  """4: the mean of the W decoded rows, each ÷W first (no overflow), summed in device order."""
-  rows = codec.decode(received) / jnp.asarray(world, jnp.float32)
-  total = rows[0]
-  for w in range(1, world):
-    total = total + rows[w]
-  return total
+def flat_layout(shapes: Sequence[tuple], world: int, granule: int) -> Layout:
+  """One piece (W, S): the arrays raveled, concatenated, zero-padded and cut into W shards."""
+  length = sum(math.prod(s) for s in shapes)
+  shard = shard_length(length, world, granule)
+
+  def split(arrays):
+    padding = [jnp.zeros([world * shard - length], jnp.float32)]
+    return [tree_lib.flatten(list(arrays) + padding).reshape(world, shard)]
+
+  def join(pieces):
+    return tree_lib.unflatten(pieces[0].reshape(-1)[:length], shapes)
+
+  def valid(owner):
+    return [owner * shard + jnp.arange(shard)[None] < length]
+
+  def count(owner):
+    return jnp.clip(length - owner * shard, 0, shard)
+
+  return Layout(split, join, valid, count)
 
 
-def compressed_mean(codec: Codec, x: jax.Array, worker_error: Optional[jax.Array],
-                    server_error: Optional[jax.Array], axis_name: axis.AxisName,
+def leaf_layout(shapes: Sequence[tuple], world: int) -> Layout:
+  """A piece per array, (W, …, C): its last axis (B values, C = ⌈B/W⌉) dealt round-robin, value j
+  to owner j mod W; its other axes kept (a 0-d array is one value)."""
+  lasts = [s[-1] if s else 1 for s in shapes]
+  columns = [-(-b // world) for b in lasts]
+
+  def split(arrays):
+    pieces = []
+    for x, b, c in zip(arrays, lasts, columns):
+      x = jnp.atleast_1d(x)
+      if world * c > b:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, world * c - b)])
+      pieces.append(jnp.moveaxis(x.reshape(x.shape[:-1] + (c, world)), -1, 0))
+    return pieces
+
+  def join(pieces):
+    arrays = []
+    for piece, shape, b in zip(pieces, shapes, lasts):
+      x = jnp.moveaxis(piece, 0, -1)
+      arrays.append(x.reshape(x.shape[:-2] + (-1,))[..., :b].reshape(shape))
+    return arrays
+
+  def valid(owner):
+    return [jnp.broadcast_to(owner + world * jnp.arange(c) < b, (1,) + tuple(s[:-1]) + (c,))
+            for s, b, c in zip(shapes, lasts, columns)]
+
+  def count(owner):  # values j < b with j mod W = owner, in each row of the last axis
+    return sum(math.prod(s[:-1]) * ((b - 1 - owner) // world + 1) for s, b in zip(shapes, lasts))
+
+  return Layout(split, join, valid, count)
+
+
+def layout(shapes: Sequence[tuple], world: int, granule: int) -> Layout:
+  """The flat layout, or the leaf layout where the mesh may shard the arrays over other axes."""
+  if kernels.keeps_leaves():
+    return leaf_layout(shapes, world)
+  return flat_layout(shapes, world, granule)
+
+
+def _owner_mean(codec: Codec, received: list, tails: list, world: int) -> list:
+  """4: per piece, the mean of the W decoded rows, each ÷W first (no overflow), summed in device
+  order; shape (1, …)."""
+  return kernels.device_mean(lambda w: codec.decode([r[w:w + 1] for r in received], tails), world)
+
+
+def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
+                    server_error: Optional[list], axis_name: axis.AxisName,
                     key: Optional[jax.Array] = None) -> tuple:
-  """The two-phase compressed mean of the flat float32 ``x`` (steps 1–6).
+  """The two-phase compressed mean of the float32 arrays ``x`` (steps 1–6).
 
   Args:
     codec: how values travel.
-    x: this device's values, float32 of shape (L,) with L > 0.
-    worker_error: this device's worker error (L,), or None without error feedback.
-    server_error: the server error of the shard this device owns, in the vector's coordinates (L,;
-      zero outside that shard), or None without error feedback.
+    x: this device's values, a non-empty list of float32 arrays.
+    worker_error: this device's worker error, arrays shaped as ``x``, or None without error
+      feedback.
+    server_error: the server error of the row this device owns, shaped as ``x`` (zero outside that
+      row), or None without error feedback.
     axis_name: the mapped axis.
     key: PRNG key for stochastic rounding (the same on every device; each device and phase folds in
       its own index), or None for deterministic rounding.
 
   Returns:
-    ``(mean, new worker error, new server error)``: the mean (L,), identical on every device; the
-    errors as given (None stays None).
+    ``(mean, new worker error, new server error)``: the mean of each array, identical on every
+    device; the errors as given (None stays None).
   """
-  length = x.shape[0]
   world = axis.axis_size(axis_name)
-  shard = shard_length(length, world, codec.granule)
+  rows_of = layout([a.shape for a in x], world, codec.granule)
   me = axis.axis_index(axis_name)
   keys = (None, None) if key is None else tuple(
       jax.random.fold_in(jax.random.fold_in(key, phase), me) for phase in (0, 1))
-  # 1: p = x + e.
-  p = x if worker_error is None else x + worker_error
-  rows = jnp.pad(p, (0, world * shard - length)).reshape(world, shard)
-  # 2–3: encode, send shard d to device d; e ← p − decode(encoding).
-  payload, decoded = codec.encode(rows, length, keys[0])
+  # 1: p = x + e, in rows.
+  p = x if worker_error is None else [a + e for a, e in zip(x, worker_error)]
+  rows = rows_of.split(p)
+  tails = [r.shape[1:] for r in rows]
+  # 2–3: encode, send row d to device d; e ← p − decode(encoding).
+  payload, decoded = codec.encode(rows, sum(a.size for a in x), keys[0])
   if worker_error is not None:
-    worker_error = p - decoded.reshape(-1)[:length]
-  received = tuple(axis.all_to_all_many(list(payload), axis_name))
-  # 4: the owner's mean of its shard, plus its server error; the padding is zeroed.
-  mean = _owner_mean(codec, received, world)
-  count = jnp.clip(length - me * shard, 0, shard)
-  valid = jnp.arange(shard) < count
+    worker_error = rows_of.join([r - d for r, d in zip(rows, decoded)])
+  received = kernels.all_to_all(payload, axis_name)
+  # 4: the owner's mean of its row, plus its server error; the padding is zeroed.
+  mean = _owner_mean(codec, received, tails, world)
   if server_error is not None:
-    padded = jnp.pad(server_error, (0, world * shard - length))
-    mean = mean + lax.dynamic_slice(padded, (me * shard,), (shard,))
-  mean = jnp.where(valid, mean, 0.0)
-  # 5: re-encode; s ← mean − decode(encoding), in the vector's coordinates.
-  payload, decoded = codec.encode(mean[None], count, keys[1])
+    mean = [m + lax.dynamic_index_in_dim(s, me, keepdims=True)
+            for m, s in zip(mean, rows_of.split(server_error))]
+  valid = rows_of.valid(me)
+  mean = [jnp.where(v, m, 0.0) for v, m in zip(valid, mean)]
+  # 5: re-encode; s ← mean − decode(encoding), at this device's row.
+  payload, decoded = codec.encode(mean, rows_of.count(me), keys[1])
   if server_error is not None:
-    mine = jnp.where(valid, mean - decoded[0], 0.0)
-    server_error = lax.dynamic_update_slice(jnp.zeros(world * shard, jnp.float32), mine,
-                                            (me * shard,))[:length]
+    mine = jnp.arange(world) == me
+    server_error = rows_of.join([
+        jnp.where(mine.reshape((world,) + (1,) * len(t)) & v, m - d, 0.0)
+        for m, d, v, t in zip(mean, decoded, valid, tails)])
   # 6: every owner's encoding to every device; decode the whole mean.
-  gathered = tuple(g[:, 0] for g in axis.all_gather_many(list(payload), axis_name))
-  return codec.decode(gathered).reshape(-1)[:length], worker_error, server_error
+  gathered = [g[:, 0] for g in kernels.all_gather(payload, axis_name)]
+  return rows_of.join(codec.decode(gathered, tails)), worker_error, server_error

@@ -13,15 +13,15 @@ which it must be: a decision taken per device around a collective (``optax.apply
 around a compressor) makes one device skip collectives the others wait in. The stateless dense means
 (``allreduce``, ``fp16_compress``, ``bf16_compress``) need no flag: a NaN on one device makes that
 coordinate of the mean NaN on every device by itself.
+
+The compressor adapter (``compressor.py``) applies the policy to every algorithm, ``comm_hook`` to
+every stateful hook: the helpers below are its pieces.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxcomp._src import axis
 from jaxcomp._src import tree as tree_lib
@@ -53,26 +53,3 @@ def nan_unless_finite(finite: jax.Array, tree):
 def gated(finite: jax.Array, outputs, new_state, old_state) -> tuple:
   """Both parts of the policy: ``(outputs or NaN, new_state or old_state)``."""
   return nan_unless_finite(finite, outputs), keep_if_finite(finite, new_state, old_state)
-
-
-def gated_transformation(name: str, init_fn: Callable, step: Callable,
-                         axis_name: axis.AxisName) -> optax.GradientTransformation:
-  """A stateful transformation from its step: the state and signature checks, the step, then this
-  policy.
-
-  Args:
-    name: the transformation's public name, for error messages.
-    init_fn: ``init_fn(params) -> state``; the state has a ``signature`` (``TreeSignature``).
-    step: ``step(state, leaves, axis_name) -> (output leaves, new state)``, not gated.
-    axis_name: the mapped axis, already checked.
-  """
-
-  def update_fn(updates, state, params=None):
-    del params
-    tree_lib.check_state(state, init_fn, name)
-    leaves = state.signature.check(updates)
-    outputs, new_state = step(state, leaves, axis_name)
-    outputs, new_state = gated(all_finite(leaves, axis_name), outputs, new_state, state)
-    return tree_lib.like(updates, outputs), new_state
-
-  return optax.GradientTransformation(init_fn, update_fn)

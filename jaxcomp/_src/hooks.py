@@ -139,87 +139,54 @@ def dgc_state(ratio: float = 0.001, **settings):
   return compressor.hook_state(dgc.DGC, dict(ratio=ratio, **settings))
 
 
-# ---------------------------------------------------------------------------------------- quantized, sign, 1-bit Adam (shared check)
+quantized_hook = compressor.hook(quantized.QUANTIZED, name="quantized")
+"""8-bit averaging of one bucket (``jaxcomp.quantized``'s step); state from ``quantized_state``."""
 
-def _check_state(state, kind: type, hook: str, maker: str) -> None:
-  if not isinstance(state, kind):
-    raise TypeError(f"{hook} needs the per-bucket state made by jaxcomp.hooks.{maker}(...), as in "
-                    f"comm_hook({hook}, {maker}()); got {type(state).__name__}")
+sign_hook = compressor.hook(sign.SIGN, name="sign")
+"""EF-SignSGD's scaled-sign mean of one bucket, a scale per parameter; state from ``sign_state``."""
 
+onebit_adam_hook = compressor.hook(onebit_adam.SCALE_BY_ONEBIT_ADAM, name="onebit_adam")
+"""1-bit Adam on one bucket: returns the direction ``m̂ / (√v̂ + eps)`` for a momentum-free
+``optax.sgd`` (``jaxcomp.scale_by_onebit_adam``'s step); state from ``onebit_adam_state``."""
 
-# ---------------------------------------------------------------------------------------- quantized
-
-def quantized_state(bits=8, *, block_size: int = 256, error_feedback: bool = True,
-                    stochastic_rounding: bool = False, seed: int = 0):
+def quantized_state(bits=8, **settings):
   """The per-bucket state of ``quantized_hook``: pass it as ``comm_hook``'s ``state``::
 
     tx = jaxcomp.comm_hook(jaxcomp.hooks.quantized_hook, jaxcomp.hooks.quantized_state(8))
 
-  Arguments as ``jaxcomp.quantized``; each bucket's buffer is one flat vector.
+  Args:
+    bits, **settings: as ``jaxcomp.quantized`` (without ``axis_name``).
 
   Returns:
     A function ``bucket -> jaxcomp.QuantizedState``.
   """
-  config = quantized.QuantizedConfig(bits=bits, block_size=block_size,
-                                     error_feedback=error_feedback,
-                                     stochastic_rounding=stochastic_rounding, seed=seed)
-  return lambda bucket: quantized.init_state(config, [bucket.buffer])
+  return compressor.hook_state(quantized.QUANTIZED, dict(bits=bits, **settings))
 
 
-def quantized_hook(state, bucket: GradBucket):
-  """8-bit averaging of one bucket (``jaxcomp.quantized``'s code); state from ``quantized_state``."""
-  _check_state(state, quantized.QuantizedState, "quantized_hook", "quantized_state")
-  (buffer,), state = quantized.step(
-      state, state.signature.check([bucket.buffer], "bucket", dtypes=False), bucket.axis_name)
-  return buffer, state
-
-
-# ---------------------------------------------------------------------------------------- sign
-
-def sign_state(*, error_feedback: bool = True):
+def sign_state(**settings):
   """The per-bucket state of ``sign_hook`` (one scale per parameter): ``comm_hook``'s ``state``.
+
+  Args:
+    **settings: as ``jaxcomp.sign_compress`` (without ``axis_name``).
 
   Returns:
     A function ``bucket -> jaxcomp.SignState``.
   """
-  config = sign.SignConfig(error_feedback=error_feedback)
-  return lambda bucket: sign.init_state(config, bucket.gradients())
+  return compressor.hook_state(sign.SIGN, settings)
 
 
-def sign_hook(state, bucket: GradBucket):
-  """EF-SignSGD's scaled-sign mean of one bucket (``jaxcomp.sign_compress``'s code); state from
-  ``sign_state``."""
-  _check_state(state, sign.SignState, "sign_hook", "sign_state")
-  grads, state = sign.step(state, state.signature.check(bucket.gradients(), "bucket", dtypes=False),
-                           bucket.axis_name)
-  return tree_lib.flatten(grads), state
-
-
-# ---------------------------------------------------------------------------------------- 1-bit Adam
-
-def onebit_adam_state(*, freeze_steps: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                      bias_correction: bool = True):
-  """The per-bucket state of ``onebit_adam_hook``: pass it as ``comm_hook``'s ``state``.
-
-  Arguments as ``jaxcomp.onebit_adam`` without the learning rate: the hook returns 1-bit Adam's
-  direction, which a momentum-free SGD turns into the update::
+def onebit_adam_state(**settings):
+  """The per-bucket state of ``onebit_adam_hook``: pass it as ``comm_hook``'s ``state``::
 
     tx = optax.chain(jaxcomp.comm_hook(jaxcomp.hooks.onebit_adam_hook,
                                        jaxcomp.hooks.onebit_adam_state(freeze_steps=2000)),
                      optax.sgd(1e-3))
 
+  Args:
+    **settings: as ``jaxcomp.scale_by_onebit_adam`` (without ``axis_name``): the hook returns 1-bit
+      Adam's direction, which a momentum-free SGD turns into the update.
+
   Returns:
     A function ``bucket -> jaxcomp.OneBitAdamState``.
   """
-  config = onebit_adam.OneBitAdamConfig(freeze_steps=freeze_steps, b1=b1, b2=b2, eps=eps,
-                                        bias_correction=bias_correction)
-  return lambda bucket: onebit_adam.init_state(config, [bucket.buffer])
-
-
-def onebit_adam_hook(state, bucket: GradBucket):
-  """1-bit Adam on one bucket: returns the direction ``m̂ / (√v̂ + eps)`` (``jaxcomp.onebit_adam``'s
-  code, before its learning rate); state from ``onebit_adam_state``."""
-  _check_state(state, onebit_adam.OneBitAdamState, "onebit_adam_hook", "onebit_adam_state")
-  (buffer,), state = onebit_adam.step(
-      state, state.signature.check([bucket.buffer], "bucket", dtypes=False), bucket.axis_name)
-  return buffer, state
+  return compressor.hook_state(onebit_adam.SCALE_BY_ONEBIT_ADAM, settings)

@@ -4,24 +4,26 @@ Adam's update is not linear in the gradient, so error feedback cannot compress i
 variance settles early in training. 1-bit Adam therefore runs plain Adam on the dense mean gradient
 for ``freeze_steps`` steps (the warm-up), then freezes the variance and exchanges only the momentum,
 1-bit compressed with error feedback on the worker and on the server — momentum SGD preconditioned by
-the frozen variance, which is linear in the gradient again. ``onebit_adam`` is the whole optimizer
-(nothing is chained after it); ``jaxcomp.hooks.onebit_adam_hook`` is the same code on a
-``comm_hook`` bucket, returning the preconditioned momentum for a momentum-free ``optax.sgd``.
+the frozen variance, which is linear in the gradient again. ``scale_by_onebit_adam`` returns the
+direction (as ``optax.scale_by_adam``); ``onebit_adam`` chains it with the learning rate, the whole
+optimizer (nothing is chained after it); ``jaxcomp.hooks.onebit_adam_hook`` is the same step on a
+``comm_hook`` bucket, returning the direction for a momentum-free ``optax.sgd``.
 
 The steps, per device, W devices, at step t = 0, 1, ... (the ``# n:`` comments below point here;
 "Alg. 1" is the paper's Algorithm 1, "exchange n" the numbered list of ``jaxcomp._src.exchange``):
 
-1. Warm-up (t < ``freeze_steps``): the dense mean gradient ``ḡ`` (÷W, then one float32
-   all-reduce); ``m ← b1·m + (1 − b1)·ḡ``, ``v ← b2·v + (1 − b2)·ḡ²`` (Alg. 1 line 1, plain Adam).
+1. Warm-up (phase "warmup", t < ``freeze_steps``): the dense mean gradient ``ḡ`` (÷W, then a
+   float32 all-reduce); ``m ← b1·m + (1 − b1)·ḡ``, ``v ← b2·v + (1 − b2)·ḡ²`` (Alg. 1 line 1, Adam).
    The state keeps ``√v``, updated as ``r·√(b2·(√v/r)² + (1 − b2)·(ḡ/r)²)`` with ``r = max(√v, |ḡ|)``:
    the same value, but ``ḡ²`` of a gradient above 1.8e19 would overflow float32.
-2. Compression (t ≥ ``freeze_steps``): ``m ← b1·m + (1 − b1)·g`` with this device's own gradient
-   (Alg. 1 line 5); ``v`` stays frozen.
-3. The momentum of all reduced leaves, one flat float32 vector, goes through the two-phase exchange
-   with the sign codec: worker ``p = m + δ``, scale ``‖p‖₁/L`` (the mean magnitude), signs packed 8
-   per byte, ``δ ← p − scale·sign(p)`` (Alg. 1 line 6); ``all_to_all`` of signs and scales; the owner averages the
-   scaled signs of its shard, adds its server error ``δ̄``, re-compresses with its own scale and
-   ``δ̄ ← mean − scale·sign(mean)`` (line 9); ``all_gather`` of signs and scales (line 10). Every
+2. Compression (phase "compressed", t ≥ ``freeze_steps``): ``m ← b1·m + (1 − b1)·g`` with this
+   device's own gradient (Alg. 1 line 5); ``v`` stays frozen.
+3. The momentum of all reduced leaves, in float32, goes through the two-phase exchange with the sign
+   codec (its rows: ``exchange.layout``): worker ``p = m + δ``, scale ``‖p‖₁/L`` (the mean
+   magnitude), signs packed 8 per byte, ``δ ← p − scale·sign(p)`` (Alg. 1 line 6); ``all_to_all`` of
+   signs and scales; the owner averages the scaled signs of its row, adds its server error ``δ̄``,
+   re-compresses with its own scale and ``δ̄ ← mean − scale·sign(mean)`` (line 9); ``all_gather``
+   of signs and scales (line 10). Every
    device sets ``m`` to the result (line 12), so ``m`` is identical on every device — except where
    the frozen variance is exactly 0 (a gradient that was 0 throughout the warm-up, such as an
    always-blank input pixel's weights): a sign cannot say 0, and ``±scale / eps`` there would throw
@@ -31,9 +33,9 @@ The steps, per device, W devices, at step t = 0, 1, ... (the ``# n:`` comments b
    b2^min(t+1, freeze_steps))`` (Adam's bias correction, the variance's frozen with it); with
    ``bias_correction=False`` ``m̂ = m``, ``v̂ = v``, DeepSpeed's formula. ``freeze_steps=0`` has no
    variance: the direction is ``m̂`` (1-bit compressed momentum SGD).
-5. ``onebit_adam`` returns ``−learning_rate(t) · direction``.
+5. ``onebit_adam`` returns ``−learning_rate(t) · direction`` (``optax.scale_by_learning_rate``).
 
-Bytes per device in the compression stage (payload, ``comm_report``): 2·W·S/8 for the signs (W shards
+Bytes per device in the compression stage (payload, ``comm_report``): 2·W·S/8 for the signs (W rows
 of S ≥ L/W values, S a multiple of 8), 2·4·W for the scales, and the 4-byte check that the gradient
 is finite — about 1/32 of a float32 all-reduce's ring bytes. The warm-up sends the dense float32 mean.
 
@@ -43,13 +45,12 @@ Differences from DeepSpeed's ``OnebitAdam``. The scale of a sign vector is its m
 ``p`` can be √2 times ``p``, and on the digits MLP (whose always-blank pixels make the momentum
 sparse) the worker error grew without bound and training diverged 35 steps after the freeze, where
 the mean magnitude trains to Adam's accuracy (``tests/test_low_bit_training.py``). The others do not
-change the algorithm: the bias correction is on by default (so that with ``freeze_steps`` beyond the run this is ``optax.adam`` exactly; off,
-DeepSpeed's formula); the zero padding that makes the vector divisible into shards is left out of
+change the algorithm: the bias correction is on by default (so that with ``freeze_steps`` beyond
+the run this is ``optax.adam`` exactly; off, DeepSpeed's formula); the zero padding that makes the
+vector divisible into rows is left out of
 the scales and carries no error (DeepSpeed pads to a multiple of 8·W and lets the padding count in
 the norm and accumulate error); the errors are saved with the state, so a resumed run continues
-exactly (DeepSpeed resets them when it loads a checkpoint). On a step whose gradient is non-finite on
-any device the state (moments, errors, count) is kept and the update is NaN (jaxcomp's non-finite
-policy): put ``optax.apply_if_finite(optax.identity(), ...)`` after it to skip such steps.
+exactly (DeepSpeed resets them when it loads a checkpoint).
 
 References:
   Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication Efficient
@@ -63,18 +64,24 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
 
-from jaxcomp._src import axis, exchange, finite, sign, validate
+from jaxcomp._src import axis, compressor, exchange, optax_wrappers, sign, validate
+from jaxcomp._src import phases as phases_lib
 from jaxcomp._src import tree as tree_lib
+
+_WARMUP = phases_lib.Phase("warmup", 0.0)
+_COMPRESSED = phases_lib.Phase("compressed", 1.0)
+
+
+def _decay(name: str) -> Callable:
+  """The check of a decay rate in [0, 1)."""
+  return lambda value: validate.number(value, name, 0, 1, high_open=True)
 
 
 @jax.tree_util.register_static
@@ -87,31 +94,32 @@ class OneBitAdamConfig:
       momentum compressed. The variance must have settled by then: DeepSpeed advises 15–25% of the
       run. 0 compresses from the first step with no variance at all (momentum SGD).
     b1: the momentum's decay (Adam's β1); the compressed quantity, so its averaging also smooths
-      the compression error.
+      the compression error. It may be scheduled (``optax.inject_hyperparams``), as may ``b2`` and
+      ``eps``.
     b2: the variance's decay (Adam's β2).
     eps: added to √v̂; keeps the step bounded where the frozen variance is tiny.
     bias_correction: Adam's bias correction of m and v (the variance's frozen at ``freeze_steps``);
       off is DeepSpeed's update, which is larger early on and after a short warm-up.
   """
   freeze_steps: int
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
+  b1: Any = 0.9
+  b2: Any = 0.999
+  eps: Any = 1e-8
   bias_correction: bool = True
 
   def __post_init__(self):
     for name, value in dict(
         freeze_steps=validate.integer(self.freeze_steps, "freeze_steps", 0,
                                       static="decides when the compressed stage starts"),
-        b1=validate.number(self.b1, "b1", 0, 1, high_open=True),
-        b2=validate.number(self.b2, "b2", 0, 1, high_open=True),
-        eps=validate.number(self.eps, "eps", 0),
+        b1=validate.traceable(self.b1, _decay("b1")),
+        b2=validate.traceable(self.b2, _decay("b2")),
+        eps=validate.traceable(self.eps, lambda value: validate.number(value, "eps", 0)),
         bias_correction=validate.boolean(self.bias_correction, "bias_correction")).items():
       object.__setattr__(self, name, value)
 
 
 class OneBitAdamState(NamedTuple):
-  """State of ``onebit_adam`` (and of ``jaxcomp.hooks.onebit_adam_hook``).
+  """State of ``scale_by_onebit_adam`` (and of ``jaxcomp.hooks.onebit_adam_hook``).
 
   Attributes:
     count: steps taken (non-finite steps are not counted).
@@ -119,10 +127,9 @@ class OneBitAdamState(NamedTuple):
       (``optax.MaskedNode()`` elsewhere); identical on every device.
     nu_root: the root of the variance, √v, likewise; frozen from ``freeze_steps`` on (a root, so
       that squares of large gradients cannot overflow it).
-    worker_error: this device's compression error δ, float32 of the flat length L of the reduced
-      leaves; per device. ``optax.MaskedNode()`` when nothing is reduced.
-    server_error: the server error δ̄ of the shard this device owns, in the same flat coordinates
-      (zero outside its shard); per device.
+    worker_error: this device's compression error δ, likewise; per device.
+    server_error: the server error δ̄ of the row this device owns, likewise (zero outside its row);
+      per device.
     config: the static settings.
     signature: the gradient pytree's structure, shapes and dtypes.
   """
@@ -137,66 +144,59 @@ class OneBitAdamState(NamedTuple):
   PER_DEVICE_FIELDS = ("worker_error", "server_error")  # see jaxcomp.sharding
 
 
-def init_state(config: OneBitAdamConfig, params) -> OneBitAdamState:
-  """Zero moments and errors for gradients shaped like ``params``."""
-  signature = tree_lib.TreeSignature.of(params)
-  reduced = signature.reduced
-  moments = [jnp.zeros(shape, jnp.float32) if i in reduced else optax.MaskedNode()
-             for i, shape in enumerate(signature.shapes)]
-  length = sum(math.prod(signature.shapes[i]) for i in reduced)
-  errors = [jnp.zeros([length], jnp.float32) if length else optax.MaskedNode() for _ in range(2)]
-  return OneBitAdamState(jnp.zeros([], jnp.int32), signature.unflatten(moments),
-                         signature.unflatten(moments), *errors, config, signature)
+def init(config: OneBitAdamConfig, signature: tree_lib.TreeSignature) -> OneBitAdamState:
+  """Zero moments and errors for gradients of ``signature``."""
+  zeros = signature.place([jnp.zeros(s.shape, jnp.float32) for s in signature.reduced_structs()])
+  return OneBitAdamState(jnp.zeros([], jnp.int32), zeros, zeros, zeros, zeros, config, signature)
 
 
-def _root_mean_square_update(b2: float, root: jax.Array, g: jax.Array) -> jax.Array:
+def phases(config: OneBitAdamConfig) -> tuple:
+  """The phases: dense Adam ("warmup", absent when ``freeze_steps`` is 0), then "compressed"."""
+  return ((_WARMUP,) if config.freeze_steps else ()) + (_COMPRESSED,)
+
+
+def phase_of(config: OneBitAdamConfig, count: jax.Array) -> jax.Array:
+  """The index into ``phases(config)`` of the step taken at ``count``."""
+  return (count >= config.freeze_steps).astype(jnp.int32)
+
+
+def _root_mean_square_update(b2, root: jax.Array, g: jax.Array) -> jax.Array:
   """1: ``√(b2·root² + (1 − b2)·g²)`` computed relative to ``max(root, |g|)``: no overflow."""
   top = jnp.maximum(root, jnp.abs(g))
   safe = jnp.where(top > 0, top, 1.0)
   return top * jnp.sqrt(b2 * jnp.square(root / safe) + (1 - b2) * jnp.square(g / safe))
 
 
-def _one_minus_power(b: float, t: jax.Array) -> jax.Array:
-  """4: Adam's bias correction ``1 − bᵗ`` as ``−expm1(t·log b)``: ``1 − 0.999ᵗ`` computed as written
-  loses 3e-5 of its value to cancellation in float32 at t = 2."""
-  return jnp.ones_like(t) if b == 0 else -jnp.expm1(t * jnp.float32(math.log(b)))
+def _one_minus_power(b, t: jax.Array) -> jax.Array:
+  """4: Adam's bias correction ``1 − bᵗ`` (t ≥ 1) as ``−expm1(t·log b)``: ``1 − 0.999ᵗ`` computed as
+  written loses 3e-5 of its value to cancellation in float32 at t = 2. A Python ``b``'s logarithm
+  is taken in float64."""
+  if validate.is_array(b):
+    log_b = jnp.log(b.astype(jnp.float32))
+  else:
+    log_b = jnp.float32(math.log(b) if b > 0 else -math.inf)
+  return -jnp.expm1(t * log_b)
 
 
-def step(state: OneBitAdamState, leaves: list, axis_name) -> tuple:
-  """Steps 1–4: returns ``(directions, new state)`` (the direction at every reduced leaf, the other
-  leaves untouched); not gated."""
-  config, reduced = state.config, state.signature.reduced
-  if not reduced:
-    return list(leaves), state._replace(count=state.count + 1)
-  treedef = state.signature.treedef
-  all_mu, all_root = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu_root)
-  grads = [leaves[i].astype(jnp.float32) for i in reduced]
-
-  def warm_up(operands):
-    mu, root, worker_error, server_error = operands
-    mean = axis.mean_many(grads, axis_name)  # 1: plain Adam on the dense mean
+def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_name,
+         phase: phases_lib.Phase) -> tuple:
+  """Steps 1–4 on the reduced leaves: returns ``(directions, new state)``."""
+  signature = state.signature
+  mu, root = signature.pick(state.mu), signature.pick(state.nu_root)
+  errors = signature.pick(state.worker_error), signature.pick(state.server_error)
+  grads = [g.astype(jnp.float32) for g in leaves]
+  if not grads:
+    return [], state
+  if phase.name == _WARMUP.name:
+    mean = [axis.mean(g, axis_name) for g in grads]  # 1: plain Adam on the dense mean
     mu = [config.b1 * m + (1 - config.b1) * g for m, g in zip(mu, mean)]
     root = [_root_mean_square_update(config.b2, r, g) for r, g in zip(root, mean)]
-    return mu, root, worker_error, server_error
-
-  def compressed(operands):
-    mu, root, worker_error, server_error = operands
+  else:
     # 2: the local momentum; 3: exchanged 1-bit with worker and server error.
-    local = tree_lib.flatten([config.b1 * m + (1 - config.b1) * g for m, g in zip(mu, grads)])
-    flat, worker_error, server_error = exchange.compressed_mean(
-        sign.sign_codec(), local, worker_error, server_error, axis_name)
-    mu = tree_lib.unflatten(flat, [g.shape for g in grads])
+    local = [config.b1 * m + (1 - config.b1) * g for m, g in zip(mu, grads)]
+    mu, *errors = exchange.compressed_mean(sign.sign_codec(), local, *errors, axis_name)
     if config.freeze_steps:  # 3: no momentum where the frozen variance is 0
       mu = [jnp.where(r > 0, m, 0.0) for m, r in zip(mu, root)]
-    return mu, root, worker_error, server_error
-
-  operands = ([all_mu[i] for i in reduced], [all_root[i] for i in reduced], state.worker_error,
-              state.server_error)
-  if config.freeze_steps == 0:
-    mu, root, worker_error, server_error = compressed(operands)
-  else:
-    mu, root, worker_error, server_error = lax.cond(state.count < config.freeze_steps, warm_up,
-                                                    compressed, operands)
   # 4: the direction m̂ / (√v̂ + eps), v̂ frozen with v.
   t = (state.count + 1).astype(jnp.float32)
   directions = mu
@@ -206,83 +206,107 @@ def step(state: OneBitAdamState, leaves: list, axis_name) -> tuple:
     correction = (_one_minus_power(config.b2, jnp.minimum(t, config.freeze_steps))
                   if config.bias_correction else 1.0)
     directions = [m / (r / jnp.sqrt(correction) + config.eps) for m, r in zip(directions, root)]
-  leaves = list(leaves)
-  for k, i in enumerate(reduced):
-    all_mu[i], all_root[i] = mu[k], root[k]
-    leaves[i] = directions[k].astype(leaves[i].dtype)
-  return leaves, state._replace(count=state.count + 1, mu=treedef.unflatten(all_mu),
-                                nu_root=treedef.unflatten(all_root), worker_error=worker_error,
-                                server_error=server_error)
+  new_state = state._replace(mu=signature.place(mu), nu_root=signature.place(root),
+                             worker_error=signature.place(errors[0]),
+                             server_error=signature.place(errors[1]))
+  return [d.astype(g.dtype) for d, g in zip(directions, leaves)], new_state
 
 
-def _learning_rate(value) -> Union[float, Callable]:
-  if callable(value):
-    return value
-  if isinstance(value, (jax.Array, np.ndarray)):  # optax.inject_hyperparams passes arrays
-    return value
-  return validate.number(value, "learning_rate", 0, low_open=True)
+SCALE_BY_ONEBIT_ADAM = compressor.Algorithm(
+    "scale_by_onebit_adam", OneBitAdamState, OneBitAdamConfig, init, step, phases=phases,
+    phase_of=phase_of, traceable=("b1", "b2", "eps"),
+    nonfinite="select")  # the exchange compiles worse inside the cond (compressor.py)
 
 
 def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch",
                          b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                         bias_correction: bool = True) -> optax.GradientTransformation:
-  """1-bit Adam's direction ``m̂ / (√v̂ + eps)`` without the learning rate (as ``optax.scale_by_adam``).
-
-  Arguments as ``onebit_adam``; follow it with a momentum-free ``optax.sgd(lr)`` or
-  ``optax.scale_by_learning_rate``.
-
-  Returns:
-    A ``GradientTransformation`` with a ``OneBitAdamState``.
-  """
-  config = OneBitAdamConfig(freeze_steps=freeze_steps, b1=b1, b2=b2, eps=eps,
-                            bias_correction=bias_correction)
-  return finite.gated_transformation(
-      "scale_by_onebit_adam", functools.partial(init_state, config), step,
-      axis.check_axis_name(axis_name))
-
-
-def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = "batch",
-                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                bias_correction: bool = True) -> optax.GradientTransformation:
-  """DeepSpeed's 1-bit Adam as an optax optimizer: it averages the gradient itself.
+                         bias_correction: bool = True,
+                         bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
+  """1-bit Adam's direction ``m̂ / (√v̂ + eps)``, averaged over the devices, without learning rate.
 
   Plain Adam on the dense mean gradient for ``freeze_steps`` steps; then the variance is frozen and
-  only the momentum is exchanged, as signs (1 bit per value) with one scale per shard, with error
-  feedback on the worker and on the server (the module docstring numbers the steps). It is the whole
-  optimizer: use it in place of ``optax.chain(jaxcomp.allreduce(), optax.adam(lr))``, with nothing
-  chained after it but a guard::
+  only the momentum is exchanged, as signs (1 bit per value) with one scale per row, with error
+  feedback on the worker and on the server (the module docstring numbers the steps). It averages
+  the gradient itself, as ``optax.scale_by_adam`` after ``jaxcomp.allreduce`` would; follow it with
+  the learning rate (``optax.scale_by_learning_rate``, or ``jaxcomp.onebit_adam`` for both). On a
+  step whose gradient is non-finite on any device the state is kept and the direction is NaN.
 
-    tx = optax.chain(jaxcomp.onebit_adam(1e-3, freeze_steps=2000),
-                     optax.apply_if_finite(optax.identity(), 10))
+  Example::
+
+    tx = optax.chain(jaxcomp.scale_by_onebit_adam(freeze_steps=2000),
+                     optax.scale_by_learning_rate(1e-3))
 
   Args:
-    learning_rate: a positive number or an optax schedule of the step count.
     freeze_steps: steps of dense Adam before compression (DeepSpeed's ``freeze_step``; 15–25% of the
       run is its advice); 0 compresses from the first step without a variance (momentum SGD).
     axis_name: the mapped axis to average over (see ``jaxcomp.axis``).
-    b1, b2, eps: Adam's.
+    b1, b2, eps: Adam's; they may be arrays (``optax.inject_hyperparams``).
     bias_correction: Adam's bias correction (off: DeepSpeed's update).
+    bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one exchange per bucket.
 
   Returns:
-    A ``GradientTransformation`` whose updates are ``−learning_rate · m̂ / (√v̂ + eps)``, identical on
-    every device, in the gradients' dtypes; state ``OneBitAdamState``.
+    A ``GradientTransformation`` with a ``OneBitAdamState``; its directions are identical on every
+    device, in the gradients' dtypes.
 
   References:
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
     Speed", ICML 2021, Algorithm 1; DeepSpeed ``OnebitAdam`` / ``compressed_allreduce``.
   """
-  config = OneBitAdamConfig(freeze_steps=freeze_steps, b1=b1, b2=b2, eps=eps,
-                            bias_correction=bias_correction)
-  learning_rate = _learning_rate(learning_rate)
+  return compressor.transformation(
+      SCALE_BY_ONEBIT_ADAM, axis_name, bucket_cap_mb, freeze_steps=freeze_steps, b1=b1, b2=b2,
+      eps=eps, bias_correction=bias_correction)
 
-  def update_step(state, leaves, axis_name):
-    # 5: −learning_rate(t) · direction, at the reduced leaves only.
-    rate = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    directions, new_state = step(state, leaves, axis_name)
-    for i in state.signature.reduced:
-      directions[i] = (-rate * directions[i]).astype(directions[i].dtype)
-    return directions, new_state
 
-  return finite.gated_transformation(
-      "onebit_adam", functools.partial(init_state, config), update_step,
-      axis.check_axis_name(axis_name))
+def _learning_rate(value) -> Union[float, Callable, jax.Array]:
+  """A schedule, or an array (``optax.inject_hyperparams``), as it is; a number, checked."""
+  if callable(value) or validate.is_array(value):
+    return value
+  return validate.number(value, "learning_rate", 0, low_open=True)
+
+
+def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = "batch",
+                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                bias_correction: bool = True,
+                bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
+  """DeepSpeed's 1-bit Adam as an optax optimizer: it averages the gradient itself.
+
+  ``scale_by_onebit_adam`` chained with the learning rate, as ``optax.adam`` is ``scale_by_adam``
+  chained with it. Use it in place of ``optax.chain(jaxcomp.allreduce(), optax.adam(lr))``, with
+  nothing chained after it but a guard::
+
+    tx = optax.chain(jaxcomp.onebit_adam(1e-3, freeze_steps=2000),
+                     optax.apply_if_finite(optax.identity(), 10))
+
+  Args:
+    learning_rate: a positive number or an optax schedule of the step count (called with the count
+      of updates, as ``optax.scale_by_schedule`` does).
+    freeze_steps: steps of dense Adam before compression (DeepSpeed's ``freeze_step``; 15–25% of the
+      run is its advice); 0 compresses from the first step without a variance (momentum SGD).
+    axis_name: the mapped axis to average over (see ``jaxcomp.axis``).
+    b1, b2, eps: Adam's.
+    bias_correction: Adam's bias correction (off: DeepSpeed's update).
+    bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one exchange per bucket.
+
+  Returns:
+    A ``GradientTransformation`` whose updates are ``−learning_rate · m̂ / (√v̂ + eps)``,
+    identical on every device, in the gradients' dtypes; its state is ``(OneBitAdamState, the
+    learning rate's optax.MaskedState)``.
+
+  References:
+    Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
+    Speed", ICML 2021, Algorithm 1; DeepSpeed ``OnebitAdam`` / ``compressed_allreduce``.
+  """
+  # 5: −learning_rate(t) · direction, at the reduced leaves (integer leaves pass through).
+  rate = optax.masked(optax.scale_by_learning_rate(_learning_rate(learning_rate)),
+                      lambda updates: jax.tree.map(tree_lib.is_reduced, updates))
+  inner = optax.chain(
+      scale_by_onebit_adam(freeze_steps=freeze_steps, axis_name=axis_name, b1=b1, b2=b2, eps=eps,
+                           bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb), rate)
+
+  def update_fn(updates, state, params=None):
+    # Its output is the update: an optimizer after it would take that for a gradient.
+    optax_wrappers.check_last_in_chain("jaxcomp.onebit_adam",
+                                       alternative="jaxcomp.scale_by_onebit_adam")
+    return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(inner.init, update_fn)

@@ -4,26 +4,28 @@
 ``quantized(bits="fp8")`` sends float8_e4m3fn codes the same way. An all-reduce cannot carry them (an
 int8 sum overflows; one global scale wastes the range of every block smaller than the largest), so the
 mean is the two-phase exchange of ``jaxcomp._src.exchange``: a reduce-scatter by ``all_to_all``, the
-owner of each shard dequantizes, averages in float32 and re-quantizes, then an ``all_gather``. Error
+owner of each row dequantizes, averages in float32 and re-quantizes, then an ``all_gather``. Error
 feedback keeps both quantization errors on the device that made them.
 
 The steps, per device, W devices (the ``# n:`` comments below point here; "exchange n" is the
 numbered list of ``jaxcomp._src.exchange``):
 
-1. The reduced leaves (floating point, non-empty), cast to float32, are one flat vector of length L
-   (mixed float dtypes travel together); zero-padded to W shards of S elements, S a multiple of
-   ``block_size``.
+1. The reduced leaves (floating point, non-empty), cast to float32 (mixed float dtypes travel
+   together), are laid out in W rows, one per owner (``exchange.layout``): one flat vector of length
+   L zero-padded to W shards of S elements, S a multiple of ``block_size``; or, where the mesh may
+   shard the leaves over other axes, each leaf's last axis dealt round-robin to the owners.
 2. ``p = g + e``: this device's worker error is added (exchange 1).
-3. Quantization of each block of ``block_size`` values: ``scale = max|p| · (1/Q)`` with Q = 127
-   (int8) or 448 (float8_e4m3fn's largest value), 1/Q rounded to float32 (a product, which every
-   compiler evaluates alike; XLA turns a division by a constant into one anyway); ``code = round(p / scale)`` clipped to ±Q — to the nearest
-   (half to even; float8: its own nearest value), or stochastically (unbiased: up with probability
-   the distance to the lower neighbour over the gap, QSGD's rounding); a block of zeros has scale 0
-   and codes 0 (exchange 2).
-4. ``all_to_all`` of codes and scales: the owner of each shard receives it from every device;
+3. Quantization of each block of ``block_size`` values along a row's last axis (a leaf's row may
+   end in a shorter block, or be one): ``scale = max|p| · (1/Q)`` with Q = 127 (int8) or 448
+   (float8_e4m3fn's largest value), 1/Q rounded to float32 (a product, which every compiler
+   evaluates alike; XLA turns a division by a constant into one anyway); ``code = round(p / scale)``
+   clipped to ±Q — to the nearest (half to even; float8: its own nearest value), or stochastically
+   (unbiased: up with probability the distance to the lower neighbour over the gap, QSGD's
+   rounding); a block of zeros has scale 0 and codes 0 (exchange 2).
+4. ``all_to_all`` of codes and scales: the owner of each row receives it from every device;
    ``e ← p − code·scale`` (exchange 3).
 5. The owner dequantizes the W copies, averages them in float32 (each ÷W, then summed in device
-   order), adds its server error and re-quantizes its shard as in 3; ``s ← mean − code·scale``
+   order), adds its server error and re-quantizes its row as in 3; ``s ← mean − code·scale``
    (exchange 4–5).
 6. ``all_gather`` of codes and scales; every device dequantizes the whole mean and casts each leaf
    back to its dtype (exchange 6).
@@ -33,10 +35,9 @@ plus the scales twice, 2·4·W·S/``block_size`` — about a quarter of a float3
 (2·(W−1)/W of each), plus the 4-byte check that the gradient is finite. XLA:CPU keeps s8 collectives
 narrow but widens float8 ones to f16; float8 codes therefore travel as their bits, in uint8.
 
-On a step whose gradient is non-finite on any device the errors are kept and the output is NaN
-(jaxcomp's non-finite policy). Stochastic rounding draws from ``seed``, the step and the device's
-index: reproducible from run to run and on resume, independent from device to device (so the
-rounding noise averages out over devices, as QSGD's analysis assumes).
+Stochastic rounding draws from ``seed``, the step and the device's index: reproducible from run to
+run and on resume, independent from device to device (so the rounding noise averages out over
+devices, as QSGD's analysis assumes).
 
 References:
   Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-Efficient SGD via Gradient
@@ -52,8 +53,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -61,7 +60,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, exchange, finite, validate
+from jaxcomp._src import axis, compressor, exchange, validate
 from jaxcomp._src import tree as tree_lib
 
 _CODES = {8: (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # code dtype, largest level Q
@@ -78,7 +77,7 @@ class QuantizedConfig:
     block_size: values per scale. A scale costs 4 bytes, so 256 adds 1.6% to the 8-bit codes; a
       smaller block follows the magnitudes more closely (one large value then flattens fewer
       neighbours to zero).
-    error_feedback: keep both quantization errors (the device's own and, for the shard it owns, the
+    error_feedback: keep both quantization errors (the device's own and, for the row it owns, the
       re-quantization's) and add them in the next step: the time-sum of the outputs then tracks the
       time-sum of the mean gradient instead of drifting with the rounding bias.
     stochastic_rounding: round up or down at random, unbiased (QSGD), instead of to the nearest:
@@ -109,10 +108,10 @@ class QuantizedState(NamedTuple):
 
   Attributes:
     count: steps taken (non-finite steps are not counted); it seeds the stochastic rounding.
-    worker_error: this device's quantization error, float32 of the flat length L of the reduced
-      leaves; per device. ``optax.MaskedNode()`` without error feedback or reduced leaves.
-    server_error: the re-quantization error of the shard this device owns, in the same flat
-      coordinates (zero outside its shard, so the state does not depend on W); per device.
+    worker_error: this device's quantization error: the params' structure, float32 for each reduced
+      leaf, ``optax.MaskedNode()`` elsewhere (everywhere without error feedback); per device.
+    server_error: the re-quantization error of the row this device owns, likewise (zero outside its
+      row, so the state does not depend on W); per device.
     config: the static settings.
     signature: the gradient pytree's structure, shapes and dtypes.
   """
@@ -151,74 +150,109 @@ def _quantize(config: QuantizedConfig, y: jax.Array, key: Optional[jax.Array]) -
   return _stochastic_float8(y, u, dtype)
 
 
+def _tile(shape: tuple, size: int) -> tuple:
+  """3: the block of a row piece of ``shape`` (R, …, C): ``t = min(size, C)`` values along the last
+  axis and, where that is shorter than ``size``, ``r`` rows of the axis before it, so that a block
+  holds up to ``size`` values without a reshape that merges axes (``(1, size)`` in the flat
+  layout)."""
+  t = min(size, shape[-1])
+  return (min(size // t, shape[-2]) if len(shape) > 2 else 1), t
+
+
+def _blocks(x: jax.Array, tile: tuple) -> jax.Array:
+  """``x`` (R, …, [rows,] C) zero-padded and cut into blocks: shape (R, …, rows/r, r, C/t, t)."""
+  r, t = tile
+  if x.ndim == 2:
+    x = x[:, None]
+  *lead, rows, columns = x.shape
+  padded = (-(-rows // r) * r, -(-columns // t) * t)
+  if padded != (rows, columns):
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, padded[0] - rows), (0, padded[1] - columns)])
+  return x.reshape(tuple(lead) + (padded[0] // r, r, padded[1] // t, t))
+
+
+def _unblocks(blocks: jax.Array, shape: tuple) -> jax.Array:
+  """The inverse of ``_blocks``: the values of a piece of ``shape``."""
+  *lead, row_blocks, r, column_blocks, t = blocks.shape
+  x = blocks.reshape(tuple(lead) + (row_blocks * r, column_blocks * t))
+  rows = shape[-2] if len(shape) > 2 else 1
+  return x[..., :rows, :shape[-1]].reshape(shape)
+
+
 def block_codec(config: QuantizedConfig) -> exchange.Codec:
-  """The exchange's codec: codes of each block of ``block_size`` values and one float32 scale each."""
+  """The exchange's codec: codes of each block of up to ``block_size`` values of a row piece
+  (``_tile``), and one float32 scale per block."""
   size = config.block_size
   _, levels = _CODES[config.bits]
 
-  def decode(payload):
-    codes, scales = payload
-    rows, length = codes.shape
-    blocks = codes.astype(jnp.float32).reshape(rows, length // size, size)
-    return (blocks * scales[..., None]).reshape(rows, length)
+  def decode(payload, tails):
+    pieces = []
+    for codes, scales, tail in zip(payload[::2], payload[1::2], tails):
+      tile = _tile((1,) + tuple(tail), size)
+      blocks = _blocks(codes.astype(jnp.float32), tile) * scales[..., None, :, None]
+      pieces.append(_unblocks(blocks, codes.shape))
+    return pieces
 
-  def encode(x, count, key):
+  def encode(rows, count, key):
     del count  # zero padding never raises a block's maximum
-    rows, length = x.shape
-    blocks = x.reshape(rows, length // size, size)
-    scales = jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / levels)  # 3: max|p|·(1/Q)
-    safe = jnp.where(scales > 0, scales, 1.0)[..., None]
-    y = jnp.where(scales[..., None] > 0, jnp.clip(blocks / safe, -levels, levels), 0.0)
-    payload = (_quantize(config, y, key).reshape(rows, length), scales)
-    return payload, decode(payload)
+    keys = [None] * len(rows) if key is None else list(jax.random.split(key, len(rows)))
+    payload = []
+    for x, k in zip(rows, keys):
+      blocks = _blocks(x, _tile(x.shape, size))
+      scales = jnp.max(jnp.abs(blocks), axis=(-3, -1)) * jnp.float32(1 / levels)  # 3: max|p|·(1/Q)
+      wide = scales[..., None, :, None]
+      y = jnp.where(wide > 0, jnp.clip(blocks / jnp.where(wide > 0, wide, 1.0), -levels, levels),
+                    0.0)
+      payload += [_unblocks(_quantize(config, y, k), x.shape), scales]
+    return payload, decode(payload, [x.shape[1:] for x in rows])
 
   return exchange.Codec(encode, decode, size)
 
 
-def init_state(config: QuantizedConfig, params) -> QuantizedState:
-  """The zero state for gradients shaped like ``params``."""
-  signature = tree_lib.TreeSignature.of(params)
-  length = sum(math.prod(signature.shapes[i]) for i in signature.reduced)
-  errors = [jnp.zeros([length], jnp.float32) if config.error_feedback and length
-            else optax.MaskedNode() for _ in range(2)]
-  return QuantizedState(jnp.zeros([], jnp.int32), *errors, config, signature)
+def init(config: QuantizedConfig, signature: tree_lib.TreeSignature) -> QuantizedState:
+  """The zero state for gradients of ``signature``."""
+  zeros = [jnp.zeros(s.shape, jnp.float32) for s in signature.reduced_structs()]
+  errors = signature.place(zeros if config.error_feedback else [])
+  return QuantizedState(jnp.zeros([], jnp.int32), errors, errors, config, signature)
 
 
-def step(state: QuantizedState, leaves: list, axis_name) -> tuple:
-  """Steps 1–6 on the gradient's leaves; returns ``(output leaves, new state)``, not gated."""
-  config = state.config
-  reduced = state.signature.reduced
-  state = state._replace(count=state.count + 1)
-  if not reduced:
-    return list(leaves), state
-  # 1: the reduced leaves as one flat float32 vector.
-  flat = tree_lib.flatten([leaves[i].astype(jnp.float32) for i in reduced])
-  errors = [None if isinstance(e, optax.MaskedNode) else e
-            for e in (state.worker_error, state.server_error)]
+def step(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_name, phase) -> tuple:
+  """Steps 1–6 on the reduced leaves; returns ``(means, new state)``."""
+  del phase
+  if not leaves:
+    return [], state
+  signature = state.signature
+  errors = ((signature.pick(state.worker_error), signature.pick(state.server_error))
+            if config.error_feedback else (None, None))
   key = None
   if config.stochastic_rounding:
-    key = jax.random.fold_in(jax.random.key(config.seed), state.count)
-  # 2–6: the two-phase exchange with the block codec.
-  mean, worker_error, server_error = exchange.compressed_mean(block_codec(config), flat, *errors,
-                                                              axis_name, key)
-  leaves = list(leaves)
-  for i, out in zip(reduced, tree_lib.unflatten(mean, [leaves[i].shape for i in reduced])):
-    leaves[i] = out.astype(leaves[i].dtype)
+    key = jax.random.fold_in(jax.random.key(config.seed), state.count + 1)
+  # 1–6: the two-phase exchange of the float32 leaves with the block codec.
+  means, worker_error, server_error = exchange.compressed_mean(
+      block_codec(config), [g.astype(jnp.float32) for g in leaves], *errors, axis_name, key)
   if config.error_feedback:
-    state = state._replace(worker_error=worker_error, server_error=server_error)
-  return leaves, state
+    state = state._replace(worker_error=signature.place(worker_error),
+                           server_error=signature.place(server_error))
+  return [m.astype(g.dtype) for m, g in zip(means, leaves)], state
+
+
+# "select": XLA:CPU compiles the exchange's concatenations worse inside the cond (compressor.py).
+QUANTIZED = compressor.Algorithm("quantized", QuantizedState, QuantizedConfig, init, step,
+                                 nonfinite="select")
 
 
 def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
               block_size: int = 256, error_feedback: bool = True,
-              stochastic_rounding: bool = False, seed: int = 0) -> optax.GradientTransformation:
-  """The cross-device mean with every value on the wire in 8 bits (int8 or float8) plus block scales.
+              stochastic_rounding: bool = False, seed: int = 0,
+              bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
+  """The cross-device mean with every value on the wire in 8 bits (int8 or float8), block scales.
 
   A two-phase exchange (the module docstring numbers the steps): each device's gradient, quantized
-  per block of ``block_size`` values, reaches the owner of each shard by ``all_to_all``; the owner
-  dequantizes, averages in float32 and re-quantizes its shard, which is ``all_gather``ed. About a
+  per block of ``block_size`` values, reaches the owner of each row by ``all_to_all``; the owner
+  dequantizes, averages in float32 and re-quantizes its row, which is ``all_gather``ed. About a
   quarter of the bytes of a float32 all-reduce for int8. Error feedback keeps both quantization
-  errors, so over steps the outputs sum to the mean gradients' sum less the final errors.
+  errors, so over steps the outputs sum to the mean gradients' sum less the final errors. On a step
+  whose gradient is non-finite on any device the errors are kept and the output is NaN.
 
   Example::
 
@@ -231,6 +265,7 @@ def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
     error_feedback: keep the device's and the owner's quantization errors for the next step.
     stochastic_rounding: unbiased random rounding (QSGD) instead of rounding to the nearest.
     seed: the seed of the stochastic rounding (folded with the step and the device's index).
+    bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one exchange per bucket.
 
   Returns:
     A ``GradientTransformation`` with a ``QuantizedState``; its output is identical on every device
@@ -240,8 +275,6 @@ def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
     Alistarh et al., "QSGD", NeurIPS 2017; Wang et al., "ZeRO++", 2023 (qgZ); Tang et al., "1-bit
     Adam", ICML 2021 (worker and server error feedback).
   """
-  config = QuantizedConfig(bits=bits, block_size=block_size, error_feedback=error_feedback,
-                           stochastic_rounding=stochastic_rounding, seed=seed)
-  return finite.gated_transformation(
-      "quantized", functools.partial(init_state, config), step,
-      axis.check_axis_name(axis_name))
+  return compressor.transformation(
+      QUANTIZED, axis_name, bucket_cap_mb, bits=bits, block_size=block_size,
+      error_feedback=error_feedback, stochastic_rounding=stochastic_rounding, seed=seed)

@@ -3,7 +3,7 @@
 ``sign_compress`` sends, per device, the sign of every value (packed 8 per byte by ``jnp.packbits``)
 and one float32 scale per leaf; every device receives all of them (one ``all_gather`` of bits, one of
 scales) and averages the scaled signs. The sign helpers here (packing, the overflow-safe scale, the
-codec of ``jaxcomp.onebit_adam``'s two-phase exchange) are shared with 1-bit Adam.
+codec of ``jaxcomp.scale_by_onebit_adam``'s two-phase exchange) are shared with 1-bit Adam.
 
 The steps of ``sign_compress``, per device, W devices (the ``# n:`` comments point here; "Alg. 1" is
 EF-SGD in Karimireddy et al.):
@@ -12,15 +12,15 @@ EF-SGD in Karimireddy et al.):
    with the learning rate applied after the exchange, by the optimizer).
 2. The scale of each leaf: ``‖p‖₁ / d``, the mean magnitude (Alg. 1's scaled sign
    ``C(p) = ‖p‖₁/d · sign(p)``); computed as ``max|p| · mean(|p| / max|p|)``, which cannot overflow.
-3. The signs of all leaves, 1 for ``p ≥ 0`` and 0 for ``p < 0`` (a zero is sent as +, as DeepSpeed
-   does: one bit has no zero), packed 8 per byte.
+3. The signs of each leaf, 1 for ``p ≥ 0`` and 0 for ``p < 0`` (a zero is sent as +, as DeepSpeed
+   does: one bit has no zero), packed 8 per byte: the leaf raveled, or along its last axis where
+   the mesh may shard the leaves over other axes (``kernels.keeps_leaves``).
 4. ``e ← p − scale · sign(p)`` (Alg. 1 line 6; without error feedback ``e`` stays zero).
 5. ``all_gather`` of the packed signs (uint8) and of the scales (float32).
 6. Output: the mean over devices of ``scale · sign``, each leaf cast back to its dtype.
 
-Bytes per device (payload, ``comm_report``): W·⌈L/8⌉ for the signs and 4·W per leaf for the scales,
-plus the 4-byte check that the gradient is finite. On a step whose gradient is non-finite on any
-device the error is kept and the output is NaN (jaxcomp's non-finite policy).
+Bytes per device (payload, ``comm_report``): W·⌈d/8⌉ per leaf of d values for the signs and 4·W per
+leaf for the scales, plus the 4-byte check that the gradient is finite.
 
 References:
   Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other Gradient Compression
@@ -33,14 +33,13 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, exchange, finite, validate
+from jaxcomp._src import axis, compressor, exchange, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
 
@@ -52,20 +51,20 @@ def pack_signs(x: jax.Array) -> jax.Array:
 
 
 def unpack_signs(bits: jax.Array, count: int) -> jax.Array:
-  """The first ``count`` signs of ``pack_signs``'s bytes, as float32 ±1."""
+  """The first ``count`` signs along the last axis of ``pack_signs``'s bytes, as float32 ±1."""
   return 2.0 * jnp.unpackbits(bits, axis=-1, count=count).astype(jnp.float32) - 1.0
 
 
-def mean_abs(x: jax.Array, count) -> jax.Array:
-  """2: ``‖x‖₁ / count`` (EF-SignSGD's scale; zeros past ``count`` add nothing) without overflow;
-  0 when ``count`` is 0."""
-  top = jnp.max(jnp.abs(x))
-  unit = x / jnp.where(top > 0, top, 1.0)  # |unit| ≤ 1: its sum cannot overflow
-  return top * jnp.sum(jnp.abs(unit)) / jnp.maximum(count, 1)
+def mean_abs(xs: list, count) -> jax.Array:
+  """2: ``‖x‖₁ / count`` over all the arrays ``xs`` (EF-SignSGD's scale; zeros past ``count`` add
+  nothing) without overflow; 0 when ``count`` is 0."""
+  top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in xs]))
+  safe = jnp.where(top > 0, top, 1.0)  # |x / safe| ≤ 1: the sum cannot overflow
+  return top * sum(jnp.sum(jnp.abs(x / safe)) for x in xs) / jnp.maximum(count, 1)
 
 
 def sign_codec() -> exchange.Codec:
-  """1-bit Adam's codec for the two-phase exchange: packed signs and one scale per encoded array.
+  """1-bit Adam's codec for the two-phase exchange: packed signs and one scale per encoding.
 
   The scale is the mean magnitude ``‖x‖₁ / count`` of the values encoded, as in ``sign_compress``:
   then ``‖x − scale·sign(x)‖² = ‖x‖² − ‖x‖₁²/count ≤ ‖x‖²``, so error feedback cannot grow the error.
@@ -74,20 +73,27 @@ def sign_codec() -> exchange.Codec:
   digits MLP (always-blank pixels), diverging 35 steps after the freeze.
   """
 
-  def decode(payload):
-    bits, scales = payload
-    return scales * unpack_signs(bits, 8 * bits.shape[-1])
+  def decode(payload, tails):
+    *bits, scales = payload
+    shape = lambda tail: (scales.shape[0],) + (1,) * len(tail)  # noqa: E731
+    return [scales.reshape(shape(t)) * unpack_signs(b, t[-1]) for b, t in zip(bits, tails)]
 
-  def encode(x, count, key):
+  def encode(rows, count, key):
     del key  # signs are deterministic
-    scale = mean_abs(x, count)
-    payload = (pack_signs(x), jnp.broadcast_to(scale, (x.shape[0], 1)))
-    return payload, decode(payload)
+    scale = mean_abs(rows, count)
+    payload = [pack_signs(r) for r in rows] + [jnp.broadcast_to(scale, (rows[0].shape[0], 1))]
+    return payload, decode(payload, [r.shape[1:] for r in rows])
 
   return exchange.Codec(encode, decode, 8)
 
 
 # ---------------------------------------------------------------------------------- sign_compress
+
+def _row(p: jax.Array) -> jax.Array:
+  """3: the values whose signs are packed along the last axis: the leaf raveled, or where the mesh
+  may shard it over other axes (``kernels.keeps_leaves``) the leaf as it is."""
+  return jnp.atleast_1d(p) if kernels.keeps_leaves() else p.reshape(-1)
+
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +116,13 @@ class SignState(NamedTuple):
   """State of ``sign_compress``.
 
   Attributes:
+    count: steps taken (non-finite steps are not counted).
     error: the error-feedback memory, per device: the params' structure, float32 for each reduced
       leaf, ``optax.MaskedNode()`` elsewhere (everywhere without error feedback).
     config: the static settings.
     signature: the gradient pytree's structure, shapes and dtypes.
   """
+  count: jax.Array
   error: Any
   config: SignConfig
   signature: tree_lib.TreeSignature
@@ -122,62 +130,62 @@ class SignState(NamedTuple):
   PER_DEVICE_FIELDS = ("error",)  # see jaxcomp.sharding
 
 
-def init_state(config: SignConfig, params) -> SignState:
-  """The zero state for gradients shaped like ``params``."""
-  signature = tree_lib.TreeSignature.of(params)
-  reduced = set(signature.reduced)
-  error = [jnp.zeros(shape, jnp.float32) if config.error_feedback and i in reduced
-           else optax.MaskedNode() for i, shape in enumerate(signature.shapes)]
-  return SignState(signature.unflatten(error), config, signature)
+def init(config: SignConfig, signature: tree_lib.TreeSignature) -> SignState:
+  """The zero state for gradients of ``signature``."""
+  errors = [jnp.zeros(s.shape, jnp.float32) for s in signature.reduced_structs()]
+  return SignState(jnp.zeros([], jnp.int32),
+                   signature.place(errors if config.error_feedback else []), config, signature)
 
 
-def step(state: SignState, leaves: list, axis_name) -> tuple:
-  """Steps 1–6 on the gradient's leaves; returns ``(output leaves, new state)``, not gated."""
-  reduced = state.signature.reduced
-  if not reduced:
-    return list(leaves), state
-  errors = state.signature.treedef.flatten_up_to(state.error)
+def step(config: SignConfig, state: SignState, leaves: list, axis_name, phase) -> tuple:
+  """Steps 1–6 on the reduced leaves; returns ``(means, new state)``."""
+  del phase
+  if not leaves:
+    return [], state
   # 1: p = g + e, in float32.
-  ps = [leaves[i].astype(jnp.float32) for i in reduced]
-  if state.config.error_feedback:
-    ps = [p + errors[i] for p, i in zip(ps, reduced)]
-  # 2: one scale per leaf; 3: the signs of all leaves, packed.
-  scales = jnp.stack([mean_abs(p, p.size) for p in ps])
-  flat = tree_lib.flatten(ps)
-  bits = pack_signs(flat)
-  if state.config.error_feedback:  # 4: e ← p − scale·sign(p)
-    for p, i, scale in zip(ps, reduced, scales):
-      errors[i] = p - scale * jnp.where(p >= 0, 1.0, -1.0)
+  ps = [g.astype(jnp.float32) for g in leaves]
+  if config.error_feedback:
+    ps = [p + e for p, e in zip(ps, state.signature.pick(state.error))]
+  # 2: one scale per leaf; 3: the signs of each leaf, packed.
+  scales = jnp.stack([mean_abs([p], p.size) for p in ps])
+  rows = [_row(p) for p in ps]
+  bits = [pack_signs(r) for r in rows]
+  if config.error_feedback:  # 4: e ← p − scale·sign(p)
+    errors = [p - scale * jnp.where(p >= 0, 1.0, -1.0) for p, scale in zip(ps, scales)]
+    state = state._replace(error=state.signature.place(errors))
   # 5: every device's signs and scales.
-  all_bits, all_scales = axis.all_gather_many([bits, scales], axis_name)
-  # 6: the mean of the scaled signs.
-  signs = tree_lib.unflatten(unpack_signs(all_bits, flat.size), [p.shape for p in ps])
-  leaves = list(leaves)
-  for k, (i, sign_k) in enumerate(zip(reduced, signs)):
-    # Σ_w scale_w·sign_w / W as a (W,)·(W, …) product: XLA:CPU reduced the broadcast product over
-    # the device axis so slowly that a training step took 133× allreduce's (2.71× with the product;
-    # benchmarks/step_time.py --models mlp --devices 8 --compressors allreduce,sign).
-    mean = jnp.tensordot(all_scales[:, k], sign_k, axes=1) / sign_k.shape[0]
-    leaves[i] = mean.astype(leaves[i].dtype)
-  return leaves, state._replace(error=state.signature.unflatten(errors))
+  *all_bits, all_scales = kernels.all_gather(bits + [scales], axis_name)
+
+  def scaled_signs(w):  # 6: device w's scaled signs, leaf by leaf
+    return [scale * unpack_signs(b[w], r.shape[-1]).reshape(p.shape)
+            for scale, b, r, p in zip(all_scales[w], all_bits, rows, ps)]
+
+  means = kernels.device_mean(scaled_signs, all_scales.shape[0])
+  return [m.astype(g.dtype) for m, g in zip(means, leaves)], state
 
 
-def sign_compress(*, axis_name: axis.AxisName = "batch",
-                  error_feedback: bool = True) -> optax.GradientTransformation:
+# "select": the packed signs' concatenation compiles worse inside the cond (compressor.py).
+SIGN = compressor.Algorithm("sign_compress", SignState, SignConfig, init, step, nonfinite="select")
+
+
+def sign_compress(*, axis_name: axis.AxisName = "batch", error_feedback: bool = True,
+                  bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
   """EF-SignSGD's exchange: the mean of every device's scaled sign, one bit per value on the wire.
 
   Each device adds its error to the gradient, sends the sign of every value (8 per byte) and one
   scale per leaf, the mean magnitude ``‖g + e‖₁ / d``, and keeps what the scaled sign missed as its
   next error; the output is the mean over devices of the scaled signs (the module docstring numbers
-  the steps). About 1/32 of the float32 gradient per device, gathered from every device.
+  the steps). About 1/32 of the float32 gradient per device, gathered from every device. On a step
+  whose gradient is non-finite on any device the error is kept and the output is NaN.
 
   Example::
 
-    tx = optax.chain(jaxcomp.sign_compress(), optax.sgd(0.1, momentum=0.9))
+    tx = optax.chain(jaxcomp.sign_compress(), optax.sgd(0.1))
 
   Args:
     axis_name: the mapped axis to average over (see ``jaxcomp.axis``).
     error_feedback: keep each device's compression error and add it to the next gradient.
+    bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one exchange per bucket.
 
   Returns:
     A ``GradientTransformation`` with a ``SignState``; its output is identical on every device and
@@ -187,7 +195,4 @@ def sign_compress(*, axis_name: axis.AxisName = "batch",
     Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes",
     ICML 2019, Algorithm 1 with the scaled sign compressor.
   """
-  config = SignConfig(error_feedback=error_feedback)
-  return finite.gated_transformation(
-      "sign_compress", functools.partial(init_state, config), step,
-      axis.check_axis_name(axis_name))
+  return compressor.transformation(SIGN, axis_name, bucket_cap_mb, error_feedback=error_feedback)
