@@ -132,12 +132,46 @@ def test_comm_report_shows_a_reduce_scatter_and_an_all_gather_in_the_wire_dtypes
   bf16 = report(jaxcomp.sharded_optimizer(jaxcomp.bf16_compress(), optax.adamw(0.1),
                                           gather_dtype="bfloat16"), stage="lowered")
   assert bf16.bytes_by_dtype() == {"bf16": 2 * 2 * padded}
+  # 8 bits (ZeRO++'s qgZ and qwZ): an all-to-all and an all-gather of int8 codes and their scales
+  # (one per 256 values), and the 4-byte finiteness flag of the quantized exchange.
+  int8 = report(jaxcomp.sharded_optimizer(jaxcomp.quantized(8), optax.adamw(0.1),
+                                          gather_dtype="int8"), stage="lowered")
+  assert sorted(c.op for c in int8.collectives) == (["all-gather"] * 2 + ["all-reduce"]
+                                                     + ["all-to-all"] * 2)
+  assert int8.bytes_by_dtype() == {"s8": 2 * padded, "f32": 2 * 8 * 4, "s32": 4}
   # Against the float32 all-reduce of the unsharded chain: the same ring bytes up to the padding.
-  chain = report(optax.chain(jaxcomp.allreduce(), optax.adamw(0.1)))
+  chain = report(optax.chain(jaxcomp.allreduce(), optax.adamw(0.1)), stage="lowered")
   n = sum(np.size(x) for x in jax.tree.leaves(params))
   assert [c.op for c in chain.collectives] == ["all-reduce"]
   assert f32.ring_bytes == pytest.approx(chain.ring_bytes * padded / n)
   assert bf16.ring_bytes == pytest.approx(chain.ring_bytes * padded / n / 2)
+
+
+def test_the_int8_reduce_scatter_loses_nothing_but_the_last_errors_of_the_senders():
+  # qgZ with error feedback: each device quantizes every shard it sends and keeps the error; the
+  # owner averages the W int8 copies in float32. Summed over steps, the shards received are the
+  # shards of the summed mean gradient less the mean of the devices' final errors.
+  world, steps = 4, 3
+  rng = np.random.default_rng(3)
+  params = init_params()
+  grads = [jax.tree.map(lambda x: rng.normal(size=(world,) + np.shape(x)).astype(np.float32),
+                        params) for _ in range(steps)]
+  tx = jaxcomp.quantized(8)
+  scatter = jax.pmap(tx.update.scatter, axis_name="batch", devices=jax.devices()[:world])
+  state = jax.tree.map(lambda x: np.stack([x] * world), tx.init(params))
+  received = jax.tree.map(np.zeros_like, jax.tree.map(
+      lambda x: np.asarray(shards.Layout(world).split(x)), params))
+  for g in grads:
+    owned, state = jax.block_until_ready(scatter(g, state))
+    received = jax.tree.map(lambda r, o: r + np.asarray(o), received, owned)
+  cut = shards.Layout(world)
+  for key in params:
+    sent = sum(g[key].mean(0) for g in grads) - np.asarray(state.worker_error[key]).mean(0)
+    np.testing.assert_allclose(received[key], np.asarray(cut.split(sent)),
+                               **rounding_tol(8 * world * steps, scale=4.0), err_msg=key)
+    exact = np.asarray(cut.split(sum(g[key].mean(0) for g in grads)))
+    assert np.abs(exact - received[key]).max() > 1e-4  # it was quantized
+    np.testing.assert_array_equal(state.server_error[key], 0.0)  # nothing was re-quantized
 
 
 def test_without_a_native_scatter_the_whole_mean_is_taken_and_the_shard_kept():
@@ -165,10 +199,19 @@ def test_dgc_through_the_fallback_trains_as_its_unsharded_chain():
   assert state.exchange.u["w1"].shape == (4, 5, 7)
 
 
-def test_a_lossy_gather_keeps_an_exact_master_that_the_parameters_follow():
+# A bound on one rounding of d to the gather dtype, given d and the largest |d| of all leaves:
+# relative for floats; for int8 codes, half a step of 1/127 of the largest |d| of a block of 256
+# values (a device's row of all leaves' shards), at most that of the largest of all.
+ROUNDING = {"bfloat16": lambda d, top: np.abs(d) * 2.0**-8,
+            "float16": lambda d, top: np.abs(d) * 2.0**-11,
+            "int8": lambda d, top: np.full(d.shape, top / 254)}
+
+
+@pytest.mark.parametrize("gather_dtype", sorted(ROUNDING))
+def test_a_lossy_gather_keeps_an_exact_master_that_the_parameters_follow(gather_dtype):
   mesh, data = mesh_1d(8, AxisType.Explicit), batches(6)
   tx = jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.sgd(0.1, momentum=0.9),
-                                 gather_dtype="bfloat16")
+                                 gather_dtype=gather_dtype)
   dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
   params = init_params()
   state = dp.make_state(params)
@@ -179,12 +222,14 @@ def test_a_lossy_gather_keeps_an_exact_master_that_the_parameters_follow():
     before = jax.tree.map(np.asarray, params)
     params, state, loss = dp.step(params, state, *dp.shard(batch))
     jax.block_until_ready(loss)
+    moved = {key: m - before[key] for key, m in master(state).items()}
+    top = max(np.abs(d).max() for d in moved.values())
     for key, m in master(state).items():
-      # The parameters miss the master by one bfloat16 rounding of the distance they moved, at
-      # most: the rounding of the change, not of the parameters, and not accumulated over steps.
-      moved = np.abs(m - before[key])
+      # The parameters miss the master by one rounding of the distance they moved, at most: the
+      # rounding of the change, not of the parameters, and not accumulated over steps.
       np.testing.assert_array_less(np.abs(np.asarray(params[key]) - m),
-                                   moved * 2.0**-8 + 1e-7 + 4 * np.abs(m) * 2.0**-24, key)
+                                   ROUNDING[gather_dtype](moved[key], top) + 1e-7
+                                   + 4 * np.abs(m) * 2.0**-24, key)
   assert state.master["w1"].sharding.spec[0] == "batch"  # each device keeps its own shard
 
 
@@ -316,7 +361,8 @@ def test_bad_arguments_and_states_are_named():
     jaxcomp.sharded_optimizer(optax.identity(), optax.sgd(0.1))
   with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
     jaxcomp.sharded_optimizer(jaxcomp.allreduce(), "adam")
-  with pytest.raises(ValueError, match="gather_dtype must be None, 'bfloat16' or 'float16'"):
+  with pytest.raises(ValueError, match="gather_dtype must be None, 'bfloat16', 'float16' or "
+                                       "'int8'"):
     jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.sgd(0.1), gather_dtype="int4")
   tx = jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.sgd(0.1))
   params = init_params()

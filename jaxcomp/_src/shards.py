@@ -37,9 +37,8 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType
 
-from jaxcomp._src import axis
+from jaxcomp._src import axis, kernels
 
 
 class Layout(NamedTuple):
@@ -79,16 +78,10 @@ class Layout(NamedTuple):
     return dealt.reshape(dealt.shape[:-2] + (-1,))[..., :shape[-1]]
 
 
-def _other_axes() -> bool:
-  """Whether a mesh axis other than the mapped ones is in scope and may shard the leaves."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and any(kind != AxisType.Manual and size > 1
-                                for kind, size in zip(mesh.axis_types, mesh.axis_sizes))
-
-
 def layout(axis_name: axis.AxisName) -> Layout:
-  """The layout of shards over ``axis_name`` here: by leaf where other mesh axes are in scope."""
-  return Layout(axis.axis_size(axis_name), _other_axes())
+  """The layout of shards over ``axis_name`` here: by leaf where other mesh axes are in scope
+  (``kernels.keeps_leaves``)."""
+  return Layout(axis.axis_size(axis_name), kernels.keeps_leaves())
 
 
 def own(x: jax.Array, axis_name: axis.AxisName) -> jax.Array:
@@ -129,8 +122,4 @@ def gather(owned: Sequence[jax.Array], shapes: Sequence[tuple],
   """The whole leaves of ``shapes`` from every device's shard (``owned`` is this device's), the
   same on every device (flat: one all-gather per dtype)."""
   cut = layout(axis_name)
-  if cut.by_leaf:
-    rows = [axis.all_gather(x, axis_name) for x in owned]
-  else:
-    rows = axis.all_gather_many(list(owned), axis_name)
-  return [cut.join(r, shape) for r, shape in zip(rows, shapes)]
+  return [cut.join(r, shape) for r, shape in zip(kernels.all_gather(list(owned), axis_name), shapes)]

@@ -9,19 +9,21 @@ layout). The steps, per device (the ``# n:`` comments below):
 
 1. reduce-scatter: the exchange — a jaxcomp compressor — gives this device its shard of each leaf's
    mean gradient (the compressor's ``update.scatter``): the dense means natively as a
-   ``psum_scatter`` in their wire dtype (float32, float16, bfloat16); the others (PowerSGD, DGC,
-   sign, ...) as their whole mean, of which the shard is kept;
+   ``psum_scatter`` in their wire dtype (float32, float16, bfloat16); ``quantized`` as the
+   all-to-all of its 8-bit codes, the owner averaging them in float32, with the sender's error
+   feedback (ZeRO++'s qgZ); the others (PowerSGD, DGC, sign, ...) as their whole mean, of which the
+   shard is kept;
 2. the parameters' shard: cut out of the parameters (``gather_dtype=None``), or the device's
    float32 master of its shard (a lossy gather: its state);
 3. the optimizer updates the shard: ``optimizer.update(gradient shards, its state's shards,
    parameter shards)``, checked first to be computed element by element (below);
 4. all-gather of the update. Exact (``gather_dtype=None``): every device's update shard in its own
    dtype, so the parameters move exactly as under ``optax.chain(exchange, optimizer)``. Lossy
-   (``"bfloat16"``, ``"float16"``): the master shard moves (m ← m + u) and its owner sends the
-   difference between it and the parameters every device holds, d = m − p, rounded to the gather
-   dtype: the parameters follow the exact master to within one rounding of a step's change (not of
-   the parameters themselves), and what a rounding leaves out is in the next step's difference —
-   never lost, never drifting;
+   (``"bfloat16"``, ``"float16"``, ``"int8"``: codes with a float32 scale per 256 values, ZeRO++'s
+   qwZ): the master shard moves (m ← m + u) and its owner sends the difference between it and the
+   parameters every device holds, d = m − p, rounded to the gather dtype: the parameters follow the
+   exact master to within one rounding of a step's change (not of the parameters themselves), and
+   what a rounding leaves out is in the next step's difference — never lost, never drifting;
 5. the output is the update of the whole parameters, the same on every device
    (``optax.apply_updates``).
 
@@ -61,10 +63,12 @@ import jax.extend
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, shards, validate
+from jaxcomp._src import axis, exchange, quantized, shards, validate
 from jaxcomp._src import tree as tree_lib
 
-GATHER_DTYPES = (None, "bfloat16", "float16")
+GATHER_DTYPES = (None, "bfloat16", "float16", "int8")
+# qwZ: int8 codes with a float32 scale per block of 256 values (jaxcomp.quantized's codec).
+_INT8 = quantized.block_codec(quantized.QuantizedConfig(bits=8, block_size=256))
 
 
 class ShardedOptimizerState(NamedTuple):
@@ -101,6 +105,19 @@ def _own(signature: tree_lib.TreeSignature, tree, axis_name) -> Any:
   return signature.unflatten(leaves)
 
 
+def _gather(sent: list, shapes: list, gather_dtype: Optional[str], axis_name) -> list:
+  """4: the whole arrays of ``shapes`` from every device's shards ``sent``, sent in ``gather_dtype``
+  (``"int8"``: the exchange's 5–6 with ``jaxcomp.quantized``'s int8 block codec); the same on every
+  device."""
+  if gather_dtype != "int8":
+    return shards.gather([x if gather_dtype is None else x.astype(gather_dtype) for x in sent],
+                         shapes, axis_name)
+  rows_of = exchange.shard_layout(shapes, axis.axis_size(axis_name))
+  rows = exchange.shard_rows(sent)
+  count = rows_of.count(axis.axis_index(axis_name))
+  return exchange.gather_rows(_INT8, rows_of, rows, count, axis_name)[0]
+
+
 def _describe(transformation) -> str:
   """A transformation by the qualified name of its update function (its repr can be pages long)."""
   update = getattr(transformation, "update", None)
@@ -131,14 +148,15 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
 
   Args:
     exchange: the gradient exchange, any jaxcomp compressor (``allreduce``, ``fp16_compress``,
-      ``bf16_compress``: a native reduce-scatter; ``powersgd``, ``dgc``, ...: the whole mean, of
-      which each device keeps its shard).
+      ``bf16_compress``, ``quantized``: a native reduce-scatter; ``powersgd``, ``dgc``, ...: the
+      whole mean, of which each device keeps its shard).
     optimizer: the optimizer that runs on the shards: one that computes element by element (SGD,
       Adam, AdamW, ...); clip with ``sharded_clip_by_global_norm`` in it; guard this
       transformation with ``jaxcomp.skip_if_nonfinite`` around it.
     gather_dtype: how the updated shards travel: None (exactly: the update in its own dtype),
-      ``"bfloat16"`` or ``"float16"`` (half the bytes; each device then keeps a float32 master of
-      its shard, and the parameters follow it to within one rounding of a step's change).
+      ``"bfloat16"``, ``"float16"`` (half the bytes) or ``"int8"`` (a quarter, plus a float32
+      scale per 256 values); each device then keeps a float32 master of its shard, and the
+      parameters follow it to within one rounding of a step's change.
     axis_name: the mapped axis the optimizer state is sharded over: the exchange's ``axis_name``.
 
   Returns:
@@ -192,11 +210,11 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
     master = optax.MaskedNode()
     if lossy:
       master = optax.apply_updates(base, step)
-      sent = [(m - c).astype(gather_dtype) for m, c in
-              zip(signature.pick(master), signature.pick(current))]
+      sent = [m - c for m, c in zip(signature.pick(master), signature.pick(current))]
     else:
       sent = signature.pick(step)
-    gathered = shards.gather(sent, [signature.shapes[i] for i in signature.reduced], axis_name)
+    gathered = _gather(sent, [signature.shapes[i] for i in signature.reduced], gather_dtype,
+                       axis_name)
     for i, whole in zip(signature.reduced, gathered):
       leaves[i] = whole.astype(signature.dtypes[i])
     # 5: the update of the whole parameters, in the gradient's structure.
