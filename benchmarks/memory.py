@@ -18,8 +18,9 @@ is the state its algorithm must keep (PowerSGD's error, DGC's u and v), so issue
 beyond that plus temporaries ≤ 1× the gradient, reads as temp / grad ≤ 1.
 
 A second table shows the optimizer state per device with and without sharding it
-(``jaxcomp.sharded_optimizer``, issue 24): AdamW after each exchange, the whole update (exchange,
-optimizer, gather) compiled the same way. ``opt state`` is the optimizer's state per device (AdamW's
+(``jaxcomp.sharded_optimizer``, issue 24): AdamW after each exchange (int8: ``quantized(8)``, its
+reduce-scatter an all-to-all of codes, ZeRO++'s qgZ; an int8 gather, qwZ), the whole update
+(exchange, optimizer, gather) compiled the same way. ``opt state`` is the optimizer's state per device (AdamW's
 moments and count), ``bound`` the unsharded state ÷ W plus one
 padding value per leaf and state array (issue 24's target: opt state ≤ bound), ``exchange state``
 the compressor's own (8-bit error feedback), and ``ring B vs f32`` the bytes each device sends per
@@ -64,7 +65,9 @@ def measure(compressor, tree) -> tuple:
 # (name, exchange factory, gather dtype or None for the unsharded chain, "" for an exact gather)
 SHARDED = (("allreduce, unsharded", "allreduce", None),
            ("allreduce, sharded", "allreduce", ""),
-           ("bf16 + bf16 gather, sharded", "bf16", "bfloat16"))
+           ("bf16 + bf16 gather, sharded", "bf16", "bfloat16"),
+           ("int8 + bf16 gather, sharded", "quantized_int8", "bfloat16"),
+           ("int8 + int8 gather, sharded", "quantized_int8", "int8"))
 
 
 def _per_device(tree) -> int:

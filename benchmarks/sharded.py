@@ -46,6 +46,8 @@ BATCH = 32
 EXCHANGES = {
     "allreduce": (lambda: jaxcomp.allreduce(), None),
     "bf16 (bf16 gather)": (lambda: jaxcomp.bf16_compress(), "bfloat16"),
+    "int8 (bf16 gather)": (lambda: jaxcomp.quantized(8), "bfloat16"),
+    "int8 (int8 gather)": (lambda: jaxcomp.quantized(8), "int8"),
 }
 
 
