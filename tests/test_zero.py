@@ -343,6 +343,9 @@ def test_optimizers_that_would_compute_otherwise_on_a_shard_are_refused_naming_t
   # At W = 1 nothing is summed, but a shard's shape still differs from its leaf's.
   assert "decides by the leaves' shapes" in refusal(sharded(optax.adafactor(
       0.1, min_dim_size_to_factor=2, clipping_threshold=None)), world=1)
+  # Noise drawn with one key: the same on every shard, not independent over the leaf.
+  assert "draws random numbers (random_bits" in refusal(sharded(optax.chain(
+      optax.add_noise(0.1, 0.55, 0), optax.sgd(0.1))))
   # A compressor inside the optimizer would average shards of different coordinates.
   assert "communicates over 'batch' on the shards" in refusal(
       sharded(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1))))
@@ -368,6 +371,8 @@ def test_bad_arguments_and_states_are_named():
   params = init_params()
   with pytest.raises(ValueError, match="update needs the parameters"):
     tx.update(params, tx.init(params))
+  with pytest.raises(TypeError, match="update needs the state its init made; got EmptyState"):
+    tx.update(params, optax.EmptyState(), params)
   # The per-device-step form copies one device's state to every device: not a sharded one.
   dp = jaxcomp.data_parallel(lambda state, x, y: (state, None), mesh_1d(4))
   with pytest.raises(ValueError, match="made on each device.*loss-function form"):

@@ -40,7 +40,7 @@ and are refused while the step is traced, naming what was found:
   dimension's size): the optimizer's program on the shards differs from its program on the leaves;
 * a reduction over a shard's elements (a global norm, a trust ratio, ``optax.apply_if_finite``'s
   check) that reaches the update or the state without being summed over the axis: it would see one
-  shard only. ``sharded_clip_by_global_norm`` sums the squares over the devices;
+  shard only; and random numbers (``optax.add_noise``), which every shard would draw alike. ``sharded_clip_by_global_norm`` sums the squares over the devices;
   ``jaxcomp.skip_if_nonfinite`` around the sharded optimizer takes its decision from every device's
   whole gradient; a collective over the axis on anything else (a compressor inside the optimizer)
   is refused too.
@@ -191,7 +191,10 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
                                  owned if lossy else optax.MaskedNode(), signature)
 
   def update_fn(updates, state: ShardedOptimizerState, params=None):
-    tree_lib.check_state(state, init_fn, "sharded_optimizer")
+    # The exchange checks its own state; tree_lib.check_state cannot read the optimizer's PRNG keys.
+    if not isinstance(state, ShardedOptimizerState):
+      raise TypeError(f"sharded_optimizer: update needs the state its init made; got "
+                      f"{type(state).__name__}")
     if params is None:
       raise ValueError("sharded_optimizer: update needs the parameters, "
                        "tx.update(grads, opt_state, params), to cut this device's shard of them")
@@ -279,6 +282,8 @@ _COLLECTIVES = frozenset({
     "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "all_to_all",
     "reduce_scatter", "psum_scatter", "ppermute", "pbroadcast"})
 _TYPE_ONLY = frozenset({"pvary", "pcast"})  # change what the type says varies, not the values
+# Primitives that draw random numbers: the same key draws the same numbers on every shard.
+_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 
 
 def _subjaxprs(eqn) -> list:
@@ -315,7 +320,7 @@ def _reduces(eqn) -> bool:
   return eqn.primitive.name in _REDUCTIONS
 
 
-def _shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list) -> list:
+def _shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list, drawn: list) -> list:
   """Propagates through ``jaxpr`` which values depend on a reduction over shard elements that no
   collective over ``axes`` made global (a taint: the reductions' names and lines).
 
@@ -324,6 +329,7 @@ def _shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list) -> list:
     taints: a frozenset of reductions per input.
     axes: the axis names the state is sharded over.
     exchanged: collects the collectives over ``axes`` applied to shard values themselves.
+    drawn: collects the draws of random numbers.
 
   Returns:
     A frozenset of reductions per output.
@@ -342,9 +348,11 @@ def _shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list) -> list:
     elif _reduces(eqn):
       out = inputs | {_where(eqn)}
     else:
+      if eqn.primitive.name in _RANDOM:
+        drawn.append(_where(eqn))
       out = inputs
       for sub in _subjaxprs(eqn):
-        out = out.union(*_shard_local(sub, [inputs] * len(sub.invars), axes, exchanged))
+        out = out.union(*_shard_local(sub, [inputs] * len(sub.invars), axes, exchanged, drawn))
     for v in eqn.outvars:
       taint[v] = out
   return [of(v) for v in jaxpr.outvars]
@@ -367,14 +375,19 @@ def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple
   update = lambda *args: optimizer.update(*vary(args))
   on_shards = jax.make_jaxpr(update)(*shard_args)
   if axis.axis_size(axis_name) > 1:
-    exchanged: list = []
+    exchanged, drawn = [], []
     reductions = frozenset().union(*_shard_local(
-        on_shards.jaxpr, [frozenset()] * len(on_shards.jaxpr.invars), axes, exchanged))
+        on_shards.jaxpr, [frozenset()] * len(on_shards.jaxpr.invars), axes, exchanged, drawn))
     if exchanged:
       raise ValueError(
           f"sharded_optimizer: the optimizer communicates over {axis_name!r} on the shards "
           f"themselves ({'; '.join(exchanged)}): a compressor inside it? The exchange is "
           "sharded_optimizer's first argument; pass the optimizer alone as the second")
+    if drawn:
+      raise ValueError(
+          f"sharded_optimizer: the optimizer draws random numbers ({'; '.join(drawn)}): every "
+          "device would draw the same ones for its shard, where the whole leaf draws independent "
+          "ones (optax.add_noise). Use optax.chain(exchange, optimizer) without sharding")
     if reductions:
       raise ValueError(
           "sharded_optimizer: the optimizer reduces over the elements of a leaf, and would see "
