@@ -15,9 +15,9 @@ simulated CPU devices, ``jaxcomp.data_parallel``, global batch 32, the main job'
   reports it) of allreduce unsharded and of each sharded exchange after the same number of steps,
   and the first step at which each reaches allreduce's final held-out loss.
 
-  PYTHONPATH=. python benchmarks/sharded.py time [--quick] [--rounds N]
+  PYTHONPATH=. python benchmarks/sharded.py time [--quick] [--rounds N] [--exchanges A,B]
   PYTHONPATH=. python benchmarks/sharded.py packing [--quick] [--rounds N]
-  PYTHONPATH=. python benchmarks/sharded.py quality [--quick] [--steps N]
+  PYTHONPATH=. python benchmarks/sharded.py quality [--quick] [--steps N] [--exchanges A,B]
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ def runner(task, tx, mesh, seed: int = 0):
   return step, box
 
 
-def time_table(quick: bool, rounds: int) -> str:
+def time_table(quick: bool, rounds: int, exchanges: list) -> str:
   task = tasks.chars(quick)
   mesh = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,))
   rows = []
-  for exchange in EXCHANGES:
+  for exchange in exchanges:
     unsharded, sharded = optimizers(task, exchange)
     fns = {"unsharded": runner(task, unsharded, mesh)[0], "sharded": runner(task, sharded, mesh)[0]}
     times = common.interleaved(fns, rounds, warmup=2)
@@ -139,13 +139,13 @@ def held_out(evals: list, step: int) -> float:
   return float(np.mean([loss for _, loss in done[-job.WINDOW:]]))
 
 
-def quality_table(quick: bool, steps: int) -> str:
+def quality_table(quick: bool, steps: int, exchanges: list) -> str:
   task = tasks.chars(quick)
   mesh = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,))
   reference = train(task, optimizers(task, "allreduce")[0], mesh, steps)
   target = held_out(reference, steps)
   rows = [["allreduce, unsharded", f"{target:.3f}", str(steps)]]
-  for exchange in EXCHANGES:
+  for exchange in exchanges:
     evals = train(task, optimizers(task, exchange)[1], mesh, steps)
     reached = next((s for s, _ in evals[1:] if held_out(evals, s) <= target), None)
     rows.append([f"{exchange}, sharded", f"{held_out(evals, steps):.3f}",
@@ -161,13 +161,19 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="the task's small model")
   parser.add_argument("--rounds", type=int, default=30, help="timing rounds (time, packing)")
   parser.add_argument("--steps", type=int, default=400, help="training steps (quality)")
+  parser.add_argument("--exchanges", default=",".join(EXCHANGES),
+                      help=f"comma-separated, of: {', '.join(EXCHANGES)} (time, quality)")
   args = parser.parse_args(argv)
+  exchanges = [e.strip() for e in args.exchanges.split(",") if e.strip()]
+  unknown = [e for e in exchanges if e not in EXCHANGES]
+  if unknown:
+    parser.error(f"--exchanges: unknown {', '.join(unknown)}")
   if args.what == "time":
-    print(time_table(args.quick, args.rounds))
+    print(time_table(args.quick, args.rounds, exchanges))
   elif args.what == "packing":
     print(packing_table(args.quick, args.rounds))
   else:
-    print(quality_table(args.quick, args.steps))
+    print(quality_table(args.quick, args.steps, exchanges))
   return 0
 
 
