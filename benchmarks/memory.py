@@ -20,12 +20,11 @@ beyond that plus temporaries ≤ 1× the gradient, reads as temp / grad ≤ 1.
 A second table shows the optimizer state per device with and without sharding it
 (``jaxcomp.sharded_optimizer``, issue 24): AdamW after each exchange (int8: ``quantized(8)``, its
 reduce-scatter an all-to-all of codes, ZeRO++'s qgZ; an int8 gather, qwZ), the whole update
-(exchange, optimizer, gather) compiled the same way. ``opt state`` is the optimizer's state per device (AdamW's
-moments and count), ``bound`` the unsharded state ÷ W plus one
-padding value per leaf and state array (issue 24's target: opt state ≤ bound), ``exchange state``
-the compressor's own (8-bit error feedback), and ``ring B vs f32`` the bytes each device sends per
-step against a float32 all-reduce of the gradient (the requested dtypes, before XLA:CPU widens
-bfloat16). A lossy gather's float32 master of the device's shard is shown apart (``master``): it is
+(exchange, optimizer, gather) compiled the same way. ``opt state`` is the optimizer's state per
+device (AdamW's moments and count), ``bound`` the unsharded state ÷ W plus one padding value per
+leaf and state array (issue 24's target: opt state ≤ bound), ``exchange state`` the compressor's
+own (8-bit error feedback), and ``ring B vs f32`` the bytes each device sends per step against a
+float32 all-reduce of the gradient (the requested dtypes, before XLA:CPU widens bfloat16). A lossy gather's float32 master of the device's shard is shown apart (``master``): it is
 the price of keeping the parameters exact while the gathered copy is rounded.
 
   PYTHONPATH=. python benchmarks/memory.py [--quick] [--write]

@@ -2,7 +2,8 @@
 
 Both on the main job's task (``jaxcomp.train.tasks.chars``: the character transformer), W = 8
 simulated CPU devices, ``jaxcomp.data_parallel``, global batch 32, the main job's optimizer
-(``clip_by_global_norm(1)`` and SGD 0.3 with momentum 0.9; sharded, ``sharded_clip_by_global_norm``):
+(``clip_by_global_norm(1)`` and SGD 0.3 with momentum 0.9; sharded: its
+``sharded_clip_by_global_norm``):
 
 * ``time``: for each exchange, the unsharded step (``optax.chain(exchange, clip, sgd)``) and the
   sharded one (``sharded_optimizer(exchange, chain(clip, sgd), gather_dtype=...)``), timed side by

@@ -179,7 +179,8 @@ def test_without_a_native_scatter_the_whole_mean_is_taken_and_the_shard_kept():
   # bucketed transformations: allreduce without its native reduce-scatter, whole and in buckets.
   mesh, data = mesh_1d(8), batches(2)
   no_scatter = dataclasses.replace(dense.ALLREDUCE, scatter=None)
-  native, _, _ = train(jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adamw(0.05)), mesh, data)
+  native, _, _ = train(jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adamw(0.05)), mesh,
+                       data)
   params = init_params()
   for exchange in (compressor.transformation(no_scatter, "batch"),
                    compressor.transformation(dense.ALLREDUCE, "batch", bucket_cap_mb=1e-4)):

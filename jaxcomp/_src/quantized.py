@@ -34,7 +34,7 @@ For sharded optimizer state (``jaxcomp.sharded_optimizer``, ZeRO++'s qgZ) the ex
 5's average: the rows are each leaf's shards (``exchange.shard_layout``), and the owner's float32
 mean of its row is its shard of the mean gradient, which its optimizer takes as it is — nothing is
 re-quantized, so the server error stays zero. Each device sends the codes once: (W−1)/W·W·S bytes
-plus the scales, an eighth of a float32 all-reduce's ring bytes and about half of its own two phases.
+plus the scales, an eighth of a float32 all-reduce's ring bytes, about half of its own two phases.
 
 Bytes per device (payload, ``comm_report``): the codes twice (all-to-all, all-gather), 2·W·S bytes,
 plus the scales twice, 2·4·W·S/``block_size`` — about a quarter of a float32 all-reduce's ring bytes

@@ -122,4 +122,5 @@ def gather(owned: Sequence[jax.Array], shapes: Sequence[tuple],
   """The whole leaves of ``shapes`` from every device's shard (``owned`` is this device's), the
   same on every device (flat: one all-gather per dtype)."""
   cut = layout(axis_name)
-  return [cut.join(r, shape) for r, shape in zip(kernels.all_gather(list(owned), axis_name), shapes)]
+  rows = kernels.all_gather(list(owned), axis_name)
+  return [cut.join(r, shape) for r, shape in zip(rows, shapes)]

@@ -40,10 +40,10 @@ and are refused while the step is traced, naming what was found:
   dimension's size): the optimizer's program on the shards differs from its program on the leaves;
 * a reduction over a shard's elements (a global norm, a trust ratio, ``optax.apply_if_finite``'s
   check) that reaches the update or the state without being summed over the axis: it would see one
-  shard only; and random numbers (``optax.add_noise``), which every shard would draw alike. ``sharded_clip_by_global_norm`` sums the squares over the devices;
-  ``jaxcomp.skip_if_nonfinite`` around the sharded optimizer takes its decision from every device's
-  whole gradient; a collective over the axis on anything else (a compressor inside the optimizer)
-  is refused too.
+  shard only; and random numbers (``optax.add_noise``), which every shard would draw alike.
+  ``sharded_clip_by_global_norm`` sums the squares over the devices; ``jaxcomp.skip_if_nonfinite``
+  around the sharded optimizer takes its decision from every device's whole gradient; a collective
+  over the axis on anything else (a compressor inside the optimizer) is refused too.
 
 References:
   Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
