@@ -142,7 +142,7 @@ def test_comm_report_shows_a_reduce_scatter_and_an_all_gather_in_the_wire_dtypes
   # Against the float32 all-reduce of the unsharded chain: the same ring bytes up to the padding.
   chain = report(optax.chain(jaxcomp.allreduce(), optax.adamw(0.1)), stage="lowered")
   n = sum(np.size(x) for x in jax.tree.leaves(params))
-  assert [c.op for c in chain.collectives] == ["all-reduce"]
+  assert {c.op for c in chain.collectives} == {"all-reduce"}  # one per leaf before optimisation
   assert f32.ring_bytes == pytest.approx(chain.ring_bytes * padded / n)
   assert bf16.ring_bytes == pytest.approx(chain.ring_bytes * padded / n / 2)
 
