@@ -19,6 +19,16 @@ All three are divided by the gradient's size (4 bytes per element). The state of
 is the state its algorithm must keep (PowerSGD's error, DGC's u and v), so issue 15's target, state
 beyond that plus temporaries ≤ 1× the gradient, reads as temp / grad ≤ 1.
 
+A second table shows the optimizer state per device with and without sharding it
+(``jaxcomp.sharded_optimizer``, issue 24): AdamW after each exchange (int8: ``quantized(8)``, its
+reduce-scatter an all-to-all of codes, ZeRO++'s qgZ; an int8 gather, qwZ), the whole update
+(exchange, optimizer, gather) compiled the same way. ``opt state`` is the optimizer's state per
+device (AdamW's moments and count), ``bound`` the unsharded state ÷ W plus one padding value per
+leaf and state array (issue 24's target: opt state ≤ bound), ``exchange state`` the compressor's
+own (8-bit error feedback), and ``ring B vs f32`` the bytes each device sends per step against a
+float32 all-reduce of the gradient (the requested dtypes, before XLA:CPU widens bfloat16). A lossy gather's float32 master of the device's shard is shown apart (``master``): it is
+the price of keeping the parameters exact while the gathered copy is rounded.
+
   PYTHONPATH=. python benchmarks/memory.py [--quick] [--write]
 """
 
@@ -53,6 +63,67 @@ def measure(compressor, tree) -> tuple:
   return nbytes(state), compiled.memory_analysis().temp_size_in_bytes
 
 
+# (name, exchange factory, gather dtype or None for the unsharded chain, "" for an exact gather)
+SHARDED = (("allreduce, unsharded", "allreduce", None),
+           ("allreduce, sharded", "allreduce", ""),
+           ("bf16 + bf16 gather, sharded", "bf16", "bfloat16"),
+           ("int8 + bf16 gather, sharded", "quantized_int8", "bfloat16"),
+           ("int8 + int8 gather, sharded", "quantized_int8", "int8"))
+
+
+def _per_device(tree) -> int:
+  """Bytes per device of a state whose leaves are stacked over W devices (pmap's layout)."""
+  return nbytes(tree) // W
+
+
+def measure_sharded(exchange, gather, tree) -> tuple:
+  """``(optimizer state, master, exchange state, temporaries, ring bytes)`` per device of one AdamW
+  update after ``exchange`` on W devices, sharded unless ``gather`` is None; gradient and state
+  donated."""
+  import optax  # noqa: PLC0415
+  import jaxcomp  # noqa: PLC0415
+  from jaxcomp._src import report  # noqa: PLC0415
+  adamw = optax.adamw(1e-3, weight_decay=0.01)
+  if gather is None:
+    tx = optax.chain(exchange.make(common.AXIS), adamw)
+    parts = lambda s: (s[1], (), s[0])  # noqa: E731
+  else:
+    tx = jaxcomp.sharded_optimizer(exchange.make(common.AXIS), adamw, gather_dtype=gather or None,
+                                   axis_name=common.AXIS)
+    parts = lambda s: (s.inner, s.master, s.exchange)  # noqa: E731
+  devices = jax.devices()[:W]
+  params = common.stacked(tree, W)
+  state = jax.eval_shape(jax.pmap(tx.init, axis_name=common.AXIS, devices=devices), params)
+  step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS, devices=devices,
+                  donate_argnums=(0, 1))
+  lowered = step.lower(params, state, params)
+  ring = report.parse_hlo(lowered.as_text(dialect="hlo", debug_info=True), W).ring_bytes
+  temp = lowered.compile().memory_analysis().temp_size_in_bytes
+  return (*(nbytes(part) // W for part in parts(state)), temp, ring)
+
+
+def sharded_table(models: dict) -> str:
+  """The second table: optimizer state per device, unsharded and sharded."""
+  registry = {c.name: c for c in common.compressors(",".join({n for _, n, _ in SHARDED}))}
+  rows = []
+  for model, tree in models.items():
+    grad = nbytes(tree)
+    allreduce_ring = 2 * (W - 1) / W * grad
+    bound = None
+    for name, exchange, gather in SHARDED:
+      opt, master, exchange_state, temp, ring = measure_sharded(registry[exchange], gather, tree)
+      if bound is None:  # the unsharded moments ÷ W, + one padding value per leaf in mu and nu
+        unsharded, bound = opt, opt // W + 2 * 4 * len(jax.tree.leaves(tree))
+      rows.append([model, name, f"{opt:,}", f"{opt / unsharded:.4f}",
+                   "" if gather is None else f"{bound:,} ({'met' if opt <= bound else 'MISSED'})",
+                   common.human(master), common.human(exchange_state), f"{temp / grad:.2f}",
+                   f"{ring / allreduce_ring:.4f}"])
+      print(f"  {model} {name}: opt state {rows[-1][3]}× unsharded", file=sys.stderr, flush=True)
+  return common.markdown_table(
+      ["model", "AdamW after", "opt state B", "÷ unsharded", "bound B", "master", "exchange state",
+       "temp / grad", "ring B vs f32"], rows, "llrrrrrrr")
+
+
 def main(argv=None) -> int:
   args = common.parse(common.parser(__doc__.split("\n\n")[0]), argv)
   compressor_list = common.compressors(args.compressors)
@@ -75,6 +146,9 @@ def main(argv=None) -> int:
   body = (f"Per device, W = {W} (`jax.pmap`, gradient and state donated); grad = 4 bytes per "
           "element. extra = state + temporaries − allreduce's temporaries. Target (issue 15): state "
           "beyond the algorithm's plus temporaries ≤ 1, i.e. temp / grad ≤ 1.\n\n" + table)
+  body += (f"\n\nOptimizer state per device, W = {W}, AdamW (issue 24: sharded ≤ bound = "
+           "unsharded ÷ W + one padding value per leaf in each moment):\n\n"
+           + sharded_table(common.models(args.quick)))
   common.emit(args, "memory", "Memory: state and peak temporaries", "memory.py", body)
   return 0
 

@@ -73,6 +73,9 @@ from jaxcomp._src.sign import SignState
 from jaxcomp._src.sign import sign_compress
 from jaxcomp._src.sparseloco import sparseloco
 from jaxcomp._src.tree import TreeSignature
+from jaxcomp._src.zero import ShardedOptimizerState
+from jaxcomp._src.zero import sharded_clip_by_global_norm
+from jaxcomp._src.zero import sharded_optimizer
 
 __version__ = "0.1.0"
 
@@ -105,6 +108,7 @@ __all__ = (
     "ReplicaMismatchError",
     "SignConfig",
     "SignState",
+    "ShardedOptimizerState",
     "SkipIfNonfiniteState",
     "StreamingDiLoCoConfig",
     "StreamingDiLoCoState",
@@ -138,6 +142,8 @@ __all__ = (
     "powersgd_stats",
     "quantized",
     "scale_by_onebit_adam",
+    "sharded_clip_by_global_norm",
+    "sharded_optimizer",
     "sign_compress",
     "skip_if_nonfinite",
     "sparseloco",

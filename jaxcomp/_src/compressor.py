@@ -32,12 +32,18 @@ Every jaxcomp compressor is an algorithm module that holds its math and nothing 
    factory of its per-bucket state, running the same step on the bucket's parameters;
 4. traced hyperparameters: ``configure`` refuses every static setting given as an array in one error
    that lists them all (the ``static_args`` that ``optax.inject_hyperparams`` needs), and hands the
-   traceable ones to the step as arrays.
+   traceable ones to the step as arrays;
+5. the reduce-scatter for sharded optimizer state (``jaxcomp.sharded_optimizer``): the
+   transformation's ``update.scatter(updates, state) -> (shards, state)`` gives this device its
+   shard (``shards.py``'s layout) of each leaf's mean, with 1–4 as for ``update``: the algorithm's
+   own ``scatter`` where it has one (the dense means' ``psum_scatter``), else the whole mean with
+   this device's shard kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -45,7 +51,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, buckets, finite, phases, validate
+from jaxcomp._src import axis, buckets, finite, phases, shards, validate
 from jaxcomp._src import tree as tree_lib
 
 _MIB = 1024 * 1024
@@ -93,6 +99,9 @@ class Algorithm:
       inside a conditional branch (it leaves their concatenations unfused and copies the state in
       and out: quantized's update temporaries on ResNet-18 3.26× the gradient under the cond
       against 2.26× selected, 1-bit Adam's 3.19× against 2.16×; ``benchmarks/memory.py``).
+    scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
+      reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
+      the step's mean, of which each device keeps its shard.
   """
   name: str
   state: type
@@ -105,6 +114,7 @@ class Algorithm:
   traceable: tuple = ()
   unbucketable: Callable = _anywhere
   nonfinite: str = "skip"
+  scatter: Optional[Callable] = None
 
 
 def configure(algorithm: Algorithm, settings: dict) -> tuple:
@@ -149,11 +159,14 @@ def _live(config, traced: dict):
   return dataclasses.replace(config, **traced) if traced else config
 
 
-def run_step(algorithm: Algorithm, config, state, leaves: list, axis_name) -> tuple:
-  """The phase switch, the step and the count, on the reduced ``leaves``; no non-finite policy."""
+def run_step(algorithm: Algorithm, config, state, leaves: list, axis_name,
+             step: Optional[Callable] = None) -> tuple:
+  """The phase switch, the step (``algorithm.step``, or ``step`` of the same signature) and the
+  count, on the reduced ``leaves``; no non-finite policy."""
+  step = step or algorithm.step
   all_phases = algorithm.phases(config)
   qualified = [p._replace(name=f"{algorithm.name}.{p.name}") for p in all_phases]
-  branches = [lambda s, g, p=p: algorithm.step(config, s, g, axis_name, p) for p in all_phases]
+  branches = [lambda s, g, p=p: step(config, s, g, axis_name, p) for p in all_phases]
   if len(all_phases) == 1 and all_phases[0] is STEADY:
     means, new_state = branches[0](state, leaves)
   else:
@@ -164,18 +177,29 @@ def run_step(algorithm: Algorithm, config, state, leaves: list, axis_name) -> tu
   return list(means), new_state
 
 
-def _skip(state, leaves: list) -> tuple:
-  """The non-finite branch: NaN outputs on every device, the state as it was."""
-  return [jnp.full(x.shape, jnp.nan, x.dtype) for x in leaves], state
+def _skip(shape_of: Callable, state, leaves: list) -> tuple:
+  """The non-finite branch: NaN outputs (of ``shape_of(leaf)``) on every device, the state as it
+  was."""
+  return [jnp.full(shape_of(x), jnp.nan, x.dtype) for x in leaves], state
 
 
-def _guarded(algorithm: Algorithm, config, state, leaves: list, axis_name) -> tuple:
-  """``run_step`` under the non-finite policy (``Algorithm.nonfinite`` says how)."""
+def _owning(update: Callable, axis_name: axis.AxisName) -> Callable:
+  """``scatter`` from ``update``: the whole mean, of which this device keeps its shard."""
+  def scatter(updates, state):
+    means, state = update(updates, state)
+    return tree_lib.map_reduced(lambda m: shards.own(m, axis_name), means), state
+  return scatter
+
+
+def _guarded(algorithm: Algorithm, config, state, leaves: list, axis_name,
+             step: Optional[Callable], shape_of: Callable) -> tuple:
+  """``run_step`` under the non-finite policy (``Algorithm.nonfinite`` says how); ``shape_of(leaf)``
+  is the shape of its output (a shard's with ``step=algorithm.scatter``)."""
   ok = finite.all_finite(leaves, axis_name)
+  run = lambda s, g: run_step(algorithm, config, s, g, axis_name, step)  # noqa: E731
   if algorithm.nonfinite == "skip":
-    return lax.cond(ok, lambda s, g: run_step(algorithm, config, s, g, axis_name), _skip, state,
-                    leaves)
-  means, new_state = run_step(algorithm, config, state, leaves, axis_name)
+    return lax.cond(ok, run, functools.partial(_skip, shape_of), state, leaves)
+  means, new_state = run(state, leaves)
   return finite.gated(ok, means, new_state, state)
 
 
@@ -201,25 +225,38 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
     reason = algorithm.unbucketable(config)
     if reason:
       raise ValueError(f"{algorithm.name}: bucket_cap_mb cannot be used here: {reason}")
-    return buckets.comm_hook(hook(algorithm, traced), bucket_state(algorithm, config),
-                             axis_name=axis_name, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+    bucketed = buckets.comm_hook(hook(algorithm, traced), bucket_state(algorithm, config),
+                                 axis_name=axis_name, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+    bucketed.update.scatter = _owning(bucketed.update, axis_name)
+    return bucketed
 
   def init_fn(params):
     return algorithm.init(config, tree_lib.TreeSignature.of(params))
 
-  def update_fn(updates, state, params=None):
-    del params
+  def apply(updates, state, step: Optional[Callable], shape_of: Callable):
+    """1 (and 5 with ``step=algorithm.scatter``): ``(outputs, new_state)``."""
     tree_lib.check_state(state, init_fn, algorithm.name)
     leaves = state.signature.check(updates)
     reduced = [leaves[i] for i in state.signature.reduced]
     axis.refuse_summed_gradient(reduced, axis_name, algorithm.name)
     live = _live(state.config, traced)
-    means, new_state = run_step(algorithm, live, state, reduced, axis_name) if not (
-        algorithm.stateful and reduced) else _guarded(algorithm, live, state, reduced, axis_name)
+    if algorithm.stateful and reduced:
+      means, new_state = _guarded(algorithm, live, state, reduced, axis_name, step, shape_of)
+    else:
+      means, new_state = run_step(algorithm, live, state, reduced, axis_name, step)
     for i, mean in zip(state.signature.reduced, means):
       leaves[i] = mean
     return tree_lib.like(updates, leaves), new_state
 
+  def update_fn(updates, state, params=None):
+    del params
+    return apply(updates, state, None, lambda x: x.shape)
+
+  def scatter_fn(updates, state):
+    cut = shards.layout(axis_name)
+    return apply(updates, state, algorithm.scatter, lambda x: cut.shape(x.shape))
+
+  update_fn.scatter = scatter_fn if algorithm.scatter else _owning(update_fn, axis_name)
   return optax.GradientTransformation(init_fn, update_fn)
 
 

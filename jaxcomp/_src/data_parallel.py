@@ -53,6 +53,14 @@ parameters the caller keeps, so ``make_state`` and ``make_params`` check them
 differs; ``params = jaxcomp.broadcast_replicated(params)`` before them is the fix. Leaves already
 sharded over the mesh (a global ``jax.Array``, one value by construction) are left as they are.
 
+Sharded optimizer state (ZeRO-1/2): with ``tx=jaxcomp.sharded_optimizer(exchange, optimizer)``
+each device keeps 1/W of the optimizer's state and updates its shard of the parameters, between a
+reduce-scatter of the gradient and an all-gather of the update (``jaxcomp._src.zero``). Nothing in
+the step changes for it: its state declares those shards per device, so they are stored as
+per-device leaves are, stacked along a leading axis of W and sharded along it — the global array of
+a shard is its leaf, padded and rearranged — and ``make_state`` makes that state on every device
+(each cuts its own shards) instead of stacking copies of one device's.
+
 The interface is small on purpose (other parts of jaxcomp build on it): ``make_state`` (the state,
 placed), ``make_params`` (the parameters of the loss-function form, placed), ``step`` (the jitted
 global step), ``shard`` (a batch, placed) and ``shardings`` (of a state, e.g. as an orbax restore
@@ -76,6 +84,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxcomp._src import axis, distributed, validate
 from jaxcomp._src.sharding import params_per_device, per_device_mask
+from jaxcomp._src.zero import holds_sharded_state
 
 
 def _axes(axis_name) -> tuple:
@@ -113,6 +122,14 @@ def _constrain(x, sharding: NamedSharding):
   if _has_explicit_axes(sharding.mesh):
     return jax.sharding.reshard(x, sharding)
   return lax.with_sharding_constraint(x, sharding)
+
+
+def _to_auto(auto: Mesh, tree):
+  """``tree``'s leaves typed with Explicit mesh axes, constrained to the same specs on ``auto``."""
+  def to_auto(x):
+    spec = _explicit_spec(x)
+    return x if spec is None else lax.with_sharding_constraint(x, NamedSharding(auto, spec))
+  return jax.tree.map(to_auto, tree)
 
 
 def _flat_with_mask(trees, names, masks) -> tuple:
@@ -219,10 +236,7 @@ def _global_step(local, mesh: Mesh, axes: tuple, names: tuple, mask_of: Callable
   auto = _auto(mesh)
   with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
     if explicit:  # every axis Auto inside: the partitioner handles the others
-      def to_auto(x):
-        spec = _explicit_spec(x)
-        return x if spec is None else lax.with_sharding_constraint(x, NamedSharding(auto, spec))
-      leaves, batch = jax.tree.map(to_auto, (leaves, batch))
+      leaves, batch = _to_auto(auto, (leaves, batch))
     new_leaves, out = jax.shard_map(
         functools.partial(_body, local, treedefs, masks, paths, axes, names, mask_of, pins),
         mesh=auto,
@@ -490,9 +504,15 @@ class DataParallel:
       if self.tx is not None and tree.tx is not self.tx:
         raise ValueError("tree: this nnx.Optimizer was made with another transformation than the "
                          "tx given to data_parallel; make it with make_state(model)")
+      _refuse_sharded_state(tree)
       make = lambda t: t
-    else:
+    elif _is_module(tree):
       make = self._init
+    else:
+      tree = self._same_start(tree)
+      if holds_sharded_state(self._abstract_state(tree)):
+        return self._init_on_devices(tree)
+      return self._place(tree, self._init, per_device_mask)
     return self._place(self._same_start(tree), make, per_device_mask)
 
   def make_params(self, params):
@@ -511,7 +531,8 @@ class DataParallel:
       raise ValueError("make_params places the parameters of the loss-function form (with tx); in "
                        "the per-device-step form make_state places the whole state (wrap the "
                        "parameters of local_sgd or diloco in jaxcomp.PerDevice there)")
-    opt_state = jax.eval_shape(self._init, params)
+    opt_state = (jax.eval_shape(self._init, params) if _is_module(params)
+                 else self._abstract_state(params))
     return self._place(self._same_start(params), lambda t: t,
                        lambda t: _loss_form_masks(self.buffers, (t, opt_state))[0])
 
@@ -519,8 +540,48 @@ class DataParallel:
     """The loss form's optimizer state: ``tx.init(params)``, or for an nnx model
     ``nnx.Optimizer(model, tx, wrt=nnx.Param)``."""
     if _is_module(params):
-      return _nnx().Optimizer(params, self.tx, wrt=_nnx().Param)
+      optimizer = _nnx().Optimizer(params, self.tx, wrt=_nnx().Param)
+      _refuse_sharded_state(optimizer)
+      return optimizer
     return self.tx.init(params)
+
+  def _init_per_device(self, params, mask=None):
+    """``tx.init(params)`` run on every device of the data axis, inside ``shard_map``: the leaves
+    ``mask`` marks (all of them if None) stacked along a new leading axis of W, sharded along it."""
+    axes = _axes(self.axis_name)
+    auto = _auto(self.mesh)
+
+    def body(p):
+      state = self.tx.init(p)
+      marks = jax.tree.map(lambda _: True, state) if mask is None else mask
+      return jax.tree.map(lambda x, m: jnp.asarray(x)[None] if m else x, state, marks)
+
+    marks = PartitionSpec(axes) if mask is None else jax.tree.map(
+        lambda m: PartitionSpec(axes) if m else PartitionSpec(), mask)
+    with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
+      return jax.shard_map(body, mesh=auto, in_specs=PartitionSpec(), out_specs=marks,
+                           axis_names=set(axes), check_vma=True)(_to_auto(auto, params))
+
+  def _abstract_state(self, params):
+    """The loss form's optimizer state as ``jax.ShapeDtypeStruct``\\ s, made on the devices (as a
+    sharded optimizer's must be), each leaf with a leading axis of W: for its structure."""
+    return jax.eval_shape(self._init_per_device, params)
+
+  def _init_on_devices(self, params):
+    """The loss form's optimizer state made on every device (a sharded optimizer's init cuts each
+    device's own shards), per-device leaves stacked and sharded, placed on the mesh."""
+    mask = per_device_mask(self._abstract_state(params))
+    specs = jax.tree.map(lambda m: PartitionSpec(self.axis_name) if m else PartitionSpec(), mask)
+
+    def make(p):
+      state = self._init_per_device(p, mask)
+      if not _has_explicit_axes(self.mesh):
+        return state
+      return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec)),
+                          state, specs)
+
+    with jax.set_mesh(self.mesh):
+      return jax.jit(make)(self._on_mesh(params))
 
   def _same_start(self, tree):
     """With several processes: ``tree`` with process 0's value in every leaf (per-device-step form)
@@ -548,14 +609,17 @@ class DataParallel:
           _constrain(jnp.broadcast_to(x, (world,) + jnp.shape(x)), per_device) if m else x
           for x, m in zip(leaves, jax.tree.leaves(mask(state)))])
 
-    # Host arrays go to the mesh first (replicated), so that the program runs on its devices.
+    with jax.set_mesh(self.mesh):
+      return jax.jit(stacked)(self._on_mesh(tree))
+
+  def _on_mesh(self, tree):
+    """``tree`` with its host arrays put on the mesh (replicated), so that a program runs on its
+    devices; arrays already on them are left as they are."""
     replicated = NamedSharding(self.mesh, PartitionSpec())
     devices = set(self.mesh.devices.flat)
-    tree = jax.tree.map(
+    return jax.tree.map(
         lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == devices
         else jax.device_put(x, replicated), tree)
-    with jax.set_mesh(self.mesh):
-      return jax.jit(stacked)(tree)
 
   def shardings(self, state):
     """The ``NamedSharding`` of every leaf of a placed state (an orbax restore target, say)."""
@@ -564,6 +628,21 @@ class DataParallel:
     return jax.tree.map(
         lambda x, m: per_device if m else getattr(x, "sharding", replicated), state,
         per_device_mask(state))
+
+
+def _refuse_sharded_state(tree) -> None:
+  """A ``jaxcomp.sharded_optimizer`` state is made on each device: one device's cannot be stacked.
+
+  Raises:
+    ValueError: ``tree`` holds one (naming the fix).
+  """
+  if holds_sharded_state(tree):
+    raise ValueError(
+        "tree holds a jaxcomp.sharded_optimizer state, which is made on each device (each keeps "
+        "its own shards), so one device's state cannot be copied to the others. Use the "
+        "loss-function form, data_parallel(loss_fn, mesh, tx=tx) with arrays as the parameters: "
+        "its make_state(params) makes it on every device (an nnx model: nnx.split it and pass the "
+        "nnx.Param state as the parameters)")
 
 
 def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch",
@@ -636,6 +715,17 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
   the step they are this device's own copy, already varying, so take the gradient of them directly
   (no ``pcast``). Left replicated, they are refused with an error naming them.
 
+  Models that fill the devices shard the optimizer state over them (ZeRO-1/2): with
+  ``tx=jaxcomp.sharded_optimizer(exchange, optimizer)`` in place of ``optax.chain(exchange,
+  optimizer)`` each device keeps 1/W of the optimizer's state, receives its shard of the mean
+  gradient (a reduce-scatter through the compressor ``exchange``) and updates that shard of the
+  parameters, which are all-gathered (loss-function form, arrays as the parameters)::
+
+    tx = jaxcomp.sharded_optimizer(jaxcomp.bf16_compress(), optax.adamw(1e-3),
+                                   gather_dtype="bfloat16")
+    dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+    opt_state = dp.make_state(params)       # made on every device: each keeps its own shards
+
   In a job of several processes ``make_state`` starts every process from process 0's state (see
   ``DataParallel.make_state``).
 
@@ -644,8 +734,9 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
     mesh: the device mesh; its other axes (a model axis, say) are left to the partitioner.
     axis_name: the mesh axis (or tuple of axes) the batch is split over; it must be the
       ``axis_name`` of the jaxcomp transformations in the optimizer.
-    tx: the optimizer, normally ``optax.chain(<jaxcomp compressor>, <optax optimizer>)``; an
-      ``optax.MultiSteps`` too.
+    tx: the optimizer, normally ``optax.chain(<jaxcomp compressor>, <optax optimizer>)``, or
+      ``jaxcomp.sharded_optimizer(<jaxcomp compressor>, <optax optimizer>)`` to shard its state;
+      an ``optax.MultiSteps`` too.
     has_aux: ``fn`` returns ``(loss, aux)`` (loss-function form only).
     buffers: ``"mean"``, ``"first"`` or ``"per_device"``: what an nnx model's Variables that the
       forward pass writes become (loss-function form; see above).

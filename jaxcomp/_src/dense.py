@@ -5,6 +5,10 @@ reduced leaf (torch's order): cast to the wire dtype → ÷W → all-reduce SUM 
 state to protect: a NaN on one device makes that coordinate of the mean NaN on every device
 (jaxcomp's non-finite policy, ``finite.py``), so no finiteness flag is sent.
 
+For sharded optimizer state (``jaxcomp.sharded_optimizer``) the same order runs as a reduce-scatter:
+cast → ÷W → reduce-scatter SUM → cast back, each device receiving its shard of the mean only (half
+an all-reduce's bytes).
+
 References:
   PyTorch, ``default_hooks.allreduce_hook`` / ``fp16_compress_hook`` / ``bf16_compress_hook``.
 """
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor
+from jaxcomp._src import axis, compressor, shards
 from jaxcomp._src import tree as tree_lib
 
 
@@ -53,9 +57,15 @@ def step(config: DenseConfig, state: DenseState, leaves: list, axis_name, phase)
   return [axis.mean(g, axis_name, config.wire_dtype) for g in leaves], state
 
 
+def scatter(config: DenseConfig, state: DenseState, leaves: list, axis_name, phase) -> tuple:
+  """Cast → ÷W → reduce-scatter SUM → cast back: this device's shard of each leaf's mean."""
+  del phase
+  return shards.mean_scatter(leaves, axis_name, config.wire_dtype), state
+
+
 def _algorithm(name: str, wire_dtype: Optional[str]) -> compressor.Algorithm:
   return compressor.Algorithm(name, DenseState, functools.partial(DenseConfig, wire_dtype), init,
-                              step, stateful=False)
+                              step, stateful=False, scatter=scatter)
 
 
 ALLREDUCE = _algorithm("allreduce", None)

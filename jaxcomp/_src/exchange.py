@@ -28,6 +28,11 @@ move the sharded values across the mesh, so there each array is laid out on its 
 dealt round-robin to the owners (value j to owner j mod W), its other axes kept, so that its rows
 keep its sharding, and each array travels in collectives of its own.
 
+Sharded optimizer state (``jaxcomp.sharded_optimizer``) runs the two halves apart, in the rows of
+``shard_layout`` (each leaf's shards, ``shards.py``): ``scatter_mean`` (1–4) gives the owner its
+float32 mean, which its optimizer takes as it is (nothing is re-encoded: no server error), and
+``gather_rows`` (5–6) sends every device's update in 8 bits (ZeRO++'s qwZ).
+
 A codec decides how values travel (``jaxcomp.quantized``: int8 or float8 codes with one scale per
 block; ``jaxcomp.scale_by_onebit_adam``: sign bits with one scale per encoded row). The errors have
 the arrays' own shapes, whatever W is, so a state does not depend on the number of devices: padding
@@ -51,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp._src import axis, kernels
+from jaxcomp._src import axis, kernels, shards
 from jaxcomp._src import tree as tree_lib
 
 
@@ -153,10 +158,110 @@ def layout(shapes: Sequence[tuple], world: int, granule: int) -> Layout:
   return flat_layout(shapes, world, granule)
 
 
+def shard_layout(shapes: Sequence[tuple], world: int) -> Layout:
+  """The rows of sharded optimizer state (``shards.layout``): each array's W shards, all of them
+  packed into one piece (W, ΣS) (``shards``' flat layout), or a piece per array (by leaf)."""
+  cut = shards.Layout(world, kernels.keeps_leaves())
+  if cut.by_leaf:
+    leaves = leaf_layout(shapes, world)
+    return leaves._replace(split=lambda arrays: [cut.split(x) for x in arrays],
+                           join=lambda pieces: [cut.join(p, s) for p, s in zip(pieces, shapes)],
+                           valid=lambda owner: [v.reshape((1,) + cut.shape(s)) for v, s in
+                                                zip(leaves.valid(owner), shapes)])
+  sizes = [math.prod(cut.shape(s)) for s in shapes]
+  counts = [math.prod(s) for s in shapes]
+
+  def split(arrays):
+    return [jnp.concatenate([cut.split(x).reshape(world, -1) for x in arrays], axis=1)]
+
+  def join(pieces):
+    rows = tree_lib.unflatten(pieces[0], [(size,) for size in sizes])
+    return [cut.join(r, s) for r, s in zip(rows, shapes)]
+
+  def valid(owner):
+    return [jnp.concatenate([owner * size + jnp.arange(size) < n
+                             for n, size in zip(counts, sizes)])[None]]
+
+  def count(owner):
+    return sum(jnp.clip(n - owner * size, 0, size) for n, size in zip(counts, sizes))
+
+  return Layout(split, join, valid, count)
+
+
+def owned_shards(rows: list, shapes: Sequence[tuple], world: int) -> list:
+  """Each array's shard (``shards.Layout.shape``) from this device's rows of ``shard_layout``'s
+  pieces, each of shape (1, …)."""
+  cut = shards.Layout(world, kernels.keeps_leaves())
+  if cut.by_leaf:
+    return [r[0] for r in rows]
+  return tree_lib.unflatten(rows[0][0], [cut.shape(s) for s in shapes])
+
+
+def shard_rows(owned: list) -> list:
+  """The inverse of ``owned_shards``: this device's rows of ``shard_layout``'s pieces."""
+  if kernels.keeps_leaves():
+    return [x[None] for x in owned]
+  return [tree_lib.flatten(owned)[None]]
+
+
 def _owner_mean(codec: Codec, received: list, tails: list, world: int) -> list:
   """4: per piece, the mean of the W decoded rows, each ÷W first (no overflow), summed in device
   order; shape (1, …)."""
   return kernels.device_mean(lambda w: codec.decode([r[w:w + 1] for r in received], tails), world)
+
+
+def scatter_mean(codec: Codec, rows_of: Layout, x: list, worker_error: Optional[list],
+                 axis_name: axis.AxisName, key: Optional[jax.Array] = None) -> tuple:
+  """Steps 1–4 of the exchange, but the server error: the owner's mean of its row of every piece.
+
+  Args:
+    codec: how values travel.
+    rows_of: the layout of the rows (``layout``, or ``shard_layout`` for sharded optimizer state).
+    x, worker_error, axis_name, key: as for ``compressed_mean``.
+
+  Returns:
+    ``(mean, new worker error)``: the float32 mean of this device's row of each piece, of shape
+    (1, …), its padding zeroed; the worker error as given (None stays None).
+  """
+  world = axis.axis_size(axis_name)
+  me = axis.axis_index(axis_name)
+  key = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 0), me)
+  # 1: p = x + e, in rows.
+  p = x if worker_error is None else [a + e for a, e in zip(x, worker_error)]
+  rows = rows_of.split(p)
+  # 2–3: encode, send row d to device d; e ← p − decode(encoding).
+  payload, decoded = codec.encode(rows, sum(a.size for a in x), key)
+  if worker_error is not None:
+    worker_error = rows_of.join([r - d for r, d in zip(rows, decoded)])
+  received = kernels.all_to_all(payload, axis_name)
+  # 4: the owner's mean of its row; the padding is zeroed.
+  mean = _owner_mean(codec, received, [r.shape[1:] for r in rows], world)
+  return [jnp.where(v, m, 0.0) for v, m in zip(rows_of.valid(me), mean)], worker_error
+
+
+def gather_rows(codec: Codec, rows_of: Layout, rows: list, count, axis_name: axis.AxisName,
+                key: Optional[jax.Array] = None) -> tuple:
+  """Steps 5–6 of the exchange, but the server error: every device's row of every piece, encoded,
+  gathered and decoded.
+
+  Args:
+    codec: how values travel.
+    rows_of: the layout of the rows.
+    rows: this device's row of each piece, float32 of shape (1, …), its padding zero.
+    count: the number of values (not padding) in ``rows``.
+    axis_name, key: as for ``compressed_mean``.
+
+  Returns:
+    ``(arrays, decoded)``: the whole arrays, identical on every device; this device's rows as the
+    others decode them.
+  """
+  me = axis.axis_index(axis_name)
+  key = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 1), me)
+  # 5: encode this device's rows.
+  payload, decoded = codec.encode(rows, count, key)
+  # 6: every device's encoding to every device; decode the whole arrays.
+  gathered = [g[:, 0] for g in kernels.all_gather(payload, axis_name)]
+  return rows_of.join(codec.decode(gathered, [r.shape[1:] for r in rows])), decoded
 
 
 def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
@@ -182,31 +287,16 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
   world = axis.axis_size(axis_name)
   rows_of = layout([a.shape for a in x], world, codec.granule)
   me = axis.axis_index(axis_name)
-  keys = (None, None) if key is None else tuple(
-      jax.random.fold_in(jax.random.fold_in(key, phase), me) for phase in (0, 1))
-  # 1: p = x + e, in rows.
-  p = x if worker_error is None else [a + e for a, e in zip(x, worker_error)]
-  rows = rows_of.split(p)
-  tails = [r.shape[1:] for r in rows]
-  # 2–3: encode, send row d to device d; e ← p − decode(encoding).
-  payload, decoded = codec.encode(rows, sum(a.size for a in x), keys[0])
-  if worker_error is not None:
-    worker_error = rows_of.join([r - d for r, d in zip(rows, decoded)])
-  received = kernels.all_to_all(payload, axis_name)
-  # 4: the owner's mean of its row, plus its server error; the padding is zeroed.
-  mean = _owner_mean(codec, received, tails, world)
+  # 1–4: the owner's mean of its row (padding zeroed), plus its server error (zero at the padding).
+  mean, worker_error = scatter_mean(codec, rows_of, x, worker_error, axis_name, key)
   if server_error is not None:
     mean = [m + lax.dynamic_index_in_dim(s, me, keepdims=True)
             for m, s in zip(mean, rows_of.split(server_error))]
-  valid = rows_of.valid(me)
-  mean = [jnp.where(v, m, 0.0) for v, m in zip(valid, mean)]
-  # 5: re-encode; s ← mean − decode(encoding), at this device's row.
-  payload, decoded = codec.encode(mean, rows_of.count(me), keys[1])
+  # 5–6: re-encode and gather; s ← mean − decode(encoding), at this device's row.
+  whole, decoded = gather_rows(codec, rows_of, mean, rows_of.count(me), axis_name, key)
   if server_error is not None:
     mine = jnp.arange(world) == me
     server_error = rows_of.join([
-        jnp.where(mine.reshape((world,) + (1,) * len(t)) & v, m - d, 0.0)
-        for m, d, v, t in zip(mean, decoded, valid, tails)])
-  # 6: every owner's encoding to every device; decode the whole mean.
-  gathered = [g[:, 0] for g in kernels.all_gather(payload, axis_name)]
-  return rows_of.join(codec.decode(gathered, tails)), worker_error, server_error
+        jnp.where(mine.reshape((world,) + (1,) * (m.ndim - 1)) & v, m - d, 0.0)
+        for m, d, v in zip(mean, decoded, rows_of.valid(me))])
+  return whole, worker_error, server_error

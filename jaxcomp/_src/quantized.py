@@ -30,6 +30,12 @@ numbered list of ``jaxcomp._src.exchange``):
 6. ``all_gather`` of codes and scales; every device dequantizes the whole mean and casts each leaf
    back to its dtype (exchange 6).
 
+For sharded optimizer state (``jaxcomp.sharded_optimizer``, ZeRO++'s qgZ) the exchange stops after
+5's average: the rows are each leaf's shards (``exchange.shard_layout``), and the owner's float32
+mean of its row is its shard of the mean gradient, which its optimizer takes as it is — nothing is
+re-quantized, so the server error stays zero. Each device sends the codes once: (W−1)/W·W·S bytes
+plus the scales, an eighth of a float32 all-reduce's ring bytes, about half of its own two phases.
+
 Bytes per device (payload, ``comm_report``): the codes twice (all-to-all, all-gather), 2·W·S bytes,
 plus the scales twice, 2·4·W·S/``block_size`` — about a quarter of a float32 all-reduce's ring bytes
 (2·(W−1)/W of each), plus the 4-byte check that the gradient is finite. XLA:CPU keeps s8 collectives
@@ -236,9 +242,31 @@ def step(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_name
   return [m.astype(g.dtype) for m, g in zip(means, leaves)], state
 
 
+def scatter(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_name,
+            phase) -> tuple:
+  """Steps 1–5's average as a reduce-scatter (qgZ): this device's shard of each leaf's mean; the
+  worker error kept, the server error untouched (nothing is re-quantized)."""
+  del phase
+  signature = state.signature
+  worker_error = signature.pick(state.worker_error) if config.error_feedback else None
+  key = None
+  if config.stochastic_rounding:
+    key = jax.random.fold_in(jax.random.key(config.seed), state.count + 1)
+  # 1–5: the rows are each leaf's shards; the owner's float32 mean of its row is its shard.
+  world = axis.axis_size(axis_name)
+  rows_of = exchange.shard_layout([g.shape for g in leaves], world)
+  mean, worker_error = exchange.scatter_mean(
+      block_codec(config), rows_of, [g.astype(jnp.float32) for g in leaves], worker_error,
+      axis_name, key)
+  if config.error_feedback:
+    state = state._replace(worker_error=signature.place(worker_error))
+  owned = exchange.owned_shards(mean, [g.shape for g in leaves], world)
+  return [o.astype(g.dtype) for o, g in zip(owned, leaves)], state
+
+
 # "select": XLA:CPU compiles the exchange's concatenations worse inside the cond (compressor.py).
 QUANTIZED = compressor.Algorithm("quantized", QuantizedState, QuantizedConfig, init, step,
-                                 nonfinite="select")
+                                 nonfinite="select", scatter=scatter)
 
 
 def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
