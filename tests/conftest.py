@@ -44,7 +44,7 @@ def _release_compiled_programs():
   """Drops JAX's compiled programs after each test. XLA:CPU maps memory for every executable it
   keeps, and one process compiling the whole suite's thousands of programs reaches the kernel's limit
   on memory mappings (vm.max_map_count, 65,530 by default), where compiling segfaults; kept per module
-  instead, test_bad_input.py alone reached 25,000 mappings."""
+  instead, test_validate.py alone reached 25,000 mappings."""
   yield
   jax.clear_caches()
   gc.collect()
