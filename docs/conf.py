@@ -85,6 +85,42 @@ DOCSTRING_FIXES = (
     # jaxcomp/_src/quantized.py:219, quantized: "``all_gather``ed" (an inline literal must end before
     # a space or punctuation). Fix: "which every device receives by ``all_gather``".
     ("jaxcomp.quantized", "which is ``all_gather``ed.", "which every device receives by ``all_gather``."),
+    # jaxcomp/_src/diloco.py, the module docstring's steps S1-S5 of streaming_diloco: "S1." is no
+    # list marker for docutils, so the indented continuation lines read as definition lists and block
+    # quotes ("Unexpected indentation"). Fix: make them a bullet list ("* S1. ..."), continuation
+    # lines indented by two.
+    ("jaxcomp._src.diloco",
+     'S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of the\n'
+     '    pseudo-gradient kept at its beginning (S5) is averaged over the devices (step 4, through\n'
+     "    ``compressor``, one state per piece) and stored. It reads the state only, never this step's\n"
+     '    gradient, so XLA may run it alongside the forward and backward pass.\n'
+     'S2. Inner step (step 1).\n'
+     'S3. The outer step of each fragment whose exchange began τ steps ago (with τ = 0: begins now, its\n'
+     "    pseudo-gradient averaged at once, steps 3–4): the outer SGD on the fragment's θ with its own\n"
+     '    momentum, kept if not finite (steps 5–6);\n'
+     "S4. mixed into this device's parameters: θᵢ ← mix·θ + (1 − mix)·θᵢ, θᵢ holding what the device\n"
+     '    learned during the τ steps of the exchange (mix = 1: every device set to θ, step 6).\n'
+     "S5. A fragment's exchange begins (τ > 0): Δᵢ = θ − θᵢ (step 3) kept for S1 of the next τ steps.",
+     '* S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of the\n'
+     '  pseudo-gradient kept at its beginning (S5) is averaged over the devices (step 4, through\n'
+     "  ``compressor``, one state per piece) and stored. It reads the state only, never this step's\n"
+     '  gradient, so XLA may run it alongside the forward and backward pass.\n'
+     '* S2. Inner step (step 1).\n'
+     '* S3. The outer step of each fragment whose exchange began τ steps ago (with τ = 0: begins now, its\n'
+     "  pseudo-gradient averaged at once, steps 3–4): the outer SGD on the fragment's θ with its own\n"
+     '  momentum, kept if not finite (steps 5–6);\n'
+     "* S4. mixed into this device's parameters: θᵢ ← mix·θ + (1 − mix)·θᵢ, θᵢ holding what the device\n"
+     '  learned during the τ steps of the exchange (mix = 1: every device set to θ, step 6).\n'
+     "* S5. A fragment's exchange begins (τ > 0): Δᵢ = θ − θᵢ (step 3) kept for S1 of the next τ steps."),
+    # jaxcomp/_src/chunked_topk.py, the module docstring's step 3: "[min |v|, max |v|]" outside a
+    # literal reads as a substitution reference |v|. Fix: "[min ``|v|``, max ``|v|``]".
+    ("jaxcomp._src.chunked_topk", "[min |v|, max |v|]", "[min ``|v|``, max ``|v|``]"),
+    # jaxcomp/_src/hooks.py, dgc_state, quantized_state and chunked_topk_state's Args: "**settings"
+    # after another name opens an inline strong ("Inline strong start-string without end-string").
+    # Fix: escape the stars, "ratio, \\*\\*settings:" (napoleon then lists both parameters).
+    ("jaxcomp.hooks.dgc_state", "ratio, **settings:", "ratio, \\*\\*settings:"),
+    ("jaxcomp.hooks.quantized_state", "bits, **settings:", "bits, \\*\\*settings:"),
+    ("jaxcomp.hooks.chunked_topk_state", "k, **settings:", "k, \\*\\*settings:"),
 )
 
 
