@@ -18,7 +18,7 @@ The steps, per device and per reduced leaf (the ``# n:`` comments below point he
 2. selection: in each chunk, the k_c positions of largest ``|e|`` (ties to the lower position;
    padding only after every real coordinate), in increasing order;
 3. quantization of the selected values v: a sign bit, and ``bits − 1`` bits for the magnitude: the
-   range [min |v|, max |v|] of the chunk's selected magnitudes is cut into L = 2^(bits−1) equal bins
+   range [min ``|v|``, max ``|v|``] of the chunk's selected magnitudes is cut into L = 2^(bits−1) equal bins
    (the top edge in the last bin), and each bin's magnitude is the mean of the magnitudes in it
    (its centroid), rounded to bfloat16; ``v̂ = ±centroid``. With ``bits=1`` that is the sign times
    the mean magnitude. Sending each bin's mean follows SparseLoCo's reference code (templar's

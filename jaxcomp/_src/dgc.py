@@ -528,9 +528,9 @@ def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch",
     ratio: fraction of chunks sent after warm-up.
     axis_name: the mapped axis to average over.
     chunk_size: elements per chunk; None: 256 (static: it fixes the chunks' shape).
-    momentum, nesterov, momentum_masking, clip_norm, clip_exponent, warmup, steps_per_epoch,
-      value_dtype, sparsify, bucket_cap_mb: as in ``dgc`` (a stage sends the dense mean where norms
-      and chunks would send at least the leaf's bytes).
+    momentum: as in ``dgc``, and so are nesterov, momentum_masking, clip_norm, clip_exponent,
+      warmup, steps_per_epoch, value_dtype, sparsify and bucket_cap_mb (a stage sends the dense
+      mean where norms and chunks would send at least the leaf's bytes).
 
   Returns:
     A ``GradientTransformation`` with state ``DGCState``; its output is the same on every device.

@@ -45,17 +45,17 @@ equal blocks), one per step. No step sends more than one piece of one fragment (
 fragments of equal size 1/(P·τ) of DiLoCo's sync, and over a period the same bytes. Its steps, per
 device, in the order a step runs them (``# Sn:`` below):
 
-S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of the
-    pseudo-gradient kept at its beginning (S5) is averaged over the devices (step 4, through
-    ``compressor``, one state per piece) and stored. It reads the state only, never this step's
-    gradient, so XLA may run it alongside the forward and backward pass.
-S2. Inner step (step 1).
-S3. The outer step of each fragment whose exchange began τ steps ago (with τ = 0: begins now, its
-    pseudo-gradient averaged at once, steps 3–4): the outer SGD on the fragment's θ with its own
-    momentum, kept if not finite (steps 5–6);
-S4. mixed into this device's parameters: θᵢ ← mix·θ + (1 − mix)·θᵢ, θᵢ holding what the device
-    learned during the τ steps of the exchange (mix = 1: every device set to θ, step 6).
-S5. A fragment's exchange begins (τ > 0): Δᵢ = θ − θᵢ (step 3) kept for S1 of the next τ steps.
+* S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of the
+  pseudo-gradient kept at its beginning (S5) is averaged over the devices (step 4, through
+  ``compressor``, one state per piece) and stored. It reads the state only, never this step's
+  gradient, so XLA may run it alongside the forward and backward pass.
+* S2. Inner step (step 1).
+* S3. The outer step of each fragment whose exchange began τ steps ago (with τ = 0: begins now, its
+  pseudo-gradient averaged at once, steps 3–4): the outer SGD on the fragment's θ with its own
+  momentum, kept if not finite (steps 5–6);
+* S4. mixed into this device's parameters: θᵢ ← mix·θ + (1 − mix)·θᵢ, θᵢ holding what the device
+  learned during the τ steps of the exchange (mix = 1: every device set to θ, step 6).
+* S5. A fragment's exchange begins (τ > 0): Δᵢ = θ − θᵢ (step 3) kept for S1 of the next τ steps.
 
 With P = 1, τ = 0 and mix = 1 that is DiLoCo, and ``streaming_diloco`` computes what ``diloco``
 does.

@@ -79,7 +79,9 @@ def powersgd_state(rank: int = 1, **settings):
   dtype, storing only float16 values there, as torch's float16 state does.
 
   Args:
-    rank, **settings: as ``jaxcomp.powersgd`` (without ``axis_name`` and ``bucket_cap_mb``).
+    rank: as ``jaxcomp.powersgd``.
+    **settings: the other settings of ``jaxcomp.powersgd`` (without ``axis_name`` and
+      ``bucket_cap_mb``).
 
   Returns:
     A function ``bucket -> PowerSGDState``.
@@ -91,7 +93,8 @@ def batched_powersgd_state(rank: int = 1, **settings):
   """The per-bucket state of ``batched_powersgd_hook``: each bucket is one zero-padded square matrix.
 
   Args:
-    rank, **settings: as ``jaxcomp.batched_powersgd`` (without ``axis_name``).
+    rank: as ``jaxcomp.batched_powersgd``.
+    **settings: its other settings (without ``axis_name``).
 
   Returns:
     A function ``bucket -> PowerSGDState``.
@@ -112,7 +115,8 @@ def dgc_state(ratio: float = 0.001, **settings):
     tx = jaxcomp.comm_hook(jaxcomp.hooks.dgc_hook, jaxcomp.hooks.dgc_state(0.001, momentum=0.9))
 
   Args:
-    ratio, **settings: as ``jaxcomp.dgc`` (without ``axis_name`` and ``bucket_cap_mb``; not
+    ratio: as ``jaxcomp.dgc``.
+    **settings: its other settings (without ``axis_name`` and ``bucket_cap_mb``; not
       ``clip_norm``: local clipping needs the whole gradient's norm, which a bucket does not see).
 
   Returns:
@@ -137,7 +141,8 @@ def quantized_state(bits=8, **settings):
     tx = jaxcomp.comm_hook(jaxcomp.hooks.quantized_hook, jaxcomp.hooks.quantized_state(8))
 
   Args:
-    bits, **settings: as ``jaxcomp.quantized`` (without ``axis_name``).
+    bits: as ``jaxcomp.quantized``.
+    **settings: its other settings (without ``axis_name``).
 
   Returns:
     A function ``bucket -> jaxcomp.QuantizedState``.
@@ -185,7 +190,8 @@ def chunked_topk_state(k: int = 64, **settings):
   """The per-bucket state of ``chunked_topk_hook``: pass it as ``comm_hook``'s ``state``.
 
   Args:
-    k, **settings: as ``jaxcomp.chunked_topk`` (without ``axis_name`` and ``bucket_cap_mb``).
+    k: as ``jaxcomp.chunked_topk``.
+    **settings: its other settings (without ``axis_name`` and ``bucket_cap_mb``).
 
   Returns:
     A function ``bucket -> jaxcomp.ChunkedTopKState``.

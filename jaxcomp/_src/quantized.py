@@ -277,8 +277,8 @@ def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
 
   A two-phase exchange (the module docstring numbers the steps): each device's gradient, quantized
   per block of ``block_size`` values, reaches the owner of each row by ``all_to_all``; the owner
-  dequantizes, averages in float32 and re-quantizes its row, which is ``all_gather``ed. About a
-  quarter of the bytes of a float32 all-reduce for int8. Error feedback keeps both quantization
+  dequantizes, averages in float32 and re-quantizes its row, which every device receives by
+  ``all_gather``. About a quarter of the bytes of a float32 all-reduce for int8. Error feedback keeps both quantization
   errors, so over steps the outputs sum to the mean gradients' sum less the final errors. On a step
   whose gradient is non-finite on any device the errors are kept and the output is NaN.
 
