@@ -39,12 +39,26 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _memory_mappings() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as maps:
+      return sum(1 for _ in maps)
+  except OSError:  # not Linux: no such limit to watch
+    return 0
+
+
+# Half of the kernel's default vm.max_map_count (65,530): room for a test's own programs.
+MAX_MEMORY_MAPPINGS = 32_000
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
-  """Drops JAX's compiled programs after each test. XLA:CPU maps memory for every executable it
-  keeps, and one process compiling the whole suite's thousands of programs reaches the kernel's limit
-  on memory mappings (vm.max_map_count, 65,530 by default), where compiling segfaults; kept per module
-  instead, test_validate.py alone reached 25,000 mappings."""
+  """Drops JAX's compiled programs after a test once the process maps many memory regions. XLA:CPU
+  maps memory for every executable it keeps, and one process compiling the whole suite's thousands of
+  programs reaches the kernel's limit on memory mappings (vm.max_map_count, 65,530 by default), where
+  compiling segfaults (test_validate.py alone reached 25,000 mappings). Below the threshold, tests
+  that compile the same program share it."""
   yield
-  jax.clear_caches()
-  gc.collect()
+  if _memory_mappings() > MAX_MEMORY_MAPPINGS:
+    jax.clear_caches()
+    gc.collect()

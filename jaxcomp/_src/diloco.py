@@ -562,8 +562,9 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
     mean, piece_state = _mean(compressor, axis_name, tree,
                               compressor_states[piece] if compressor is not None else None)
     received = list(received)
-    for k, value in zip(held, jax.tree.leaves(mean)):
-      received[k] = _paste(received[k], config.pieces, piece, value)
+    for k, value in zip(held, jax.tree.leaves(mean)):  # typed as the state holds it
+      received[k] = local_steps.varying_like(_paste(received[k], config.pieces, piece, value),
+                                             received[k])
     if compressor is not None:
       compressor_states = (compressor_states[:piece] + (piece_state,)
                            + compressor_states[piece + 1:])
