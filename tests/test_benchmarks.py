@@ -49,6 +49,7 @@ def test_the_benchmarks_compare_the_registry_default():
   assert ALL == list(registry.DEFAULT)
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_bytes_equal_the_algorithms_minimum():
   rows = table_rows(run_script("bytes.py"))
   assert sorted(r[2] for r in rows) == sorted(ALL + list(registry.PERIODIC))
@@ -57,6 +58,7 @@ def test_bytes_equal_the_algorithms_minimum():
     assert row[4] == row[5], row  # exactly the minimum, not just to two decimals
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_bytes_of_the_8_bit_and_1_bit_compressors_equal_their_minimum():
   names = ["quantized_int8", "quantized_fp8", "sign", "onebit_adam"]
   rows = table_rows(run_script("bytes.py", "--compressors", ",".join(names)))
@@ -66,6 +68,7 @@ def test_bytes_of_the_8_bit_and_1_bit_compressors_equal_their_minimum():
     assert "all-reduce" in row[8] and row[8].count("all-reduce") == 1  # only the finiteness flag
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_compute_against_torch():
   pytest.importorskip("torch")
   rows = table_rows(run_script("compute_vs_torch.py"))
@@ -74,6 +77,7 @@ def test_compute_against_torch():
   assert all(float(r[5]) > 0 for r in rows)
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_step_time():
   # A subset: each compressor compiles a whole 8-device training step (bytes.py and memory.py
   # compile every compressor's update).
@@ -83,6 +87,7 @@ def test_step_time():
   assert rows[0][4] == "1.00"
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_memory():
   rows = table_rows(run_script("memory.py"))
   assert [r[1] for r in rows] == ALL
@@ -93,11 +98,13 @@ def test_memory():
   assert float(by_name["dgc"][4]) >= 1.9
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_scaling():
   rows = table_rows(run_script("scaling.py"))
   assert len(rows) == 2 and all(len(r) == 1 + len(ALL) for r in rows)
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_network_model():
   names = ["allreduce", "powersgd_r1", "dgc"]
   out = run_script("network_model.py", "--compressors", ",".join(names))

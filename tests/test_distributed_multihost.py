@@ -48,6 +48,7 @@ def run_job(tmp_path, *extra):
       [tmp_path / f"process{i}.log" for i in range(2)])
 
 
+@pytest.mark.slow  # several processes
 def test_a_different_start_stops_every_process_naming_the_leaf(tmp_path):
   codes, logs = run_job(tmp_path, "--steps", "2", "--perturb-start", "--no-broadcast")
   assert codes[0] != 0 and codes[1] != 0, logs
@@ -56,6 +57,7 @@ def test_a_different_start_stops_every_process_naming_the_leaf(tmp_path):
             "processes: process 1's value is not process 0's") in log, log[-3000:]
 
 
+@pytest.mark.slow  # several processes
 def test_broadcast_start_and_uneven_inputs_end_together_with_identical_replicas(tmp_path):
   # The last process starts from other parameters and has 3 batches fewer than the 8 steps.
   out = tmp_path / "out.npz"
@@ -88,6 +90,7 @@ def test_batchnorm_statistics_follow_each_policy_across_two_processes():
         assert f"both layers' statistics {outcome} on the 4 devices" in line, line
 
 
+@pytest.mark.slow  # several processes
 def test_data_parallel_make_state_starts_every_process_from_process_0(tmp_path):
   """tests/workers/data_parallel_start.py: each process initialises from its own seed."""
   port = free_port()

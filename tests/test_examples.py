@@ -39,6 +39,7 @@ def accuracy(stdout):
   return float(stdout.split("held-out accuracy ")[1].split()[0])
 
 
+@pytest.mark.slow  # an end-to-end run of a script
 @pytest.mark.parametrize("name", ["train_nnx_pmap.py", "train_linen_pmap.py"])
 def test_pmap_examples_train(name):
   out = run_example(name, "--steps", "60", "--devices", "4")
@@ -46,6 +47,7 @@ def test_pmap_examples_train(name):
   assert accuracy(out) > 0.8
 
 
+@pytest.mark.slow  # an end-to-end run of a script
 def test_shard_map_example_has_no_hidden_all_reduce():
   out = run_example("train_shard_map.py", "--steps", "60", "--devices", "4")
   assert "P('batch',)" in out  # per-device state is sharded
@@ -53,6 +55,7 @@ def test_shard_map_example_has_no_hidden_all_reduce():
   assert accuracy(out) > 0.8
 
 
+@pytest.mark.slow  # an end-to-end run of a script
 def test_nnx_optimizer_example_trains_across_devices():
   out = run_example("train_nnx_optimizer.py", "--steps", "60", "--devices", "4")
   assert "per device: (4, 64, 64) sharded P('batch', None, None)" in out
@@ -60,22 +63,23 @@ def test_nnx_optimizer_example_trains_across_devices():
   assert accuracy(out) > 0.8
 
 
+@pytest.mark.slow  # an end-to-end run of a script
 @pytest.mark.parametrize("mesh", [
-    ["--devices", "4"],
-    pytest.param(["--devices", "8", "--model-axis", "2", "--axis-types", "auto"],
-                 marks=pytest.mark.slow)])
+    ["--devices", "4"], ["--devices", "8", "--model-axis", "2", "--axis-types", "auto"]])
 def test_jit_example_sends_only_compressed_collectives_over_data(mesh):
   out = run_example("train_jit.py", "--steps", "60", *mesh)
   assert "over 'data':" in out  # the assert that no dense all-reduce crosses 'data' ran
   assert accuracy(out) > 0.8
 
 
+@pytest.mark.slow  # an end-to-end run of a script
 def test_checkpoint_resume_example_matches_the_uninterrupted_run():
   out = run_example("checkpoint_resume.py", "--steps", "14", "--devices", "4")
   assert "accumulator holds 1 micro-batch(es)" in out  # interrupted mid-accumulation (7 % 3)
   assert "resumed run equals the uninterrupted run, bit for bit" in out
 
 
+@pytest.mark.slow  # an end-to-end run of a script
 def test_batchnorm_example_follows_each_policy_under_data_parallel():
   out = run_example("batchnorm.py", "--devices", "4", "--mappings", "data_parallel")
   lines = [line for line in out.splitlines() if "BatchNorm_0 statistics" in line]

@@ -87,6 +87,7 @@ def test_matches_torch_golden(config):
   check_parity(data, config)
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_matches_live_torch(tmp_path):
   torch = pytest.importorskip("torch")
   path = tmp_path / "live.npz"

@@ -183,6 +183,7 @@ def test_added_latency_works_or_says_netem_is_missing():
                  for n in _namespaces().split())
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 @needs_link
 def test_workers_time_the_main_jobs_data_parallel_steps_without_torch(tmp_path, monkeypatch):
   blocker = tmp_path / "torch"
