@@ -66,7 +66,15 @@ OPTIMIZERS = {**{f"registry:{name}": functools.partial(optimizer, name) for name
                   jaxcomp.powersgd(1, start_iter=1, min_compression_rate=1.0), every_k=2))}
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+# One of each kind of state in the fast tier (stateless mean, stateful compressor, bucketed hook,
+# wrapper of the optimizer, fragments, whole optimizer, accumulation); every other one in the slow.
+FAST = ("registry:allreduce", "registry:powersgd_r1", "registry:dgc", "registry:quantized_int8",
+        "registry:onebit_adam", "registry:diloco_h20", "registry:streaming_diloco_h20_p2",
+        "hook:dgc_hook", "accumulate(powersgd)")
+
+
+@pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in sorted(OPTIMIZERS)])
 def test_nnx_optimizer_gives_the_parameters_of_plain_arrays(name):
   tx = OPTIMIZERS[name](optax.sgd(0.1, momentum=0.9))
   model = MLP(nnx.Rngs(0))
