@@ -11,7 +11,6 @@ from compressors import (COMPRESSORS, ERROR_FEEDBACK, MEAN_COMPRESSORS, WIRE_DTY
                          synced)
 from helpers import assert_identical_across_devices, replicate
 
-pytestmark = pytest.mark.numeric
 W = 8
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
           "int32": np.int32, "bool": np.bool_}
@@ -94,6 +93,7 @@ def test_identical_finite_and_dtype_preserving(name, spec, seed, scale):
         np.testing.assert_array_equal(o, np.broadcast_to(g[:1], g.shape) if wrapper else g)
 
 
+@pytest.mark.numeric  # against a reference, within rounding
 @pytest.mark.parametrize("name", MEAN_COMPRESSORS)
 @common
 @given(spec=tree_specs, seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 1.0, 100.0]))
@@ -111,6 +111,7 @@ def test_dense_compressors_give_the_mean(name, spec, seed, scale):
                                rtol=0, atol=bound)
 
 
+@pytest.mark.numeric  # against a reference, within rounding
 @common
 @given(spec=tree_specs, seed=st.integers(0, 2**31 - 1))
 def test_allreduce_equals_the_mean_of_dyadic_values_exactly(spec, seed):
@@ -129,6 +130,7 @@ def per_dtype_flat(tree, keys_by_dtype):
           for keys in keys_by_dtype]
 
 
+@pytest.mark.numeric  # against a reference, within rounding
 @pytest.mark.parametrize("name", ERROR_FEEDBACK)
 @common
 @given(spec=tree_specs, seed=st.integers(0, 2**31 - 1))
@@ -160,6 +162,7 @@ def test_error_feedback_output_plus_new_error_is_gradient_plus_old_error(name, s
     np.testing.assert_allclose(left, right, rtol=0, atol=8 * eps * (np.abs(right).max() + 1))
 
 
+@pytest.mark.numeric  # against a reference, within rounding
 @pytest.mark.parametrize("name", ["dgc", "dgc_exact_fp16", "coarse_dgc"])
 @common
 @given(spec=tree_specs, seed=st.integers(0, 2**31 - 1))

@@ -40,7 +40,6 @@ def test_empty_pytrees(name):
     assert jax.tree.structure(out) == jax.tree.structure(empty)
 
 
-@pytest.mark.numeric
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_integer_boolean_zero_d_and_zero_size_leaves(name):
   rng = np.random.default_rng(0)
@@ -57,7 +56,6 @@ def test_integer_boolean_zero_d_and_zero_size_leaves(name):
   assert not any(np.asarray(x).size == 0 for x in jax.tree.leaves(state))  # orbax refuses those
 
 
-@pytest.mark.numeric
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_all_zero_gradients_give_zeros_not_nan(name):
   grads = {"w": np.zeros((W, 16, 8), np.float32), "b": np.zeros((W, 8), np.float32)}
@@ -70,7 +68,6 @@ def test_all_zero_gradients_give_zeros_not_nan(name):
              if jnp.issubdtype(np.asarray(x).dtype, jnp.inexact))
 
 
-@pytest.mark.numeric
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_half_precision_params(name, dtype):
