@@ -43,8 +43,11 @@ def label(phase: Phase) -> str:
 
 
 def parse(op_name: str) -> tuple:
-  """The ``(name, share)`` of every phase label in an instruction's ``op_name``, outermost first."""
-  return tuple((m.group("name"), float(m.group("share"))) for m in _LABEL.finditer(op_name))
+  """The ``(name, share)`` of every phase label in an instruction's ``op_name``, outermost first,
+  each once: XLA may repeat a scope's name in an instruction it has moved out of a nested
+  computation (seen on a 2-D Auto mesh), and a phase is never nested in itself."""
+  labels = ((m.group("name"), float(m.group("share"))) for m in _LABEL.finditer(op_name))
+  return tuple(dict.fromkeys(labels))
 
 
 def run(phase: Phase, branch: Callable, *operands):
