@@ -26,6 +26,7 @@ GROUPS = (
     ("hooks_buckets", "Communication hooks and buckets", ("buckets", "hooks")),
     ("accumulate_guards", "Accumulation and guards", ("accumulate", "guard")),
     ("data_parallel", "Data parallelism and state layout", ("data_parallel", "sharding", "nnx")),
+    ("sharded", "Sharded optimizer state", ("zero",)),
     ("distributed", "Several processes", ("distributed",)),
     ("report", "Communication report", ("report", "phases")),
     ("core", "Axes and gradient signatures", ("axis", "tree", "finite", "compressor")),
