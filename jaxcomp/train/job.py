@@ -1,6 +1,8 @@
 """The main job: train a Flax model once per compressor and compare them (``python -m jaxcomp.train``).
 
-Every compressor trains the same model from the same initial parameters on the same batches, on N
+By default it compares ``registry.JOB_DEFAULT`` (the baseline, a 16-bit mean, the best PowerSGD, DGC
+and DiLoCo recipes, 8-bit quantization and 1-bit Adam); ``--compressors all`` compares every registry
+entry. Every compressor trains the same model from the same initial parameters on the same batches, on N
 data-parallel devices (simulated CPU devices unless the host has accelerators), in the step users
 are told to build — ``jaxcomp.data_parallel``'s loss-function form over a one-axis mesh
 (``make_step``) — with ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))``
@@ -20,9 +22,12 @@ compressor, the bytes each device sends per step in the steady state (``jaxcomp.
 step's HLO: the ring algorithm's bytes in the wire dtypes jaxcomp asks for; a note says where XLA widens
 them), the compression ratio and step-time ratio against ``allreduce``, the steps and bytes until the
 held-out loss reaches the target (bytes added up phase by phase: a warm-up step sends what its phase
-sends), and the held-out loss and accuracy after ``--steps``. A compressor whose held-out loss ends
-non-finite or above where it started is marked "diverged". ``OUT/loss.png`` plots the held-out loss
-against step, cumulative bytes and (with ``--link``) wall-clock.
+sends), the wall-clock until then MODELLED at each ``--gbits`` link speed per worker for the run's W
+(each phase's step time measured in the run plus its collectives' bytes through the α-β model of
+``jaxcomp.train.network``, steps × that, phase by phase), and the held-out loss and accuracy after
+``--steps``. A compressor whose held-out loss ends non-finite or above where it started is marked
+"diverged". ``OUT/loss.png`` plots the held-out loss against step, cumulative bytes, the modelled
+wall-clock at each link speed and (with ``--link``) the wall-clock over the link.
 
 ``--link RATE`` (root, ``ip`` and ``tc``) also times each phase's step over a real slow link —
 ``--devices`` processes in a private network namespace whose loopback is rate-limited
@@ -230,7 +235,7 @@ class Run:
   @property
   def compute_seconds(self) -> dict:
     """``{program key: the median measured step of its phase}`` over the nominal steps, the run's
-    first two left out (compilation); a phase with no such step gets the run's median."""
+    first two left out (warming up); a phase with no such step gets the run's median."""
     timed = {}
     for t in range(2, min(self.steps, len(self.step_seconds))):
       timed.setdefault(self.phase_at(t), []).append(self.step_seconds[t])
@@ -383,20 +388,19 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   params0 = task.init(seed)
   x0, y0 = task.batch(seed, 0, batch_size)
 
-  def lower(entry, **settings):
-    """The lowered step of ``entry``'s steady state with ``settings`` (compile it for what is
-    sent) and its report before XLA optimises: the requested wire dtypes."""
+  def requested(entry, **settings):
+    """The report of ``entry``'s steady state with ``settings``, read before XLA optimises: the
+    wire dtypes jaxcomp asks for."""
     step = make_step(task, entry, task.optimizer(entry, **settings), mesh)
-    lowered = step.lower(*step.start(params0), x0, y0)
-    text = lowered.as_text(dialect="hlo", debug_info=True)  # keeps the phases' labels
-    return lowered, parse_hlo(text, n)
+    text = step.lower(*step.start(params0), x0, y0).as_text(dialect="hlo", debug_info=True)
+    return parse_hlo(text, n)  # debug_info keeps the phases' labels
 
-  lowered, program_bytes, program_collectives = {}, {}, {}
+  program_bytes, program_collectives = {}, {}
   for key, (name, settings) in tqdm.tqdm(phase_programs(names, steps).items(),
                                          desc="reading bytes", disable=not progress,
                                          file=sys.stderr):
     entry = registry.REGISTRY[name]
-    lowered[key], report = lower(entry, **settings)
+    report = requested(entry, **settings)
     program_bytes[key] = entry.bytes_per_step(report)
     program_collectives[key] = network.operands(report)
 
@@ -404,20 +408,23 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
     step = make_step(task, entry, task.optimizer(entry, steps=steps), mesh)
+    params, opt_state = step.start(params0)
+    compiled = step.lower(params, opt_state, x0, y0).compile()
     phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(steps)]
-    # A narrow wire dtype's bytes as XLA compiles them: more than requested where it widens bf16.
+    # A narrow wire dtype's bytes as XLA compiles them (the steady phase's share of the recipe's
+    # program): more than requested where it widens bf16.
     steady = phases[-1][1]
-    requested, note = program_bytes[steady], ""
+    note = ""
     if entry.wire_dtype:
-      sent = entry.bytes_per_step(parse_hlo(lowered[steady].compile().as_text(), n))
-      if sent != requested:
+      sent = entry.bytes_per_step(parse_hlo(compiled.as_text(), n))
+      if sent != program_bytes[steady]:
         note = (f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after compiling "
                 "(it widens the wire dtype)")
-    run = Run(name, steps, phases, {key: program_bytes[key] for _, key in phases}, requested, note,
-              {key: program_collectives[key] for _, key in phases})
+    run = Run(name, steps, phases, {key: program_bytes[key] for _, key in phases},
+              program_bytes[steady], note, {key: program_collectives[key] for _, key in phases})
     run.evals.append((0,) + task.evaluate(params0))
     runs.append(run)
-    states.append([step, *step.start(params0)])
+    states.append([step, compiled, params, opt_state])
 
   bar = tqdm.tqdm(total=steps * len(names), desc=f"{task.name} x{len(names)}", unit="step",
                   disable=not progress, file=sys.stderr, mininterval=0.5)
@@ -435,13 +442,13 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
       break
     batch = task.batch(seed, t, batch_size)
     for i in active:
-      run, (step, params, opt_state) = runs[i], states[i]
+      run, (step, compiled, params, opt_state) = runs[i], states[i]
       start = time.perf_counter()
-      params, opt_state, loss = step.run(params, opt_state, *step.dp.shard(batch))
+      params, opt_state, loss = compiled(params, opt_state, *step.dp.shard(batch))
       loss = float(np.mean(jax.device_get(loss)))  # blocks every step (XLA:CPU needs it)
       run.step_seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
-      states[i] = [step, params, opt_state]
+      states[i] = [step, compiled, params, opt_state]
       if (t + 1) % every == 0 or t + 1 == steps:
         run.evals.append((t + 1,) + task.evaluate(first_copy(params, params0)))
       bar.set_postfix_str(f"{run.name} loss {loss:.3f}", refresh=False)
