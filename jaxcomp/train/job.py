@@ -580,25 +580,47 @@ def loss_limits(runs: Sequence[Run], target: float) -> tuple:
   return low - 0.03 * (high - low), high
 
 
+def payoff(ax, runs: Sequence[Run], styles: Sequence[dict], world: int,
+           gbits: Sequence[float]) -> None:
+  """Draws on ``ax`` each run's modelled wall-clock to target as a ratio to the baseline's, against
+  the link speed (a decade below ``gbits`` to their top, and at least 0.01–100 Gbit/s): below 1,
+  the compressor pays off at that speed. Runs that never reached the target have no line."""
+  speeds = np.geomspace(min(min(gbits) / 10, 0.01), max(max(gbits), 100), 25)
+  modelled = modelled_to_target(runs, world, speeds)
+  base, _ = target_of(runs)
+  for r, style in zip(runs, styles):
+    if modelled[speeds[0]][r.name] is not None:
+      ratios = [modelled[g][r.name] / modelled[g][base.name] for g in speeds]
+      ax.plot(speeds, ratios, **style, label=r.name, lw=1.3, ms=4, markevery=3)
+  ax.axhline(1.0, color="black", lw=0.8, ls="--")
+  ax.set(xscale="log", yscale="log", xlabel="link speed per worker (Gbit/s)",
+         ylabel=f"modelled wall-clock to target / {base.name}'s",
+         title=f"where compression pays off (< 1), modelled, W = {world}")
+
+
 def figure(runs: Sequence[Run], title: str, world: int = 1, gbits: Sequence[float] = ()):
   """The held-out loss against step, against cumulative bytes sent, against the wall-clock
   modelled at each of ``gbits`` for ``world`` workers and — when a link was timed — against
-  wall-clock over it, every point an evaluation after the start (a matplotlib ``Figure``). Every
-  line has its own colour and marker; the loss axis is the target's neighbourhood
-  (``loss_limits``)."""
+  wall-clock over it, every point an evaluation after the start; then the modelled wall-clock to
+  target against link speed (``payoff``). A matplotlib ``Figure``. Every line has its own colour
+  and marker; the loss axis is the target's neighbourhood (``loss_limits``)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   linked = all(r.link_seconds for r in runs)
-  panels = 2 + len(gbits) + linked
+  curves = 2 + len(gbits) + linked  # panels of held-out loss
+  panels = curves + bool(gbits)
   columns = min(panels, 3)
   rows = -(-panels // columns)
-  fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.2 * rows), sharey=True,
-                           squeeze=False)
+  fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.2 * rows), squeeze=False)
   axes = axes.ravel()
+  for ax in axes[1:curves]:
+    ax.sharey(axes[0])
   _, target = target_of(runs)
-  for r, style in zip(runs, line_styles(len(runs))):
+  styles = line_styles(len(runs))
+  for r, style in zip(runs, styles):
     steps = np.asarray([e[0] for e in r.evals[1:]])  # measured points after the start
     loss = [r.held_out(s)[0] for s in steps]
     line = dict(style, label=r.name, lw=1.3, ms=4, markevery=max(len(steps) // 8, 1))
@@ -617,11 +639,21 @@ def figure(runs: Sequence[Run], title: str, world: int = 1, gbits: Sequence[floa
   if linked:
     axes[2 + len(gbits)].set(xlabel="wall-clock over the link (s)", xscale="log",
                              title="against wall-clock over the link")
-  for ax in axes[:panels]:
+  if gbits:
+    payoff(axes[curves], runs, styles, world, gbits)
+  for ax in axes[:curves]:
     ax.axhline(target, color="black", lw=0.8, ls="--")
+  for ax in axes[:panels]:
     ax.grid(alpha=0.3)
   for ax in axes[panels:]:
     ax.set_visible(False)
+  plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 0.01, not 10⁻²
+  for ax in axes[1:panels]:  # log axes: decades labelled plainly, no crowded minor labels
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  if gbits:
+    axes[curves].yaxis.set_major_formatter(plain)
+    axes[curves].yaxis.set_minor_formatter(plain)
   axes[0].set_ylim(*loss_limits(runs, target))
   axes[0].legend(fontsize=8, ncol=2 if len(runs) > 12 else 1)
   fig.tight_layout()
