@@ -63,6 +63,9 @@ def test_quick_run_prints_the_table_and_writes_its_files(tmp_path):
   assert "| compressor |" in (out / "results.md").read_text()
   results = json.loads((out / "results.json").read_text())
   assert results["devices"] == 4
+  modelled = results["modelled_to_target"]
+  assert [m["gbits"] for m in modelled] == [1, 10, 100]
+  assert all(m["seconds"]["allreduce"] > 0 for m in modelled)
   for run in results["runs"]:
     assert 6 <= len(run["losses"]) <= 9  # --max-steps defaults to 1.5 x --steps
     assert run["evals"][0][0] == 0 and run["evals"][-1][0] == len(run["losses"])
