@@ -16,20 +16,8 @@ Per compressor, for ResNet-50 shaped gradients:
 * forward and backward compute: ``--compute-ms`` (default 100 ms, about a ResNet-50 step of 32 images
   on one current GPU) — an assumption, not a measurement; communication is not overlapped with it.
 
-Time of one collective at W workers with latency α and bandwidth β per link (Thakur, Rabenseifner,
-Gropp 2005), taking the faster of the ring and recursive doubling, as collective libraries choose:
-
-* all-reduce of N bytes: min(2(W−1)·(α + N/(W·β)), log2(W)·(α + N/β));
-* all-gather of c bytes per worker: min((W−1)·(α + c/β), log2(W)·α + (W−1)·c/β);
-* all-to-all of N bytes per worker (pairwise exchange, N/W to each other worker): (W−1)·(α + N/(W·β)).
-
-On ONE SHARED MEDIUM (a rate-limited loopback, a hub: every worker's traffic passes one queue of rate
-β; ``benchmarks/slow_link.py`` measures such a link), gloo's ring algorithms put W workers' chunks
-through the queue at each of their steps, so each worker gets β/W (``shared_medium_time``):
-
-* all-reduce of N bytes: 2(W−1)·(α + N/β);
-* all-gather of c bytes per worker: (W−1)·(α + W·c/β);
-* all-to-all of N bytes per worker: (W−1)·(α + N/β).
+The α-β formulas — per collective, switched network, the faster of ring and recursive doubling —
+are ``jaxcomp.train.network``'s (the main job models its time to target with them).
 
 Step time = forward/backward + compression compute + Σ collectives; speedup = allreduce's step time /
 the compressor's. α = ``--alpha-us`` (default 5 µs), β = 1, 10 and 100 Gbit/s, W = 8 … 1024. The plot
@@ -41,7 +29,6 @@ compressor pays off.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
@@ -49,68 +36,14 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
+# The formulas, here under their old names too (benchmarks/slow_link.py reads shared_medium_time).
+from jaxcomp.train.network import (  # noqa: E402,F401
+    ALPHA, allgather_time, allreduce_time, alltoall_time, comm_time, gbits_to_beta, operands,
+    shared_medium_time)
 
 GBITS = (1, 10, 100)
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 DGC_DENSITY = 0.001
-
-
-def allreduce_time(nbytes, world, alpha, beta):
-  if world <= 1:
-    return 0.0
-  ring = 2 * (world - 1) * (alpha + nbytes / (world * beta))
-  doubling = math.ceil(math.log2(world)) * (alpha + nbytes / beta)
-  return min(ring, doubling)
-
-
-def allgather_time(contribution, world, alpha, beta):
-  if world <= 1:
-    return 0.0
-  ring = (world - 1) * (alpha + contribution / beta)
-  doubling = math.ceil(math.log2(world)) * alpha + (world - 1) * contribution / beta
-  return min(ring, doubling)
-
-
-def alltoall_time(nbytes, world, alpha, beta):
-  if world <= 1:
-    return 0.0
-  return (world - 1) * (alpha + nbytes / (world * beta))
-
-
-def comm_time(collectives, world, alpha, beta):
-  """Seconds for a list of ``(op, bytes)``: all-reduce bytes N, all-gather bytes per worker,
-  all-to-all bytes N per worker."""
-  total = 0.0
-  for op, nbytes in collectives:
-    if op == "all-reduce":
-      total += allreduce_time(nbytes, world, alpha, beta)
-    elif op == "all-gather":
-      total += allgather_time(nbytes, world, alpha, beta)
-    elif op == "all-to-all":
-      total += alltoall_time(nbytes, world, alpha, beta)
-    else:
-      raise ValueError(f"the model has no formula for {op}")
-  return total
-
-
-def shared_medium_time(collectives, world, alpha, beta):
-  """Seconds for ``(op, bytes)`` collectives (all-reduce bytes N, all-gather bytes per worker,
-  all-to-all bytes N per worker) on one
-  medium of rate ``beta`` bytes/s shared by all ``world`` workers, with gloo's ring algorithms: every
-  ring step moves one chunk per worker through the same queue."""
-  if world <= 1:
-    return 0.0
-  total = 0.0
-  for op, nbytes in collectives:
-    if op == "all-reduce":
-      total += 2 * (world - 1) * (alpha + nbytes / beta)
-    elif op == "all-gather":
-      total += (world - 1) * (alpha + world * nbytes / beta)
-    elif op == "all-to-all":
-      total += (world - 1) * (alpha + nbytes / beta)
-    else:
-      raise ValueError(f"the model has no formula for {op}")
-  return total
 
 
 def measured_collectives(compressor, tree) -> list:
@@ -118,8 +51,7 @@ def measured_collectives(compressor, tree) -> list:
   from benchmarks import bytes as bytes_bench
   compiled, lowered = bytes_bench.measure(compressor, tree)
   scale = lowered.payload_bytes / compiled.payload_bytes if compressor.name == "bf16" else 1.0
-  return [(c.op, scale * c.payload_bytes / (c.group_size if c.op == "all-gather" else 1))
-          for c in compiled.collectives]
+  return [(op, scale * nbytes) for op, nbytes, _ in operands(compiled)]
 
 
 def dense_fallback(name, world) -> bool:
@@ -164,7 +96,8 @@ def main(argv=None) -> int:
   p = common.parser(__doc__.split("\n\n")[0])
   p.add_argument("--compute-ms", type=float, default=100.0,
                  help="assumed forward+backward time per step (ms)")
-  p.add_argument("--alpha-us", type=float, default=5.0, help="latency per message per link (µs)")
+  p.add_argument("--alpha-us", type=float, default=1e6 * ALPHA,
+                 help="latency per message per link (µs)")
   p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7, quick 2)")
   args = common.parse(p, argv)
   repeats = args.repeats or (2 if args.quick else 7)
@@ -186,7 +119,7 @@ def main(argv=None) -> int:
   alpha, fb = args.alpha_us * 1e-6, args.compute_ms * 1e-3
   speedups, rows = {}, []
   for gbit in GBITS:
-    beta = gbit * 1e9 / 8
+    beta = gbits_to_beta(gbit)
     for world in WORLDS:
       step = {n: fb + compute["allreduce" if dense_fallback(n, world) else n]
                  + comm_time(collectives_at(n, measured, world), world, alpha, beta) for n in names}

@@ -15,7 +15,7 @@ import jaxcomp
 from helpers import rounding_tol
 from jaxcomp import hooks
 from jaxcomp._src.report import parse_hlo
-from jaxcomp.train import job, registry, tasks
+from jaxcomp.train import job, network, registry, tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = 4
@@ -42,22 +42,30 @@ def test_quick_run_prints_the_table_and_writes_its_files(tmp_path):
   proc = _run("--quick", "--steps", "6", "--devices", "4", "--out", str(out))
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.splitlines()
-  header = lines.index("| compressor | sent/step/device | compression | step time | steps to target "
-                       "| sent to target | held-out loss | accuracy |")
+  header = lines.index(
+      "| compressor | sent/step/device | compression | step time | steps to target "
+      "| sent to target | to target, 1 Gbit/s (modelled) | to target, 10 Gbit/s (modelled) "
+      "| to target, 100 Gbit/s (modelled) | held-out loss | accuracy |")
   rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
           for line in lines[header + 2:] if line.startswith("|")}
-  assert list(rows) == list(registry.DEFAULT)
+  assert list(rows) == list(registry.JOB_DEFAULT)
   assert [c.strip() for c in rows["allreduce"][1:3]] == ["1.0x", "1.00x"]
-  assert rows["fp16"][1].strip() == "2.0x"
-  # allreduce reaches its own final held-out loss by the last step, at its own bytes.
+  assert rows["bf16"][1].strip() == "2.0x"  # the requested wire dtype (XLA:CPU widens it)
+  # allreduce reaches its own final held-out loss by the last step, at its own bytes and time.
   steps, ratio = rows["allreduce"][3].split()
   assert int(steps) <= 6 and ratio == "(1.00x)"
   assert rows["allreduce"][4].strip().endswith("(1.00x)")
+  assert all(cell.strip().endswith(" s (1.00x)") for cell in rows["allreduce"][5:8])
+  low, high = network.MEASURED_RATIOS
+  assert f"was {low:.2f}–{high:.2f}" in proc.stdout  # the model's error on a real link
   assert "step" in proc.stderr  # the progress bar
   assert (out / "loss.png").stat().st_size > 0
   assert "| compressor |" in (out / "results.md").read_text()
   results = json.loads((out / "results.json").read_text())
   assert results["devices"] == 4
+  modelled = results["modelled_to_target"]
+  assert [m["gbits"] for m in modelled] == [1, 10, 100]
+  assert all(m["seconds"]["allreduce"] > 0 for m in modelled)
   for run in results["runs"]:
     assert 6 <= len(run["losses"]) <= 9  # --max-steps defaults to 1.5 x --steps
     assert run["evals"][0][0] == 0 and run["evals"][-1][0] == len(run["losses"])
@@ -172,6 +180,10 @@ def test_the_jobs_step_trains_as_the_pmap_step_did(digits, name):
     (["--task", "cifar"], "argument --task: invalid choice: 'cifar'"),
     (["--link", "fast"], "--link: rate must be 'none' or a number with kbit, mbit or gbit"),
     (["--steps", "10", "--max-steps", "5"], "--max-steps must be at least --steps 10; got 5"),
+    (["--gbits", "fast"], "--gbits: link speeds must be positive numbers of Gbit/s"),
+    (["--gbits", "1,0"], "--gbits: link speeds must be positive numbers of Gbit/s"),
+    (["--gbits", "1,nan"], "--gbits: link speeds must be positive numbers of Gbit/s"),
+    (["--gbits", "10,10"], "--gbits: a link speed is given twice: '10,10'"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
   with pytest.raises(SystemExit) as exit_info:
@@ -200,8 +212,8 @@ def test_bad_arguments_from_the_command_line_are_not_tracebacks():
 
 def test_help_explains_each_option():
   text = _run("--help").stdout
-  for option in ("--task", "--steps", "--max-steps", "--devices", "--compressors", "--out",
-                 "--batch-size", "--seed", "--quick", "--link"):
+  for option in ("--task", "--steps", "--max-steps", "--devices", "--compressors", "--gbits",
+                 "--out", "--batch-size", "--seed", "--quick", "--link"):
     assert option in text
   assert "standard library" in text and "8x8 digits" in text
 
@@ -247,6 +259,75 @@ def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
   assert not run.diverged
   assert _fake_run(evals=[(0, 2.0, 0.1), (6, 2.5, 0.1)]).diverged  # ended above where it started
   assert _fake_run(evals=[(0, 2.0, 0.1), (6, float("nan"), 0.1)]).diverged
+
+
+def test_the_default_run_is_job_default_and_all_is_every_entry():
+  default = job.parse_args([])
+  assert default.compressors == list(registry.JOB_DEFAULT)
+  assert default.gbits == (1.0, 10.0, 100.0)
+  assert job.parse_args(["--compressors", "all"]).compressors == list(registry.REGISTRY)
+  assert job.parse_args(["--gbits", "0.1,2.5"]).gbits == (0.1, 2.5)
+
+
+def _timed_run(name="allreduce"):
+  """A run of 7 steps in two phases whose step times, collectives and evaluations are known: the
+  held-out loss falls at every step, so it first reaches its own final value at step 7."""
+  evals = [(0, 3.0, 0.0)] + [(t, 3.0 - 0.1 * t, 0.1) for t in range(1, 8)]
+  return job.Run(name, 7, [(0, "a"), (3, "b")], {"a": 4e5, "b": 1e3}, 1e3, "",
+                 {"a": [("all-reduce", 4e5, 1.0)],
+                  "b": [("all-gather", 1e3, 0.5), ("all-to-all", 8e3, 1.0)]},
+                 losses=[1.0] * 7, evals=evals,
+                 step_seconds=[9.0, 9.0, 0.2, 0.1, 0.1, 0.3, 0.1])  # two compiling steps
+
+
+def test_modelled_time_is_the_measured_step_plus_the_alpha_beta_formulas():
+  run, world, alpha, beta = _timed_run(), 8, network.ALPHA, 1e9 / 8  # 1 Gbit/s
+  # Compute: the median step of each phase, the first two steps (compilation) left out.
+  assert run.compute_seconds == {"a": 0.2, "b": 0.1}
+  # Phase a: an all-reduce of N bytes, the ring's 2(W-1)(α + N/(Wβ)) or doubling's
+  # log2(W)(α + N/β), whichever is faster. Phase b: half the steps all-gather c bytes from each
+  # worker ((W-1)(α + c/β) or log2(W)α + (W-1)c/β), every step all-to-alls N (W-1)(α + N/(Wβ)).
+  a = 0.2 + min(2 * 7 * (alpha + 4e5 / (8 * beta)), 3 * (alpha + 4e5 / beta))
+  b = 0.1 + 0.5 * min(7 * (alpha + 1e3 / beta), 3 * alpha + 7 * 1e3 / beta) + 7 * (
+      alpha + 8e3 / (8 * beta))
+  assert run.modelled_seconds(1, world) == pytest.approx({"a": a, "b": b}, rel=1e-12)
+  assert run.steps_to(run.final[0]) == 7  # steps 0-2 in phase a, 3-6 in phase b
+  modelled = job.modelled_to_target([run], world, [1, 100])
+  assert modelled[1] == pytest.approx({"allreduce": 3 * a + 4 * b}, rel=1e-12)
+  text = job.table([run], world, [1, 100])
+  assert "| to target, 1 Gbit/s (modelled) | to target, 100 Gbit/s (modelled) |" in text
+  assert f"| {3 * a + 4 * b:#.3g} s (1.00x) |" in text
+
+
+def test_the_network_model_benchmark_uses_the_jobs_formulas():
+  model = pytest.importorskip("benchmarks.network_model")
+  for name in ("allreduce_time", "allgather_time", "alltoall_time", "comm_time",
+               "shared_medium_time"):
+    assert getattr(model, name) is getattr(network, name)
+
+
+def test_the_models_measured_error_is_the_slow_link_benchmarks():
+  with open(os.path.join(ROOT, "BENCHMARKS.md"), encoding="utf-8") as f:
+    section = f.read().split("**α-β model against the measurement**")[1].split("\n\n")[1]
+  ratios = [float(line.split("|")[-2]) for line in section.splitlines()[2:]]  # predicted / measured
+  assert (min(ratios), max(ratios)) == network.MEASURED_RATIOS
+
+
+def test_the_plot_tells_every_line_apart_and_shows_measured_points_only():
+  styles = job.line_styles(len(registry.REGISTRY))
+  assert len({(s["color"], s["marker"], s["linestyle"]) for s in styles}) == len(styles)
+  assert len({s["color"] for s in job.line_styles(len(registry.JOB_DEFAULT))}) == len(
+      registry.JOB_DEFAULT)
+  runs = [_timed_run(), _timed_run("diverging")]
+  runs[1].evals = [(0, 3.0, 0.0)] + [(t, 3.0 + 10 * t, 0.1) for t in range(1, 8)]
+  low, high = job.loss_limits(runs, runs[0].final[0])
+  assert low < min(runs[0].held_out(t)[0] for t in range(1, 8)) and high < 4.0  # not 73
+  fig = job.figure(runs, "t", world=8, gbits=(1, 10))
+  bytes_axis = fig.axes[1]
+  sent = np.concatenate([line.get_xdata() for line in bytes_axis.get_lines()[:2]])
+  assert sent.min() == 4e5 / 1e6  # the first evaluation's cumulative MB: no point at zero bytes
+  assert bytes_axis.get_xlim()[0] > sent.min() / 2
+  assert fig.axes[2].get_title() == "modelled: W = 8, 1 Gbit/s per worker"
 
 
 def test_link_needs_ip_and_tc_and_says_so_in_one_line(tmp_path):

@@ -1,6 +1,8 @@
 """The main job: train a Flax model once per compressor and compare them (``python -m jaxcomp.train``).
 
-Every compressor trains the same model from the same initial parameters on the same batches, on N
+By default it compares ``registry.JOB_DEFAULT`` (the baseline, a 16-bit mean, the best PowerSGD, DGC
+and DiLoCo recipes, 8-bit quantization and 1-bit Adam); ``--compressors all`` compares every registry
+entry. Every compressor trains the same model from the same initial parameters on the same batches, on N
 data-parallel devices (simulated CPU devices unless the host has accelerators), in the step users
 are told to build — ``jaxcomp.data_parallel``'s loss-function form over a one-axis mesh
 (``make_step``) — with ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))``
@@ -20,9 +22,12 @@ compressor, the bytes each device sends per step in the steady state (``jaxcomp.
 step's HLO: the ring algorithm's bytes in the wire dtypes jaxcomp asks for; a note says where XLA widens
 them), the compression ratio and step-time ratio against ``allreduce``, the steps and bytes until the
 held-out loss reaches the target (bytes added up phase by phase: a warm-up step sends what its phase
-sends), and the held-out loss and accuracy after ``--steps``. A compressor whose held-out loss ends
-non-finite or above where it started is marked "diverged". ``OUT/loss.png`` plots the held-out loss
-against step, cumulative bytes and (with ``--link``) wall-clock.
+sends), the wall-clock until then MODELLED at each ``--gbits`` link speed per worker for the run's W
+(each phase's step time measured in the run plus its collectives' bytes through the α-β model of
+``jaxcomp.train.network``, steps × that, phase by phase), and the held-out loss and accuracy after
+``--steps``. A compressor whose held-out loss ends non-finite or above where it started is marked
+"diverged". ``OUT/loss.png`` plots the held-out loss against step, cumulative bytes, the modelled
+wall-clock at each link speed and (with ``--link``) the wall-clock over the link.
 
 ``--link RATE`` (root, ``ip`` and ``tc``) also times each phase's step over a real slow link —
 ``--devices`` processes in a private network namespace whose loopback is rate-limited
@@ -44,7 +49,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import optax
 
-from jaxcomp.train import registry
+from jaxcomp.train import network, registry
 
 AXIS = "batch"
 
@@ -54,6 +59,28 @@ class _Parser(argparse.ArgumentParser):
 
   def error(self, message):
     self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+GBITS = (1, 10, 100)
+"""Link speeds per worker (Gbit/s) of the modelled wall-clock columns unless ``--gbits`` says."""
+
+
+def parse_gbits(text: str) -> tuple:
+  """Link speeds from ``"1,10,100"``: positive numbers of Gbit/s, each once.
+
+  Raises:
+    ValueError: a value is not a positive number, or is given twice.
+  """
+  try:
+    gbits = tuple(float(v) for v in text.split(","))
+  except ValueError:
+    gbits = ()
+  if not gbits or not all(0 < g < float("inf") for g in gbits):
+    raise ValueError(f"link speeds must be positive numbers of Gbit/s separated by commas (e.g. "
+                     f"0.1,1,10); got {text!r}")
+  if len(set(gbits)) != len(gbits):
+    raise ValueError(f"a link speed is given twice: {text!r}")
+  return gbits
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -82,9 +109,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
       help="data-parallel devices; on CPU this many devices are simulated "
            "(jax_num_cpu_devices), on a GPU/TPU host at most the devices it has")
   parser.add_argument(
-      "--compressors", default=",".join(registry.DEFAULT),
-      help="comma-separated compressors to compare, allreduce first if present; choose from: "
+      "--compressors", default=",".join(registry.JOB_DEFAULT),
+      help="comma-separated compressors to compare, allreduce first if present, or 'all' (every "
+           "one below); choose from: "
            + "; ".join(f"{k} ({v.about})" for k, v in registry.REGISTRY.items()).replace("%", "%%"))
+  parser.add_argument(
+      "--gbits", default=",".join(map(str, GBITS)),
+      help="link speeds per worker (Gbit/s, comma-separated) at which the table and the plot show "
+           "the wall-clock to target modelled for the run's devices: the step measured in the run "
+           "plus its collectives' bytes through the α-β model (jaxcomp.train.network)")
   parser.add_argument("--out", default="jaxcomp_train_out",
                       help="folder for results.md, results.json and loss.png (created if missing)")
   parser.add_argument(
@@ -123,7 +156,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   if args.batch_size <= 0 or args.batch_size % args.devices:
     parser.error(f"--batch-size must be a positive multiple of --devices {args.devices} (each "
                  f"device gets an equal share); got {args.batch_size}")
+  try:
+    args.gbits = parse_gbits(args.gbits)
+  except ValueError as e:
+    parser.error(f"--gbits: {e}")
   names = [n.strip() for n in args.compressors.split(",") if n.strip()]
+  if names == ["all"]:
+    names = list(registry.REGISTRY)
   unknown = [n for n in names if n not in registry.REGISTRY]
   if unknown or not names:
     parser.error(f"--compressors: unknown compressor {', '.join(map(repr, unknown)) or '(none)'}; "
@@ -173,6 +212,8 @@ class Run:
     wire_note: where XLA sends more than requested (bf16 widened), else "".
     losses, step_seconds: training loss and wall-clock of every step.
     evals: ``[(step, held-out loss, held-out accuracy)]``, step 0 first.
+    program_collectives: ``{program key: [(op, bytes, share)]}``, its collectives as the α-β model
+      takes them (``network.operands``).
     link_seconds: ``{program key: seconds per step}`` over a slow link, when one was timed.
   """
   name: str
@@ -181,6 +222,7 @@ class Run:
   program_bytes: dict
   bytes_per_step: float
   wire_note: str
+  program_collectives: dict = dataclasses.field(default_factory=dict)
   losses: list = dataclasses.field(default_factory=list)
   step_seconds: list = dataclasses.field(default_factory=list)
   evals: list = dataclasses.field(default_factory=list)
@@ -191,11 +233,26 @@ class Run:
     return [key for first, key in self.phases if first <= step][-1]
 
   @property
+  def compute_seconds(self) -> dict:
+    """``{program key: the median measured step of its phase}`` over the nominal steps, the run's
+    first two left out (warming up); a phase with no such step gets the run's median."""
+    timed = {}
+    for t in range(2, min(self.steps, len(self.step_seconds))):
+      timed.setdefault(self.phase_at(t), []).append(self.step_seconds[t])
+    whole = self.step_seconds[2:self.steps] or self.step_seconds
+    return {key: float(np.median(timed.get(key, whole))) for _, key in self.phases}
+
+  @property
   def median_step_seconds(self) -> float:
-    """The median step of the steady phase (its first two steps left out: compilation)."""
-    first = self.phases[-1][0]
-    timed = self.step_seconds[first + 2:self.steps] or self.step_seconds[first:] or self.step_seconds
-    return float(np.median(timed))
+    """The median step of the steady phase (``compute_seconds``)."""
+    return self.compute_seconds[self.phases[-1][1]]
+
+  def modelled_seconds(self, gbits: float, world: int, alpha: float = network.ALPHA) -> dict:
+    """``{program key: modelled seconds per step}`` on ``world`` workers whose links run at
+    ``gbits`` Gbit/s: the step measured in the run plus its collectives through the α-β model."""
+    beta = network.gbits_to_beta(gbits)
+    return {key: compute + network.step_time(self.program_collectives[key], world, alpha, beta)
+            for key, compute in self.compute_seconds.items()}
 
   def held_out(self, step: int) -> tuple:
     """(loss, accuracy) at ``step``: the mean of the last ``WINDOW`` evaluations up to it."""
@@ -225,10 +282,15 @@ class Run:
     """Bytes each device sent in the first ``steps`` steps, phase by phase."""
     return sum(self.program_bytes[self.phase_at(t)] for t in range(steps))
 
+  def seconds_to(self, steps: int, seconds: dict) -> float:
+    """Wall-clock of the first ``steps`` steps at ``seconds[program key]`` per step, phase by
+    phase."""
+    return sum(seconds[self.phase_at(t)] for t in range(steps))
+
   def link_seconds_to(self, steps: int) -> float:
     """Wall-clock of the first ``steps`` steps over the timed link: steps × measured step time,
     phase by phase."""
-    return sum(self.link_seconds[self.phase_at(t)] for t in range(steps))
+    return self.seconds_to(steps, self.link_seconds)
 
 
 def make_mesh(devices) -> "jax.sharding.Mesh":
@@ -245,8 +307,9 @@ class Step:
   Attributes:
     dp: the ``jaxcomp.DataParallel`` (its loss-function form, with the optimizer); ``dp.shard``
       places a batch.
-    run: the jitted step with the parameters and the optimizer state donated: ``run(params,
-      opt_state, inputs, targets) -> (params, opt_state, losses)``, one loss per device.
+    run: the jitted step, ``run(params, opt_state, inputs, targets) -> (params, opt_state,
+      losses)``, one loss per device; it donates the parameters and the optimizer state except on
+      CPU devices (``make_step``).
     start: ``start(params) -> (params, opt_state)`` placed on the mesh for ``run``, from one
       device's parameters.
   """
@@ -274,15 +337,21 @@ def make_step(task, entry, tx, mesh) -> Step:
   ``jaxcomp.data_parallel`` builds it: per-device loss and gradient (of a per-device copy of the
   parameters, so that autodiff adds no all-reduce of its own), then ``tx``, whose compressor is the
   cross-device mean. Its jitted step does not donate; ``run`` jits the same global step again with
-  the parameters and the optimizer state donated, as a training loop wants.
+  the parameters and the optimizer state donated, as a training loop wants — except on CPU
+  devices, where XLA's in-process all-reduce crashes on a donated step (below).
   """
   import jax
 
   import jaxcomp
   dp = jaxcomp.data_parallel(task.loss, mesh, axis_name=AXIS, tx=tx)
+  # XLA:CPU (jaxlib 0.10.2) segfaults in its in-process all-reduce (InProcessCommunicator's
+  # ReduceScatter<F32> reads a null buffer) when the step donates its inputs: powersgd_r1 on the
+  # chars task, 8 devices, crashed within 5 steps in every run, and the job with it; the same steps
+  # without donation run. On CPU the donation saves little (host memory), so it is left out there.
+  donate = () if mesh.devices.flat[0].platform == "cpu" else (0, 1)
   # dp.step calls its jitted function under the mesh; on an Auto mesh the jitted function alone
   # is the same step, and jitting it again adds the donation data_parallel does not offer.
-  return Step(dp, jax.jit(dp.step.__wrapped__, donate_argnums=(0, 1)),
+  return Step(dp, jax.jit(dp.step.__wrapped__, donate_argnums=donate),
               functools.partial(_start, dp))
 
 
@@ -326,36 +395,43 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   params0 = task.init(seed)
   x0, y0 = task.batch(seed, 0, batch_size)
 
-  def wire_bytes(entry, **settings):
-    """Bytes per step of ``entry``'s steady state with ``settings``: requested (before XLA
-    optimises), and the lowered step (compile it for what is sent)."""
+  def requested(entry, **settings):
+    """The report of ``entry``'s steady state with ``settings``, read before XLA optimises: the
+    wire dtypes jaxcomp asks for."""
     step = make_step(task, entry, task.optimizer(entry, **settings), mesh)
-    lowered = step.lower(*step.start(params0), x0, y0)
-    text = lowered.as_text(dialect="hlo", debug_info=True)  # keeps the phases' labels
-    return entry.bytes_per_step(parse_hlo(text, n)), lowered
+    text = step.lower(*step.start(params0), x0, y0).as_text(dialect="hlo", debug_info=True)
+    return parse_hlo(text, n)  # debug_info keeps the phases' labels
 
-  programs = phase_programs(names, steps)
-  program_bytes = {}
-  for key, (name, settings) in tqdm.tqdm(programs.items(), desc="reading bytes",
-                                         disable=not progress, file=sys.stderr):
-    program_bytes[key] = wire_bytes(registry.REGISTRY[name], **settings)[0]
+  program_bytes, program_collectives = {}, {}
+  for key, (name, settings) in tqdm.tqdm(phase_programs(names, steps).items(),
+                                         desc="reading bytes", disable=not progress,
+                                         file=sys.stderr):
+    entry = registry.REGISTRY[name]
+    report = requested(entry, **settings)
+    program_bytes[key] = entry.bytes_per_step(report)
+    program_collectives[key] = network.operands(report)
 
   runs, states = [], []
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
     step = make_step(task, entry, task.optimizer(entry, steps=steps), mesh)
+    params, opt_state = step.start(params0)
+    compiled = step.lower(params, opt_state, x0, y0).compile()
     phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(steps)]
-    # A narrow wire dtype's bytes as XLA compiles them: more than requested where it widens bf16.
-    requested, note = program_bytes[phases[-1][1]], ""
+    # A narrow wire dtype's bytes as XLA compiles them (the steady phase's share of the recipe's
+    # program): more than requested where it widens bf16.
+    steady = phases[-1][1]
+    note = ""
     if entry.wire_dtype:
-      sent = entry.bytes_per_step(parse_hlo(wire_bytes(entry)[1].compile().as_text(), n))
-      if sent != requested:
+      sent = entry.bytes_per_step(parse_hlo(compiled.as_text(), n))
+      if sent != program_bytes[steady]:
         note = (f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after compiling "
                 "(it widens the wire dtype)")
-    run = Run(name, steps, phases, {key: program_bytes[key] for _, key in phases}, requested, note)
+    run = Run(name, steps, phases, {key: program_bytes[key] for _, key in phases},
+              program_bytes[steady], note, {key: program_collectives[key] for _, key in phases})
     run.evals.append((0,) + task.evaluate(params0))
     runs.append(run)
-    states.append([step, *step.start(params0)])
+    states.append([step, compiled, params, opt_state])
 
   bar = tqdm.tqdm(total=steps * len(names), desc=f"{task.name} x{len(names)}", unit="step",
                   disable=not progress, file=sys.stderr, mininterval=0.5)
@@ -373,13 +449,13 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
       break
     batch = task.batch(seed, t, batch_size)
     for i in active:
-      run, (step, params, opt_state) = runs[i], states[i]
+      run, (step, compiled, params, opt_state) = runs[i], states[i]
       start = time.perf_counter()
-      params, opt_state, loss = step.run(params, opt_state, *step.dp.shard(batch))
+      params, opt_state, loss = compiled(params, opt_state, *step.dp.shard(batch))
       loss = float(np.mean(jax.device_get(loss)))  # blocks every step (XLA:CPU needs it)
       run.step_seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
-      states[i] = [step, params, opt_state]
+      states[i] = [step, compiled, params, opt_state]
       if (t + 1) % every == 0 or t + 1 == steps:
         run.evals.append((t + 1,) + task.evaluate(first_copy(params, params0)))
       bar.set_postfix_str(f"{run.name} loss {loss:.3f}", refresh=False)
@@ -407,19 +483,51 @@ def target_of(runs: Sequence[Run]) -> tuple:
   return base, base.final[0]
 
 
-def table(runs: Sequence[Run]) -> str:
+def rate_label(gbits: float) -> str:
+  """A link speed as people write it: ``1 Gbit/s``, ``100 Mbit/s``."""
+  return f"{gbits:g} Gbit/s" if gbits >= 1 else f"{1e3 * gbits:g} Mbit/s"
+
+
+def modelled_to_target(runs: Sequence[Run], world: int, gbits: Sequence[float]) -> dict:
+  """``{gbits: {name: modelled seconds until the held-out loss first reaches the target}}`` (None
+  where a run diverged or never reached it) on ``world`` workers whose links run at ``gbits``:
+  steps × (the step measured in the run + its collectives through the α-β model), phase by phase."""
+  _, target = target_of(runs)
+  reached = {r.name: None if r.diverged else r.steps_to(target) for r in runs}
+  return {g: {r.name: None if reached[r.name] is None
+              else r.seconds_to(reached[r.name], r.modelled_seconds(g, world)) for r in runs}
+          for g in gbits}
+
+
+def modelled_note(world: int, gbits: Sequence[float]) -> str:
+  """What the modelled columns are, and how far the model was off on a real link."""
+  low, high = network.MEASURED_RATIOS
+  rates = ", ".join(map(rate_label, gbits))
+  return (f"modelled to target at {rates} per worker: steps to target x "
+          f"(the step measured in this run + its collectives' bytes through the α-β model of a "
+          f"switched network, W = {world}, α = {1e6 * network.ALPHA:g} µs), phase by phase; the "
+          "measured step is this host's, with the collectives between its devices in memory. The "
+          f"model's predicted / measured step time over a real rate-limited link was {low:.2f}–"
+          f"{high:.2f} (its shared-medium form, benchmarks/slow_link.py in BENCHMARKS.md); the "
+          "switched form is unmeasured")
+
+
+def table(runs: Sequence[Run], world: int = 1, gbits: Sequence[float] = ()) -> str:
   """The results as a Markdown table; ratios are against ``allreduce`` (or the first run).
 
-  "to target" columns: steps (and bytes, and wall-clock over the link) until the held-out loss first
+  "to target" columns: steps (and bytes, the wall-clock modelled for ``world`` workers at each of
+  ``gbits`` Gbit/s per worker, and the wall-clock over the link) until the held-out loss first
   reaches allreduce's final held-out loss; held-out loss and accuracy are after the nominal steps.
   """
   base, target = target_of(runs)
   base_steps = base.steps_to(target) or base.steps
   linked = all(r.link_seconds for r in runs)
-  header = ["compressor", "sent/step/device", "compression", "step time", "steps to target",
-            "sent to target", "held-out loss", "accuracy"]
-  if linked:
-    header[4:4] = ["step over link", "wall-clock to target"]
+  modelled = modelled_to_target(runs, world, gbits)
+  header = (["compressor", "sent/step/device", "compression", "step time"]
+            + (["step over link", "wall-clock to target"] if linked else [])
+            + ["steps to target", "sent to target"]
+            + [f"to target, {rate_label(g)} (modelled)" for g in gbits]
+            + ["held-out loss", "accuracy"])
   rows = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
   for r in runs:
     loss, accuracy = r.final
@@ -433,51 +541,138 @@ def table(runs: Sequence[Run]) -> str:
       to_target = f"{reached} ({_ratio(reached, base_steps)})"
       sent = f"{_bytes(r.bytes_to(reached))} ({_ratio(r.bytes_to(reached), base.bytes_to(base_steps))})"
       if linked:
-        seconds = r.link_seconds_to(reached)
-        clock = f"{seconds:.1f} s ({_ratio(seconds, base.link_seconds_to(base_steps))})"
+        clock = _clock(r.link_seconds_to(reached), base.link_seconds_to(base_steps))
     compression = base.bytes_per_step / r.bytes_per_step if r.bytes_per_step else float("inf")
     cells = [r.name, _bytes(r.bytes_per_step), f"{compression:.1f}x",
              _ratio(r.median_step_seconds, base.median_step_seconds)]
     if linked:
       cells += [f"{r.link_seconds[r.phases[-1][1]]:.3f} s", clock]
-    cells += [to_target, sent, f"{loss:.3f}" + (" (diverged)" if r.diverged else ""),
-              f"{100 * accuracy:.1f}%"]
+    cells += [to_target, sent]
+    cells += ["diverged" if r.diverged else _clock(modelled[g][r.name], modelled[g][base.name])
+              for g in gbits]
+    cells += [f"{loss:.3f}" + (" (diverged)" if r.diverged else ""), f"{100 * accuracy:.1f}%"]
     rows.append("| " + " | ".join(cells) + " |")
   notes = [r.wire_note for r in runs if r.wire_note]
   return "\n".join(rows + ([""] + notes if notes else []))
 
 
-def plot(runs: Sequence[Run], path: str, title: str) -> None:
-  """Saves the held-out loss against step, against cumulative bytes sent and — when a link was
-  timed — against wall-clock over it."""
+def _clock(seconds: Optional[float], base: Optional[float]) -> str:
+  """``12.3 s (0.85x)``: seconds and their ratio to the baseline's; ``-`` when not reached."""
+  if seconds is None:
+    return "-"
+  value = f"{seconds:.0f}" if seconds >= 100 else f"{seconds:#.3g}"
+  return f"{value} s ({_ratio(seconds, base)})"
+
+
+MARKERS = "os^Dv<>pP*X"
+"""Line markers, cycled with a period (11) that shares no factor with the colours' (10 or 20)."""
+
+
+def line_styles(count: int) -> list:
+  """``count`` matplotlib line styles (colour, marker, dashes), no two alike: tab10's colours up to
+  10 lines, tab20's beyond, each line with its own colour and marker pair (up to 220 lines); solid
+  lines, then dashed ones after 20."""
+  import matplotlib
+  colours = matplotlib.colormaps["tab10" if count <= 10 else "tab20"].colors
+  return [{"color": colours[i % len(colours)], "marker": MARKERS[i % len(MARKERS)],
+           "linestyle": "-" if i < 20 else "--"} for i in range(count)]
+
+
+def loss_limits(runs: Sequence[Run], target: float) -> tuple:
+  """The loss axis: from just below the lowest held-out loss up to 1.5× the target, so that runs
+  far above the target (diverging or barely training) leave the target's neighbourhood readable."""
+  finite = [v for r in runs for v in (r.held_out(e[0])[0] for e in r.evals[1:]) if np.isfinite(v)]
+  low = min(finite + [target])
+  high = max(1.5 * target, low + 0.1 * abs(target) + 1e-3)
+  return low - 0.03 * (high - low), high
+
+
+def payoff(ax, runs: Sequence[Run], styles: Sequence[dict], world: int,
+           gbits: Sequence[float]) -> None:
+  """Draws on ``ax`` each run's modelled wall-clock to target as a ratio to the baseline's, against
+  the link speed (a decade below ``gbits`` to their top, and at least 0.01–100 Gbit/s): below 1,
+  the compressor pays off at that speed. Runs that never reached the target have no line."""
+  speeds = np.geomspace(min(min(gbits) / 10, 0.01), max(max(gbits), 100), 25)
+  modelled = modelled_to_target(runs, world, speeds)
+  base, _ = target_of(runs)
+  for r, style in zip(runs, styles):
+    if modelled[speeds[0]][r.name] is not None:
+      ratios = [modelled[g][r.name] / modelled[g][base.name] for g in speeds]
+      ax.plot(speeds, ratios, **style, label=r.name, lw=1.3, ms=4, markevery=3)
+  ax.axhline(1.0, color="black", lw=0.8, ls="--")
+  ax.set(xscale="log", yscale="log", xlabel="link speed per worker (Gbit/s)",
+         ylabel=f"modelled wall-clock to target / {base.name}'s",
+         title=f"where compression pays off (< 1), modelled, W = {world}")
+
+
+def figure(runs: Sequence[Run], title: str, world: int = 1, gbits: Sequence[float] = ()):
+  """The held-out loss against step, against cumulative bytes sent, against the wall-clock
+  modelled at each of ``gbits`` for ``world`` workers and — when a link was timed — against
+  wall-clock over it, every point an evaluation after the start; then the modelled wall-clock to
+  target against link speed (``payoff``). A matplotlib ``Figure``. Every line has its own colour
+  and marker; the loss axis is the target's neighbourhood (``loss_limits``)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   linked = all(r.link_seconds for r in runs)
-  fig, axes = plt.subplots(1, 3 if linked else 2, figsize=(16 if linked else 11, 4), sharey=True)
+  curves = 2 + len(gbits) + linked  # panels of held-out loss
+  panels = curves + bool(gbits)
+  columns = min(panels, 3)
+  rows = -(-panels // columns)
+  fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.2 * rows), squeeze=False)
+  axes = axes.ravel()
+  for ax in axes[1:curves]:
+    ax.sharey(axes[0])
   _, target = target_of(runs)
-  for r in runs:
-    steps = [e[0] for e in r.evals]
+  styles = line_styles(len(runs))
+  for r, style in zip(runs, styles):
+    steps = np.asarray([e[0] for e in r.evals[1:]])  # measured points after the start
     loss = [r.held_out(s)[0] for s in steps]
-    axes[0].plot(steps, loss, label=r.name)
+    line = dict(style, label=r.name, lw=1.3, ms=4, markevery=max(len(steps) // 8, 1))
+    axes[0].plot(steps, loss, **line)
     sent = np.cumsum([0.0] + [r.program_bytes[r.phase_at(t)] for t in range(len(r.losses))])
-    axes[1].plot(np.maximum(sent[steps], 1.0) / 1e6, loss, label=r.name)
-    if linked:
-      clock = np.cumsum([0.0] + [r.link_seconds[r.phase_at(t)] for t in range(len(r.losses))])
-      axes[2].plot(clock[steps], loss, label=r.name)
+    axes[1].plot(sent[steps] / 1e6, loss, **line)
+    per_step = [r.modelled_seconds(g, world) for g in gbits] + ([r.link_seconds] if linked else [])
+    for ax, seconds in zip(axes[2:], per_step):
+      clock = np.cumsum([0.0] + [seconds[r.phase_at(t)] for t in range(len(r.losses))])
+      ax.plot(clock[steps], loss, **line)
   axes[0].set(xlabel="step", ylabel=f"held-out loss (mean of {WINDOW} evaluations)", title=title)
   axes[1].set(xlabel="cumulative MB sent per device", xscale="log", title="against bytes")
+  for ax, g in zip(axes[2:], gbits):
+    ax.set(xlabel="wall-clock, modelled (s)", xscale="log",
+           title=f"modelled: W = {world}, {rate_label(g)} per worker")
   if linked:
-    axes[2].set(xlabel="wall-clock over the link (s)", xscale="log", title="against wall-clock")
-  for ax in axes:
+    axes[2 + len(gbits)].set(xlabel="wall-clock over the link (s)", xscale="log",
+                             title="against wall-clock over the link")
+  if gbits:
+    payoff(axes[curves], runs, styles, world, gbits)
+  for ax in axes[:curves]:
     ax.axhline(target, color="black", lw=0.8, ls="--")
+  for ax in axes[:panels]:
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=8)
-  finite = [x for r in runs for x in (r.held_out(e[0])[0] for e in r.evals) if np.isfinite(x)]
-  axes[0].set_ylim(min(finite) * 0.95, min(max(finite), 3 * target) * 1.05)
+  for ax in axes[panels:]:
+    ax.set_visible(False)
+  plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 0.01, not 10⁻²
+  for ax in axes[1:panels]:  # log axes: decades labelled plainly, no crowded minor labels
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  if gbits:
+    axes[curves].yaxis.set_major_formatter(plain)
+    axes[curves].yaxis.set_minor_formatter(plain)
+  axes[0].set_ylim(*loss_limits(runs, target))
+  axes[0].legend(fontsize=8, ncol=2 if len(runs) > 12 else 1)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  return fig
+
+
+def plot(runs: Sequence[Run], path: str, title: str, world: int = 1,
+         gbits: Sequence[float] = ()) -> None:
+  """Saves ``figure`` to ``path``."""
+  import matplotlib.pyplot as plt
+  fig = figure(runs, title, world, gbits)
+  fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
@@ -537,24 +732,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"namespace (measured {8e-6 * probe['beta']:.0f} Mbit/s, one shared loopback)")
     print(linked, flush=True)
     header += "; " + linked
-  result = table(runs)
-  print(result)
+  world = len(devices)
+  result = table(runs, world, args.gbits)
   base, target = target_of(runs)
-  print(f"({time.perf_counter() - start:.0f} s. Held-out loss and accuracy after {args.steps} steps, "
-        f"each the mean of the last {WINDOW} evaluations; target: {base.name}'s final held-out loss "
-        f"{target:.3f}; step time: the steady phase's median, as a ratio to {base.name}'s"
-        + ("; wall-clock to target: steps x the step time measured over the link, phase by phase)"
-           if args.link else ")"))
+  note = (f"({time.perf_counter() - start:.0f} s. Held-out loss and accuracy after {args.steps} "
+          f"steps, each the mean of the last {WINDOW} evaluations; target: {base.name}'s final "
+          f"held-out loss {target:.3f}; step time: the steady phase's median, as a ratio to "
+          f"{base.name}'s; " + modelled_note(world, args.gbits)
+          + ("; wall-clock to target: steps x the step time measured over the link, phase by "
+             "phase)" if args.link else ")"))
+  print(result)
+  print(note)
 
   os.makedirs(args.out, exist_ok=True)
   command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if argv is None else argv)
   with open(os.path.join(args.out, "results.md"), "w") as f:
-    f.write(f"`{command.strip()}`\n\n{header}\n\n{result}\n")
+    f.write(f"`{command.strip()}`\n\n{header}\n\n{result}\n\n{note}\n")
+  modelled = modelled_to_target(runs, world, args.gbits)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump({"command": command.strip(), "task": args.task, "steps": args.steps,
-               "devices": len(devices), "batch_size": args.batch_size, "seed": args.seed,
-               "link": args.link, "target": target,
+               "devices": world, "batch_size": args.batch_size, "seed": args.seed,
+               "link": args.link, "target": target, "alpha": network.ALPHA,
+               "modelled_to_target": [{"gbits": g, "seconds": modelled[g]} for g in args.gbits],
                "runs": [dataclasses.asdict(r) for r in runs]}, f, indent=1)
-  plot(runs, os.path.join(args.out, "loss.png"), f"{args.task}, {len(devices)} devices")
+  plot(runs, os.path.join(args.out, "loss.png"), f"{args.task}, {world} devices", world,
+       args.gbits)
   print(f"wrote {args.out}/results.md, results.json, loss.png")
   return 0

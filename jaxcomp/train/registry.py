@@ -311,7 +311,13 @@ REGISTRY = {entry.name: entry for entry in _ENTRIES}
 DEFAULT = ("allreduce", "fp16", "bf16", "powersgd_r1", "powersgd_r2", "powersgd_r4",
            "batched_powersgd_r1", "powersgd_r1_alternating", "dgc", "coarse_dgc", "quantized_int8",
            "quantized_fp8", "sign", "onebit_adam")
-"""The compressors the main job and the benchmarks compare unless told otherwise."""
+"""The compressors the benchmarks compare unless told otherwise."""
+
+JOB_DEFAULT = ("allreduce", "bf16", "powersgd_r4", "dgc", "quantized_int8", "onebit_adam",
+               "diloco_h20")
+"""The main job's default run: the baseline, a 16-bit mean, and the best PowerSGD, DGC and DiLoCo
+recipes with 8-bit quantization and 1-bit Adam (``python -m jaxcomp.train --compressors all`` runs
+every entry)."""
 
 PERIODIC = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
 """Local SGD and DiLoCo: they wrap the optimizer and communicate once every H steps. The bytes

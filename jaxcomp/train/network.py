@@ -1,0 +1,114 @@
+"""The α-β model: how long a step's collectives take on W workers, from the bytes they move.
+
+Time of one collective at W workers with latency α per message and bandwidth β (bytes/s) per
+worker's link, on a switched network (Thakur, Rabenseifner, Gropp 2005), taking the faster of the
+ring and recursive doubling, as collective libraries choose:
+
+* all-reduce of N bytes: min(2(W−1)·(α + N/(W·β)), ⌈log2 W⌉·(α + N/β));
+* all-gather of c bytes per worker: min((W−1)·(α + c/β), ⌈log2 W⌉·α + (W−1)·c/β);
+* all-to-all of N bytes per worker (pairwise exchange, N/W to each other worker):
+  (W−1)·(α + N/(W·β)).
+
+On ONE SHARED MEDIUM (a rate-limited loopback, a hub: every worker's traffic passes one queue of
+rate β; ``benchmarks/slow_link.py`` measures such a link), gloo's ring algorithms put W workers'
+chunks through the queue at each of their steps, so each worker gets β/W (``shared_medium_time``):
+
+* all-reduce of N bytes: 2(W−1)·(α + N/β);
+* all-gather of c bytes per worker: (W−1)·(α + W·c/β);
+* all-to-all of N bytes per worker: (W−1)·(α + N/β).
+
+``operands(report)`` reads the ``(op, bytes, share)`` the formulas take from a
+``jaxcomp.comm_report`` of one step; ``step_time`` adds up a step's collectives, each weighted by
+the share of steps it runs on (a synchronization every H steps counts 1/H). The main job (``python
+-m jaxcomp.train``) and ``benchmarks/network_model.py`` use these formulas;
+``benchmarks/slow_link.py`` checks the shared-medium form against a real rate-limited link
+(``MEASURED_RATIOS``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+ALPHA = 5e-6
+"""Latency per message per link (seconds) unless told otherwise: a few µs, as in a datacenter."""
+
+MEASURED_RATIOS = (0.76, 1.37)
+"""The model's predicted / measured step time over a real link, lowest and highest: the
+shared-medium form against 20 step times (10 programs at 1 Gbit/s and 100 Mbit/s, W = 4, a
+3.6M-parameter MLP) measured by ``benchmarks/slow_link.py`` (BENCHMARKS.md, its ``slow_link``
+section: 18 of the 20 within ±25%). The switched form has not been measured on a real network."""
+
+
+def allreduce_time(nbytes: float, world: int, alpha: float, beta: float) -> float:
+  """Seconds to all-reduce ``nbytes`` on ``world`` workers: the faster of ring and doubling."""
+  if world <= 1:
+    return 0.0
+  ring = 2 * (world - 1) * (alpha + nbytes / (world * beta))
+  doubling = math.ceil(math.log2(world)) * (alpha + nbytes / beta)
+  return min(ring, doubling)
+
+
+def allgather_time(contribution: float, world: int, alpha: float, beta: float) -> float:
+  """Seconds to all-gather ``contribution`` bytes from each of ``world`` workers."""
+  if world <= 1:
+    return 0.0
+  ring = (world - 1) * (alpha + contribution / beta)
+  doubling = math.ceil(math.log2(world)) * alpha + (world - 1) * contribution / beta
+  return min(ring, doubling)
+
+
+def alltoall_time(nbytes: float, world: int, alpha: float, beta: float) -> float:
+  """Seconds for an all-to-all of ``nbytes`` per worker (``nbytes / world`` to each worker)."""
+  if world <= 1:
+    return 0.0
+  return (world - 1) * (alpha + nbytes / (world * beta))
+
+
+_SWITCHED = {"all-reduce": allreduce_time, "all-gather": allgather_time,
+             "all-to-all": alltoall_time}
+
+
+def _formula(formulas: dict, op: str):
+  if op not in formulas:
+    raise ValueError(f"the model has no formula for {op}")
+  return formulas[op]
+
+
+def comm_time(collectives: Iterable[Sequence], world: int, alpha: float, beta: float) -> float:
+  """Seconds for ``(op, bytes)`` collectives on a switched network: all-reduce bytes N, all-gather
+  bytes per worker, all-to-all bytes N per worker."""
+  return sum(_formula(_SWITCHED, op)(nbytes, world, alpha, beta) for op, nbytes in collectives)
+
+
+def shared_medium_time(collectives: Iterable[Sequence], world: int, alpha: float,
+                       beta: float) -> float:
+  """Seconds for ``(op, bytes)`` collectives (as ``comm_time``'s) on one medium of rate ``beta``
+  bytes/s shared by all ``world`` workers, with gloo's ring algorithms: every ring step moves one
+  chunk per worker through the same queue."""
+  if world <= 1:
+    return 0.0
+  shared = {"all-reduce": lambda n: 2 * (world - 1) * (alpha + n / beta),
+            "all-gather": lambda c: (world - 1) * (alpha + world * c / beta),
+            "all-to-all": lambda n: (world - 1) * (alpha + n / beta)}
+  return sum(_formula(shared, op)(nbytes) for op, nbytes in collectives)
+
+
+def operands(report) -> list:
+  """``[(op, bytes, share)]`` of a ``jaxcomp.comm_report``: each collective's bytes as the formulas
+  take them (an all-gather's per-worker contribution, the buffer of the others) and the share of
+  steady-state steps it runs on."""
+  return [(c.op, c.payload_bytes / (c.group_size if c.op == "all-gather" else 1), c.share)
+          for c in report.collectives]
+
+
+def step_time(collectives: Iterable[Sequence], world: int, alpha: float, beta: float) -> float:
+  """Seconds of communication per step, on average, for ``(op, bytes, share)`` collectives
+  (``operands``) on a switched network: each collective's time times its share."""
+  return sum(share * comm_time([(op, nbytes)], world, alpha, beta)
+             for op, nbytes, share in collectives)
+
+
+def gbits_to_beta(gbits: float) -> float:
+  """Bytes per second of a link of ``gbits`` Gbit/s."""
+  return gbits * 1e9 / 8
