@@ -75,6 +75,7 @@ def test_quick_run_prints_the_table_and_writes_its_files(tmp_path):
   np.testing.assert_allclose(first, first[0], **rounding_tol(4 * 64))
 
 
+@pytest.mark.slow  # trains end to end
 def test_digits_task_trains_without_torch(tmp_path, without_torch):
   proc = _run("--task", "digits", "--quick", "--steps", "3", "--devices", "2",
               "--compressors", "fp16,dgc,local_sgd_h8", "--out", str(tmp_path / "out"),
@@ -151,6 +152,7 @@ def _pmap_losses(task, tx, batches):
   return np.stack(losses), jax.tree.map(lambda x: np.asarray(x[0]), params)
 
 
+@pytest.mark.slow  # trains end to end
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", ["powersgd_r1", "dgc", "onebit_adam", "local_sgd_h8",
                                   "diloco_h20_powersgd_r2"])
