@@ -249,8 +249,8 @@ def test_bytes_and_wall_clock_add_up_phase_by_phase():
 def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
   evals = [(0, 3.0, 0.0)] + [(s, 3.0 - 0.1 * s, 0.1 * s) for s in range(1, 21)]
   run = _fake_run(evals=evals, steps=20)
-  window = [3.0 - 0.1 * s for s in range(11, 21)]
-  assert run.final[0] == pytest.approx(sum(window) / 10)
+  window = [3.0 - 0.1 * s for s in range(21 - job.WINDOW, 21)]
+  assert run.final[0] == pytest.approx(sum(window) / job.WINDOW)
   assert run.held_out(1) == pytest.approx((2.9, 0.1))  # only one evaluation yet
   target = run.final[0]
   # One step earlier the window's mean is 0.1 higher.
