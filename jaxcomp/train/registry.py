@@ -326,5 +326,5 @@ SparseLoCo 2.516)."""
 
 PERIODIC = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
 """Local SGD and DiLoCo: they wrap the optimizer and communicate once every H steps. The bytes
-benchmark compares them with ``DEFAULT``; the per-step benchmarks and the main job's default run
-compare gradient compressors only (``--compressors`` picks any entry)."""
+benchmark compares them with ``DEFAULT``; the per-step benchmarks compare gradient compressors
+only (``--compressors`` picks any entry)."""
