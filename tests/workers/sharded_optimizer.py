@@ -8,21 +8,11 @@ shards of AdamW's first moment (one row per local device, with the device's inde
     python tests/workers/sharded_optimizer.py --coordinator 127.0.0.1:PORT --process-id I --out F
 """
 
-import argparse
+from two_processes import join
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--coordinator", required=True)
-parser.add_argument("--process-id", type=int, required=True)
-parser.add_argument("--out", required=True)
-args = parser.parse_args()
+args = join()
 
 import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 2)
-jax.config.update("jax_platforms", "cpu")
-jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=2,
-                           process_id=args.process_id, heartbeat_timeout_seconds=30)
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
