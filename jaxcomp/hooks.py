@@ -3,16 +3,21 @@
 A hook is ``hook(state, bucket) -> (reduced_buffer, new_state)``: it gets this device's flat, undivided
 gradient bucket (a ``jaxcomp.GradBucket``) and returns the buffer every device uses. Writing one is a
 few lines; this one rounds the bucket to 255 levels of a scale shared by all devices (the levels are
-summed as int32, which cannot overflow; sending them as int8 would need an all-gather instead)::
+summed as int32, which cannot overflow; sending them as int8 would need an all-gather instead).
 
-    def int8_hook(state, bucket):
-      scale = jaxcomp.axis.pmax(jnp.abs(bucket.buffer).max(), bucket.axis_name) / 127
-      q = jnp.round(bucket.buffer / jnp.maximum(scale, 1e-30)).astype(jnp.int32)
-      total = jaxcomp.axis.psum(q, bucket.axis_name)  # W * 127 fits easily in int32
-      n = jaxcomp.axis.axis_size(bucket.axis_name)
-      return (total * scale / n).astype(bucket.buffer.dtype), state
-
-    tx = optax.chain(jaxcomp.comm_hook(int8_hook), optax.sgd(0.1))
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jaxcomp
+  >>> def int8_hook(state, bucket):
+  ...   scale = jaxcomp.axis.pmax(jnp.abs(bucket.buffer).max(), bucket.axis_name) / 127
+  ...   q = jnp.round(bucket.buffer / jnp.maximum(scale, 1e-30)).astype(jnp.int32)
+  ...   total = jaxcomp.axis.psum(q, bucket.axis_name)  # W * 127 fits easily in int32
+  ...   n = jaxcomp.axis.axis_size(bucket.axis_name)
+  ...   return (total * scale / n).astype(bucket.buffer.dtype), state
+  >>> tx = optax.chain(jaxcomp.comm_hook(int8_hook), optax.sgd(0.1))
+  >>> grads = jnp.arange(8.0).reshape(8, 1)  # device i's gradient is [i]: the mean is 3.5
+  >>> step = jax.pmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="batch")
+  >>> print(f"{float(step(grads)[0, 0]):.3f}")  # -0.1 × 3.5, to the int8 rounding
+  -0.350
 
 The stateful hooks (``powersgd_hook``, ``batched_powersgd_hook``, ``dgc_hook``, ``quantized_hook``,
 ``sign_hook``, ``onebit_adam_hook``, ``chunked_topk_hook``) take their per-bucket state from the

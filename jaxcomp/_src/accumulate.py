@@ -51,9 +51,17 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
   transformation receives the mean of the k local gradients and its update is returned. Leaves that are
   not accumulated (integers, booleans) reach ``inner`` as they were on the k-th micro-step.
 
-  Example::
-
-    tx = jaxcomp.accumulate(optax.chain(jaxcomp.powersgd(rank=2), optax.sgd(0.1)), every_k=4)
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> tx = jaxcomp.accumulate(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)), every_k=2)
+    >>> grads = jnp.ones((8, 4))  # a micro-batch's gradient per device
+    >>> state = jax.pmap(tx.init, axis_name="batch")(grads)
+    >>> step = jax.pmap(tx.update, axis_name="batch")
+    >>> for _ in range(2):  # zero, then the update of the mean: one exchange per 2 micro-batches
+    ...   updates, state = step(grads, state)
+    ...   print(updates[0])
+    [0. 0. 0. 0.]
+    [-0.1 -0.1 -0.1 -0.1]
 
   Args:
     inner: the transformation to run once per ``every_k`` micro-steps, normally a chain that starts

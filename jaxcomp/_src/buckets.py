@@ -112,6 +112,16 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
   plain pytree is wrapped, ``comm_hook(hook, jaxcomp.PerDevice(state))`` — the hook still receives
   and returns the plain pytree.
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> tx = optax.chain(jaxcomp.comm_hook(jaxcomp.hooks.fp16_compress_hook, bucket_cap_mb=0.0005),
+    ...                  optax.sgd(0.1))
+    >>> grads = {"a": jnp.ones((8, 256)), "b": jnp.ones((8, 256))}  # 1 KiB each per device
+    >>> state = jax.pmap(tx.init, axis_name="batch")(grads)
+    >>> report = jaxcomp.comm_report(jax.pmap(tx.update, axis_name="batch"), grads, state)
+    >>> len(state[0].hook_states), report.bytes_by_dtype()  # 2 buckets of 512 B in float16
+    (2, {'f16': 1024})
+
   Args:
     hook: the per-bucket hook, e.g. ``jaxcomp.hooks.fp16_compress_hook``.
     state: the initial hook state, or a function of the bucket that makes it.

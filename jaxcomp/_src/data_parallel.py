@@ -729,6 +729,17 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
   In a job of several processes ``make_state`` starts every process from process 0's state (see
   ``DataParallel.make_state``).
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> tx = optax.chain(jaxcomp.quantized(8), optax.sgd(0.1))
+    >>> mesh = jax.make_mesh((8,), ("batch",))
+    >>> dp = jaxcomp.data_parallel(lambda p, x: ((x @ p) ** 2).mean(), mesh, tx=tx)
+    >>> params = jnp.ones((4, 1))
+    >>> opt_state = dp.make_state(params)
+    >>> params, opt_state, loss = dp.step(params, opt_state, dp.shard(jnp.ones((16, 4))))
+    >>> params.shape, loss.shape  # the parameters, and one loss per device
+    ((4, 1), (8,))
+
   Args:
     fn: the loss (with ``tx``) or the per-device step (without).
     mesh: the device mesh; its other axes (a model axis, say) are left to the partitioner.

@@ -475,6 +475,15 @@ def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: f
     tx = optax.inject_hyperparams(jaxcomp.dgc, static_args=("ratio",))(
         ratio=0.001, momentum=optax.linear_schedule(0.5, 0.9, 1000))
 
+  Example:
+    >>> import jax, optax, jaxcomp
+    >>> tx = optax.chain(jaxcomp.dgc(0.01), optax.sgd(0.1))
+    >>> grads = {"w": jax.random.normal(jax.random.key(0), (8, 32, 32))}  # one per device
+    >>> state = jax.pmap(tx.init, axis_name="batch")(grads)
+    >>> updates, state = jax.pmap(tx.update, axis_name="batch")(grads, state)
+    >>> int((updates["w"][0] != 0).sum()) <= 8 * 11  # each device sends at most 11 of 1,024
+    True
+
   Args:
     ratio: density after warm-up; each sparsified leaf sends k = ceil(numel·ratio) coordinates.
       Static: it fixes k (under ``optax.inject_hyperparams`` list it in ``static_args``).
@@ -520,9 +529,16 @@ def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch",
 
   Each sparsified leaf's momentum-corrected ``v`` is cut into chunks of ``chunk_size`` elements; the
   chunks' L1 norms are all-reduced, every device takes the same ceil(chunks·ratio) chunks of largest
-  summed norm, and only those are averaged::
+  summed norm, and only those are averaged.
 
-    tx = optax.chain(jaxcomp.coarse_dgc(0.01, chunk_size=256), optax.sgd(0.1))
+  Example:
+    >>> import jax, optax, jaxcomp
+    >>> tx = optax.chain(jaxcomp.coarse_dgc(0.25, chunk_size=64), optax.sgd(0.1))
+    >>> grads = {"w": jax.random.normal(jax.random.key(0), (8, 32, 32))}  # one per device
+    >>> state = jax.pmap(tx.init, axis_name="batch")(grads)
+    >>> updates, state = jax.pmap(tx.update, axis_name="batch")(grads, state)
+    >>> int((updates["w"][0] != 0).sum())  # the same 4 of 16 chunks of 64 on every device
+    256
 
   Args:
     ratio: fraction of chunks sent after warm-up.

@@ -188,12 +188,18 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
   identical after every outer step. Integer, boolean and zero-size parameters are left as they are.
   Chain nothing after it; put gradient processing into ``inner``.
 
-  Example::
-
-    tx = jaxcomp.diloco(optax.adamw(4e-4, weight_decay=0.1), sync_every=500,
-                        compressor=jaxcomp.powersgd(4, start_iter=0, error_feedback=False))
-    updates, opt_state = tx.update(grads, opt_state, params)   # inside pmap / shard_map
-    params = optax.apply_updates(params, updates)
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+    >>> tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2, compressor=jaxcomp.fp16_compress())
+    >>> mesh = jax.make_mesh((8,), ("batch",))
+    >>> dp = jaxcomp.data_parallel(lambda p, x: ((x @ p) ** 2).mean(), mesh, tx=tx)
+    >>> opt_state, params = dp.make_state(jnp.ones((4, 1))), dp.make_params(jnp.ones((4, 1)))
+    >>> x = dp.shard(jnp.linspace(0, 1, 64).reshape(16, 4))  # 2 examples per device
+    >>> for _ in range(2):  # H = 2 inner steps apart, then the outer step: the same again
+    ...   params, opt_state, loss = dp.step(params, opt_state, x)
+    ...   print(bool((np.asarray(params) == np.asarray(params)[0]).all()))
+    False
+    True
 
   The parameters differ between outer steps, so they are per device, as for ``jaxcomp.local_sgd``
   (``jaxcomp.data_parallel`` keeps them stacked per device itself: see ``make_params``).
@@ -367,6 +373,13 @@ def fragment_layout(signature: tree_lib.TreeSignature, fragments: int) -> tuple:
   all kernels into another for P = 2.) Without leaves of two dimensions every leaf is strided. A
   pytree with fewer such leaves than P leaves some fragments empty, and a fragment is never smaller
   than its largest leaf (the peak step sends a piece of the largest fragment).
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcomp
+    >>> params = {"dense1": {"bias": jnp.zeros(8), "kernel": jnp.zeros((4, 8))},
+    ...           "dense2": {"bias": jnp.zeros(2), "kernel": jnp.zeros((8, 2))}}
+    >>> jaxcomp.fragment_layout(jaxcomp.TreeSignature.of(params), 2)  # each bias with its kernel
+    ((0, 1), (2, 3))
   """
   reduced = signature.reduced
   units = [i for i in reduced if len(signature.shapes[i]) >= 2] or list(reduced)
@@ -485,12 +498,22 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
   Like ``diloco`` it is the whole optimizer: its update needs ``params`` and returns
   ``jaxcomp.Assign`` updates. With ``fragments=1, delay=0, mix=1`` it is ``diloco``.
 
-  Example::
-
-    tx = jaxcomp.streaming_diloco(optax.adamw(4e-4), sync_every=100, fragments=4, delay=2,
-                                  compressor=jaxcomp.quantized(8, error_feedback=False))
-    updates, opt_state = tx.update(grads, opt_state, params)   # inside pmap / shard_map
-    params = optax.apply_updates(params, updates)
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+    >>> tx = jaxcomp.streaming_diloco(optax.sgd(0.1), sync_every=4, fragments=2, delay=1, mix=1)
+    >>> loss_fn = lambda p, x: ((x @ p["a"]) ** 2).mean() + ((x @ p["b"]) ** 2).mean()
+    >>> dp = jaxcomp.data_parallel(loss_fn, jax.make_mesh((8,), ("batch",)), tx=tx)
+    >>> params = {"a": jnp.ones((4, 1)), "b": jnp.ones((4, 1))}  # a fragment each
+    >>> opt_state, params = dp.make_state(params), dp.make_params(params)
+    >>> x = dp.shard(jnp.linspace(0, 1, 64).reshape(16, 4))  # 2 examples per device
+    >>> for step in range(5):  # "a" lands after step 2, "b" after step 4
+    ...   params, opt_state, _ = dp.step(params, opt_state, x)
+    ...   print(step, [bool((np.asarray(v) == np.asarray(v)[0]).all()) for v in params.values()])
+    0 [False, False]
+    1 [False, False]
+    2 [True, False]
+    3 [False, False]
+    4 [False, True]
 
   Args:
     inner: the optimizer each device runs (the papers: AdamW).

@@ -169,10 +169,14 @@ def check_replicated(tree) -> None:
   both. Arrays replicated over a mesh (``PartitionSpec()``) count with every device copy; NumPy arrays
   and scalars with the process's one value.
 
-  Example::
+  Call it after init or restore, and whenever drift is suspected.
 
-    state = {"params": params, "opt_state": opt_state}
-    jaxcomp.check_replicated(state)  # after init or restore, and whenever drift is suspected
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> mesh = jax.make_mesh((8,), ("batch",))
+    >>> replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    >>> params = jax.device_put({"w": jnp.ones((4, 2))}, replicated)  # a copy on every device
+    >>> jaxcomp.check_replicated({"params": params, "step": 0})  # silent: every copy agrees
 
   Args:
     tree: a pytree of ``jax.Array``\\ s replicated across devices, NumPy arrays or scalars.
@@ -231,10 +235,11 @@ def broadcast_replicated(tree):
   process 0's bytes (in pieces of at most 256 MiB). In a single process it makes the copies on its
   devices equal to the first.
 
-  Example::
-
-    params = model.init(jax.random.key(0), x)["params"]
-    params = jaxcomp.broadcast_replicated(params)  # every process: process 0's parameters
+  Example:
+    >>> import numpy as np, jaxcomp
+    >>> params = jaxcomp.broadcast_replicated({"w": np.ones(3)})  # every process: process 0's
+    >>> params["w"]  # a NumPy array stays one
+    array([1., 1., 1.])
 
   Args:
     tree: a pytree of ``jax.Array``\\ s replicated across devices, NumPy arrays or scalars; every
@@ -311,13 +316,22 @@ def sync_buffers(buffers, policy: str = "mean", *, axis_name: axis.AxisName = "b
   torch's SyncBatchNorm: it normalises with the statistics of the whole batch, at an all-reduce per
   layer per forward pass.
 
-  Example::
+  In a Flax model, inside the pmap'd or shard_map'd step::
 
-    # Linen, inside the pmap'd or shard_map'd step
+    # Linen
     logits, updates = model.apply({"params": p, "batch_stats": bs}, x, mutable=["batch_stats"])
     bs = jaxcomp.sync_buffers(updates["batch_stats"], "mean", axis_name="batch")
     # NNX
     nnx.update(model, jaxcomp.sync_buffers(nnx.state(model, nnx.BatchStat), "first"))
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> stats = {"mean": jnp.arange(8.0), "var": jnp.arange(8.0)}  # device i's are i
+    >>> sync = lambda s: {"mean": jaxcomp.sync_buffers(s["mean"], "mean", axis_name="batch"),
+    ...                   "var": jaxcomp.sync_buffers(s["var"], "first", axis_name="batch")}
+    >>> synced = jax.pmap(sync, axis_name="batch")(stats)
+    >>> print(synced["mean"], synced["var"])
+    [3.5 3.5 3.5 3.5 3.5 3.5 3.5 3.5] [0. 0. 0. 0. 0. 0. 0. 0.]
 
   Args:
     buffers: the pytree of statistics (arrays or NNX Variables).
@@ -374,11 +388,13 @@ def all_have_data(has_data: bool) -> bool:
   others continue while the exhausted rank shadows their collectives). One all-gather of 4 bytes per
   process per step; in a single process it returns ``has_data``.
 
-  Example::
-
-    batches = iter(this_process_batches)
-    while jaxcomp.all_have_data((batch := next(batches, None)) is not None):
-      state = train_step(state, batch)
+  Example:
+    >>> import jaxcomp
+    >>> batches, steps = iter(["batch 0", "batch 1", "batch 2"]), 0  # this process's batches
+    >>> while jaxcomp.all_have_data((batch := next(batches, None)) is not None):
+    ...   steps += 1  # state = train_step(state, batch)
+    >>> steps
+    3
 
   To use every batch instead, continue while any process has data, and let an exhausted process feed
   a batch whose examples have weight zero (and the loss divide by the all-reduced total weight):

@@ -54,6 +54,15 @@ def skip_if_nonfinite(inner: optax.GradientTransformation, max_consecutive_error
   4-byte all-reduce of a flag, the same on every device, so the inner transformation (and its
   collectives) runs on every device or on none.
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> tx = jaxcomp.skip_if_nonfinite(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)), 3)
+    >>> grads = jnp.ones((8, 4)).at[3, 0].set(jnp.nan)  # a NaN on device 3 only
+    >>> state = jax.pmap(tx.init, axis_name="batch")(grads)
+    >>> updates, state = jax.pmap(tx.update, axis_name="batch")(grads, state)
+    >>> bool((updates == 0).all()), int(state.total_notfinite[0])  # skipped on every device
+    (True, 1)
+
   Args:
     inner: the transformation to guard, normally a chain that starts with a jaxcomp compressor.
     max_consecutive_errors: how many non-finite steps in a row are skipped before one is applied.

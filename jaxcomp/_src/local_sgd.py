@@ -131,11 +131,19 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
   after every averaging. Integer, boolean and zero-size parameters are left as they are. Chain
   nothing after it; put gradient processing (clipping, weight decay) into ``inner``.
 
-  Example::
-
-    tx = jaxcomp.local_sgd(optax.sgd(0.1, momentum=0.9), sync_every=8, start_iter=100)
-    updates, opt_state = tx.update(grads, opt_state, params)   # inside pmap / shard_map
-    params = optax.apply_updates(params, updates)
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+    >>> tx = jaxcomp.local_sgd(optax.sgd(0.1), sync_every=2, start_iter=0)
+    >>> mesh = jax.make_mesh((8,), ("batch",))
+    >>> dp = jaxcomp.data_parallel(lambda p, x: ((x @ p) ** 2).mean(), mesh, tx=tx)
+    >>> opt_state, params = dp.make_state(jnp.ones((4, 1))), dp.make_params(jnp.ones((4, 1)))
+    >>> x = dp.shard(jnp.linspace(0, 1, 64).reshape(16, 4))  # 2 examples per device
+    >>> for _ in range(3):  # a copy per device: averaged after steps 0 and 2, apart after 1
+    ...   params, opt_state, loss = dp.step(params, opt_state, x)
+    ...   print(params.shape, bool((np.asarray(params) == np.asarray(params)[0]).all()))
+    (8, 4, 1) True
+    (8, 4, 1) False
+    (8, 4, 1) True
 
   Under ``pmap`` give the parameters and the state a leading device axis, as usual; under
   ``shard_map`` the parameters differ between averagings, so they are per device too

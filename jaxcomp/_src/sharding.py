@@ -109,6 +109,13 @@ def per_device_mask(tree):
   or under ``optax.MultiStepsState.acc_grads``. Everything else — parameters, optax's own states,
   counts, PowerSGD's Q — is False: it is meant to be identical on every device.
 
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxcomp
+    >>> tx = optax.chain(jaxcomp.quantized(8), optax.sgd(0.1, momentum=0.9))
+    >>> mask = jaxcomp.per_device_mask(tx.init({"w": jnp.zeros((4, 2))}))
+    >>> mask[0].count, mask[0].worker_error, mask[1][0].trace  # the errors are per device
+    (False, {'w': True}, {'w': False})
+
   Raises:
     TypeError: ``tree`` holds an ``nnx.State`` of optimizer state, whose declarations are lost.
   """
@@ -159,6 +166,13 @@ def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
     A pytree with the state's structure and a ``PartitionSpec`` at every array leaf:
     ``PartitionSpec(axis_name)`` for per-device leaves (``per_device_mask``), ``PartitionSpec()``
     elsewhere.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxcomp
+    >>> tx = optax.chain(jaxcomp.quantized(8), optax.sgd(0.1, momentum=0.9))
+    >>> specs = jaxcomp.state_partition_specs(tx, {"w": jnp.zeros((4, 2))})
+    >>> specs[0].count, specs[0].worker_error, specs[1][0].trace  # the errors are per device
+    (P(), {'w': P('batch',)}, {'w': P()})
 
   Raises:
     TypeError: ``state_or_tx`` is an ``nnx.State`` of optimizer state (pass the ``nnx.Optimizer``).

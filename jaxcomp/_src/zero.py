@@ -146,6 +146,19 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
   Its state is made on each device (under ``jax.pmap``: ``jax.pmap(tx.init, axis_name=...)``;
   ``data_parallel`` does it for you), and its ``update`` needs the parameters.
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> tx = jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adam(1e-3))
+    >>> mesh = jax.make_mesh((8,), ("batch",))
+    >>> dp = jaxcomp.data_parallel(lambda p, x: ((x @ p) ** 2).mean(), mesh, tx=tx)
+    >>> params = jnp.ones((64, 16))  # 1,024 parameters
+    >>> opt_state = dp.make_state(params)
+    >>> opt_state.inner[0].mu.shape  # Adam's first moment: 8 devices, 128 values each
+    (8, 1, 128)
+    >>> params, opt_state, loss = dp.step(params, opt_state, dp.shard(jnp.ones((16, 64))))
+    >>> params.shape
+    (64, 16)
+
   Args:
     exchange: the gradient exchange, any jaxcomp compressor (``allreduce``, ``fp16_compress``,
       ``bf16_compress``, ``quantized``: a native reduce-scatter; ``powersgd``, ``dgc``, ...: the
@@ -235,6 +248,17 @@ def sharded_clip_by_global_norm(max_norm: float, *,
   Each device sums the squares of its shards (their padding is zero), one 4-byte all-reduce sums
   those over the devices; then every shard is scaled as ``optax.clip_by_global_norm`` scales the
   whole gradient. A replicated gradient (not sharded) would be counted W times: use optax's there.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> clipped_sgd = optax.chain(jaxcomp.sharded_clip_by_global_norm(1.0), optax.sgd(1.0))
+    >>> tx = jaxcomp.sharded_optimizer(jaxcomp.allreduce(), clipped_sgd)
+    >>> mesh = jax.make_mesh((8,), ("batch",))
+    >>> dp = jaxcomp.data_parallel(lambda p, x: (x @ p).sum(), mesh, tx=tx)
+    >>> params = jnp.zeros((64, 16))
+    >>> new, _, _ = dp.step(params, dp.make_state(params), dp.shard(jnp.ones((16, 64))))
+    >>> f"{float(jnp.linalg.norm(new - params)):.2f}"  # the whole step's norm, clipped to 1
+    '1.00'
 
   Args:
     max_norm: the largest global norm the update may have.
