@@ -125,30 +125,63 @@ def test_namespace_is_removed_when_the_block_raises():
   assert name not in _namespaces()
 
 
-@needs_link
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "exit"])
-def test_namespace_and_workers_are_gone_on_signals_and_exit(how):
-  holder = subprocess.Popen(
-      [sys.executable, "-c", textwrap.dedent(f"""
-          import sys, time
-          from jaxcomp.train import link
-          slow = link.SlowLink("100mbit").__enter__()       # no with-block: atexit must clean up
-          worker = slow.popen([sys.executable, "-c", "import time; time.sleep(600)"])
-          print(slow.name, worker.pid, flush=True)
-          if {how == "exit"!r}:
-            sys.exit(0)
-          time.sleep(600)
-          """)], env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
-  name, worker = holder.stdout.readline().split()
-  assert name in _namespaces()
-  if how != "exit":
-    holder.send_signal(getattr(signal, how))
-  holder.wait(timeout=60)
-  assert name not in _namespaces()
-  deadline = time.time() + 10
-  while os.path.exists(f"/proc/{worker}") and time.time() < deadline:
+# The holder sets its own dispositions first (a process started from a shell may inherit SIGINT or
+# SIGHUP ignored: a background job, nohup), then waits on stdin so that the test sees its namespace
+# before it exits.
+HOLDER = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+for sig in (signal.SIGTERM, signal.SIGHUP):
+  signal.signal(sig, signal.SIG_DFL)
+if {ignore_sighup!r}:
+  signal.signal(signal.SIGHUP, signal.SIG_IGN)
+from jaxcomp.train import link
+slow = link.SlowLink("100mbit").__enter__()       # no with-block: atexit must clean up
+worker = slow.popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(slow.name, worker.pid, flush=True)
+sys.stdin.readline()
+"""
+
+
+def _worker_is_gone(pid, seconds=10) -> bool:
+  deadline = time.time() + seconds
+  while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
     time.sleep(0.1)
-  assert not os.path.exists(f"/proc/{worker}"), "the worker outlived the harness"
+  return not os.path.exists(f"/proc/{pid}")
+
+
+@needs_link
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "exit", "SIGHUP ignored, then exit"])
+def test_namespace_and_workers_are_gone_on_signals_and_exit(how):
+  """A signal (handled by default) ends the holder and its namespace; a signal the user ignores is
+  left ignored (the holder lives on) and the namespace goes at exit."""
+  ignored = how.startswith("SIGHUP ignored")
+  holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(ignore_sighup=ignored)],
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+  name, worker = None, None
+  try:
+    name, worker = holder.stdout.readline().split()
+    assert name in _namespaces()
+    if how.startswith("SIG"):
+      holder.send_signal(getattr(signal, how.split()[0]))
+    if ignored:
+      time.sleep(1)
+      assert holder.poll() is None, "an ignored SIGHUP ended the holder"
+      assert name in _namespaces()
+    if how.endswith("exit"):
+      holder.stdin.write("\n")
+      holder.stdin.flush()
+    holder.wait(timeout=60)
+    assert name not in _namespaces()
+    assert _worker_is_gone(worker), "the worker outlived the harness"
+  finally:  # whatever failed above, leave nothing behind
+    holder.kill()
+    holder.wait()
+    if worker is not None and os.path.exists(f"/proc/{worker}"):
+      os.kill(int(worker), signal.SIGKILL)
+    if name is not None and name in _namespaces():
+      subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 @needs_link
