@@ -1,8 +1,8 @@
 """Every registry entry and every built-in hook works in every loop the README shows: under
-``jaxcomp.data_parallel`` (the loss form and the per-device-step form), ``jax.pmap`` and
-``jax.shard_map(check_vma=True)``, four steps of the same training give the parameters of the ``pmap``
-run (within float32 rounding: they are different programs) and identical replicas (a wrapper of the
-optimizer: right after its synchronizations, which the last step is)."""
+``jaxcomp.data_parallel`` (the loss form; the per-device-step form for one entry of each kind of
+state), ``jax.pmap`` and ``jax.shard_map(check_vma=True)``, four steps of the same training give the
+parameters of the ``pmap`` run (within float32 rounding: they are different programs) and identical
+replicas (a wrapper of the optimizer: right after its synchronizations, which the last step is)."""
 
 import jax
 import jax.numpy as jnp
@@ -185,12 +185,20 @@ def run_step_form(tx, wrapper):
 LOOPS = {"shard_map": run_shard_map, "data_parallel loss form": run_loss_form,
          "data_parallel step form": run_step_form}
 
+# data_parallel's two forms place the state alike and differ only in who calls the update: the step
+# form runs for one entry of each kind of state (stateless mean, stateful compressor with per-device
+# fields, whole optimizer, wrapper of the optimizer, fragments, bucketed hook); the other loops for all.
+STEP_FORM = ("allreduce", "powersgd_r1", "dgc", "quantized_int8", "onebit_adam", "diloco_h20",
+             "streaming_diloco_h20_p2", "dgc_hook")
+
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS) + sorted(HOOKS))
 def test_every_loop_gives_the_pmap_parameters_and_identical_replicas(name):
   reference = run_pmap(whole_optimizer(name))
   assert_synced_replicas(name, reference)
   for loop, run in LOOPS.items():
+    if loop == "data_parallel step form" and name not in STEP_FORM:
+      continue
     params = run(whole_optimizer(name), per_device(name))
     assert_synced_replicas(name, params)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
