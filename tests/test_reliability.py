@@ -66,9 +66,9 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
   def worker(*args):
     subprocess.run([sys.executable, str(WORKER), "--steps", "30", *args], check=True, timeout=900)
 
-  worker("--out", str(tmp_path / "full.npz"))
-  # Stopped after 13 steps: mid-period for local SGD and DiLoCo at test scale (tests/compressors.py).
-  worker("--save-at", "13", "--ckpt", str(tmp_path / "ckpt"))
+  # Saved after 13 steps (mid-period for local SGD and DiLoCo at test scale: tests/compressors.py) by
+  # a run that goes on uninterrupted to the end.
+  worker("--save-at", "13", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "full.npz"))
   worker("--resume-from", "13", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed.npz"))
   full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
   assert sorted(full.files) == sorted(resumed.files)

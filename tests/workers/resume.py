@@ -1,8 +1,8 @@
-"""Trains every compressor for a while; with --save-at it checkpoints there and stops, with --resume-from
-it restores that checkpoint (in this fresh process) and continues. Writes the final params to --out.
+"""Trains every compressor for --steps steps; with --save-at it checkpoints there on the way (and stops
+there unless --out is given), with --resume-from it restores that checkpoint (in this fresh process)
+and continues. Writes the final params to --out.
 
-    python tests/workers/resume.py --steps 30 --out full.npz
-    python tests/workers/resume.py --steps 30 --save-at 12 --ckpt DIR
+    python tests/workers/resume.py --steps 30 --save-at 12 --ckpt DIR --out full.npz
     python tests/workers/resume.py --steps 30 --resume-from 12 --ckpt DIR --out resumed.npz
 """
 
@@ -41,11 +41,14 @@ def main():
     if args.resume_from is not None:
       restored = checkpointer.restore(path, {"params": params, "opt_state": opt_state})
       params, opt_state = restored["params"], restored["opt_state"]
-    stop = args.save_at if args.save_at is not None else args.steps
-    params, opt_state, _ = run(pstep, params, opt_state, stop - first, first, POISON)
     if args.save_at is not None:
+      params, opt_state, _ = run(pstep, params, opt_state, args.save_at - first, first, POISON)
       checkpointer.save(path, jax.device_get({"params": params, "opt_state": opt_state}))
       checkpointer.wait_until_finished()
+      first = args.save_at
+      if not args.out:
+        continue
+    params, opt_state, _ = run(pstep, params, opt_state, args.steps - first, first, POISON)
     for key, leaf in jax.tree_util.tree_leaves_with_path(params):
       results[f"{name}/{jax.tree_util.keystr(key)}"] = np.asarray(leaf)
   if args.out:
