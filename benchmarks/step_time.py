@@ -8,11 +8,12 @@ Three models:
   pre-LayerNorm causal transformer on Python standard-library text): the default one and a wider and
   deeper one (3.2M parameters), global batch 64 sequences.
 
-Every step is the main job's data-parallel step (``jaxcomp.train.job.make_step``: the step
+Every step is the main job's data-parallel step (``jaxcomp.train.training_step.make_step``: the step
 ``jaxcomp.data_parallel`` builds from the loss) — forward, backward, the compressor, then
 ``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself, and after EF-SignSGD;
 nothing after 1-bit Adam, an optimizer) — over a mesh of W simulated CPU devices (``--devices``,
-default 8) with the parameters and the optimizer state donated, as the main job runs it. Compressors
+default 8), run as the main job runs it (not donating its inputs on CPU devices, where XLA:CPU's
+all-reduce crashes on a donated step: ``training_step.make_step``). Compressors
 compress from the first step (``start_iter=0``). The steps of all compressors run round-robin on the
 same batch, each one blocked on; the ratio is the median over rounds of time(compressor) /
 time(allreduce) in the same round.
@@ -48,7 +49,7 @@ MODELS = ("mlp", "chars", "chars-wide")
 @dataclasses.dataclass(frozen=True)
 class MLPTask:
   """Issue 15's MLP on random data, with the interface of ``jaxcomp.train.tasks.Task`` that
-  ``job.make_step`` and this script use."""
+  ``training_step.make_step`` and this script use."""
   sizes: tuple = (784, 1024, 1024, 1024, 10)
 
   def init(self, seed: int):
@@ -91,15 +92,15 @@ def model_tasks(quick: bool, names) -> dict:
 
 def step_runners(task, compressor_list, batch, devices):
   """A function per compressor running one blocked training step on ``batch``."""
-  from jaxcomp.train import job
-  mesh = job.make_mesh(devices)
+  from jaxcomp.train import training_step
+  mesh = training_step.make_mesh(devices)
   runners = {}
   for c in compressor_list:
     tx = c.make(common.AXIS) if c.is_optimizer else optax.chain(
         c.make(common.AXIS),
         optax.sgd(task.learning_rate if hasattr(task, "learning_rate") else 0.01,
                   momentum=c.sgd_momentum))
-    step = job.make_step(task, c, tx, mesh)
+    step = training_step.make_step(task, c, tx, mesh)
     inputs, targets = step.dp.shard(batch)
     holder = list(step.start(task.init(0)))
 
@@ -144,8 +145,8 @@ def main(argv=None) -> int:
   table = common.markdown_table(
       ["model", "compressor", "settings", "step ms", "step / allreduce", "W", "global batch"], rows,
       "lllrrrr")
-  body = (f"W simulated devices (`jaxcomp.data_parallel`, parameters and optimizer state "
-          f"donated, as the main job runs it); median of {repeats} interleaved per-round ratios. "
+  body = (f"W simulated devices (`jaxcomp.data_parallel`, as the main job runs it: on CPU devices "
+          f"without donation); median of {repeats} interleaved per-round ratios. "
           "The ms column is for scale only: the devices share the machine's cores.\n\n" + table)
   common.emit(args, "step_time", "Training step time against allreduce", "step_time.py", body)
   return 0

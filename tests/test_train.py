@@ -15,7 +15,7 @@ import jaxcomp
 from helpers import rounding_tol
 from jaxcomp import hooks
 from jaxcomp._src.report import parse_hlo
-from jaxcomp.train import job, network, registry, tasks
+from jaxcomp.train import job, network, registry, tasks, training_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = 4
@@ -98,8 +98,8 @@ def digits():
 def _step(task, name, tx=None, **settings):
   """The main job's step of registry entry ``name`` on W devices (``tx``: another optimizer)."""
   entry = registry.REGISTRY[name]
-  return job.make_step(task, entry, tx or task.optimizer(entry, **settings),
-                       job.make_mesh(jax.devices()[:W]))
+  return training_step.make_step(task, entry, tx or task.optimizer(entry, **settings),
+                       training_step.make_mesh(jax.devices()[:W]))
 
 
 @pytest.mark.parametrize("name", ["allreduce", "fp16", "powersgd_r1", "onebit_adam", "local_sgd_h8",
@@ -148,7 +148,7 @@ def _pmap_losses(task, tx, batches):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  step = jax.pmap(step, axis_name=job.AXIS, devices=jax.devices()[:W])
+  step = jax.pmap(step, axis_name=training_step.AXIS, devices=jax.devices()[:W])
   stack = lambda tree: jax.tree.map(lambda x: np.stack([np.asarray(x)] * W), tree)
   params, opt_state = stack(task.init(0)), stack(tx.init(task.init(0)))
   losses = []
@@ -177,7 +177,7 @@ def test_the_jobs_step_trains_as_the_pmap_step_did(digits, name):
   tol = rounding_tol(64 * steps)  # two programs: float32 rounding of 64-long sums, step after step
   np.testing.assert_allclose(np.stack(losses), ref_losses, **tol)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol),
-               job.first_copy(params, digits.init(0)), ref_params)
+               training_step.first_copy(params, digits.init(0)), ref_params)
 
 
 @pytest.mark.parametrize("args, message", [

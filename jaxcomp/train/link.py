@@ -25,7 +25,7 @@ has is measured instead (``probe``: a TCP ping-pong inside the namespace) and fe
 
 Jobs: ``run_job`` starts W workers (``python -m jaxcomp.train.link --worker``), one CPU device each,
 joined by ``jax.distributed.initialize`` on 127.0.0.1 (gloo collectives). Their steps are the main
-job's (``jaxcomp.train.job.make_step``): ``jaxcomp.data_parallel`` over a mesh of the W workers'
+job's (``jaxcomp.train.training_step.make_step``): ``jaxcomp.data_parallel`` over a mesh of the W workers'
 devices, each worker feeding its own rows of the batch. For each rate in turn the workers set the
 link (rank 0 runs ``tc`` inside the namespace), measure it, and time every program — a compressor's
 training step in the steady state of one phase of its recipe (``registry.Phase``) —
@@ -397,7 +397,7 @@ def program_key(name: str, settings: dict) -> str:
 
 class _Worker:
   """One worker process: jax.distributed over the namespace's loopback, one CPU device; its steps
-  are the main job's (``job.make_step``: ``jaxcomp.data_parallel`` over a mesh of every worker's
+  are the main job's (``training_step.make_step``: ``jaxcomp.data_parallel`` over a mesh of every worker's
   device)."""
 
   def __init__(self, job: Job, rank: int):
@@ -407,11 +407,10 @@ class _Worker:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{JAX_PORT}",
                                num_processes=job.world, process_id=rank,
                                heartbeat_timeout_seconds=120)
-    from jaxcomp.train import job as job_lib
-    from jaxcomp.train import tasks
+    from jaxcomp.train import tasks, training_step
     self.job, self.rank = job, rank
     self.task = tasks.get(job.task, quick=job.quick)
-    self.mesh = job_lib.make_mesh(jax.devices())
+    self.mesh = training_step.make_mesh(jax.devices())
     self.rows = job.batch_size // job.world
 
   def say(self, text: str) -> None:
@@ -448,12 +447,11 @@ class _Worker:
     import numpy as np
 
     from jaxcomp._src.report import parse_hlo
-    from jaxcomp.train import job as job_lib
-    from jaxcomp.train import registry
+    from jaxcomp.train import registry, training_step
 
     entry = registry.REGISTRY[name]
     tx = self.task.optimizer(entry, steps=steps, **(settings or {}))
-    step = job_lib.make_step(self.task, entry, tx, self.mesh)
+    step = training_step.make_step(self.task, entry, tx, self.mesh)
     state = list(step.start(self.task.init(self.job.seed)))
     compiled = step.run.lower(*state, *step.dp.shard(self.local_batch(0))).compile()
     report = parse_hlo(compiled.as_text(), self.job.world)
