@@ -447,7 +447,7 @@ class _Worker:
     import numpy as np
 
     from jaxcomp._src.report import parse_hlo
-    from jaxcomp.train import registry, training_step
+    from jaxcomp.train import network, registry, training_step
 
     entry = registry.REGISTRY[name]
     tx = self.task.optimizer(entry, steps=steps, **(settings or {}))
@@ -455,8 +455,7 @@ class _Worker:
     state = list(step.start(self.task.init(self.job.seed)))
     compiled = step.run.lower(*state, *step.dp.shard(self.local_batch(0))).compile()
     report = parse_hlo(compiled.as_text(), self.job.world)
-    collectives = [[c.op, c.payload_bytes / (c.group_size if c.op == "all-gather" else 1)]
-                   for c in report.collectives]
+    collectives = [[op, nbytes] for op, nbytes, _ in network.operands(report)]
 
     def run(t):
       state[0], state[1], losses = compiled(*state, *step.dp.shard(self.local_batch(t)))
