@@ -44,7 +44,6 @@ the ``slow_link`` section of BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile

@@ -12,7 +12,6 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import axis
 from helpers import assert_identical_across_devices, dyadic, per_device_grads, pmap_update
 
 pytestmark = pytest.mark.numeric

@@ -9,6 +9,7 @@ import pytest
 import jaxcomp
 
 from helpers import replicate
+from training import pmap_step
 
 W, PER_DEVICE, STEPS, LR = 8, 16, 600, 0.1
 
@@ -29,11 +30,7 @@ def train(tx, model, params, data):
     logits = model.apply({"params": p}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-  def step(p, s, x, y):
-    updates, s = tx.update(jax.grad(loss_fn)(p, x, y), s, p)
-    return optax.apply_updates(p, updates), s
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  pstep = pmap_step(loss_fn, tx, W)
   p, s = replicate(params, W), replicate(tx.init(params), W)
   global_batch = W * PER_DEVICE
   steps_per_epoch = len(train_y) // global_batch
@@ -42,7 +39,8 @@ def train(tx, model, params, data):
     if t % steps_per_epoch == 0:
       order = rng.permutation(len(train_y))
     idx = order[(t % steps_per_epoch) * global_batch:(t % steps_per_epoch + 1) * global_batch]
-    p, s = pstep(p, s, train_x[idx].reshape(W, PER_DEVICE, -1), train_y[idx].reshape(W, PER_DEVICE))
+    p, s, _ = pstep(p, s, train_x[idx].reshape(W, PER_DEVICE, -1),
+                    train_y[idx].reshape(W, PER_DEVICE))
     jax.block_until_ready(p)  # unblocked multi-device loops deadlock XLA:CPU on 2 cores
   final = jax.tree.map(lambda x: x[0], p)
   return float(jnp.mean(model.apply({"params": final}, test_x).argmax(-1) == test_y)), s

@@ -28,6 +28,7 @@ import pytest
 
 import jaxcomp
 from helpers import replicate
+from training import pmap_step
 from jaxcomp.train import tasks
 from jaxcomp.train.registry import REGISTRY
 
@@ -52,12 +53,7 @@ def train(task, tx, params, steps, seed):
   """``steps`` pmapped steps from ``params`` (the same on every device), blocking on the loss each
   step; returns the synchronized parameters and the report of one step."""
 
-  def step(params, state, x, y):
-    loss, grads = jax.value_and_grad(task.loss)(params, x, y)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  pstep = pmap_step(task.loss, tx, W)
   params, state = replicate(params, W), replicate(tx.init(params), W)
   shard = lambda a: a.reshape((W, -1) + a.shape[1:])
   report = jaxcomp.comm_report(pstep, params, state, *map(shard, task.batch(seed, 0, BATCH)))

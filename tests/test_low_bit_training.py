@@ -19,16 +19,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxcomp
 from jaxcomp.train import registry, tasks
 from helpers import replicate, rounding_tol
+from training import pmap_step
 
 W, PER_DEVICE, STEPS = 8, 16, 600
-
-
-def make_step(task, tx):
-  def step(params, opt_state, inputs, targets):
-    updates, opt_state = tx.update(jax.grad(task.loss)(params, inputs, targets), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
 
 
 def batch(task, t):
@@ -45,18 +38,18 @@ def chain(task, entry, steps=None):
 
 
 def accuracy(task, tx):
-  step = make_step(task, tx)
+  step = pmap_step(task.loss, tx, W)
   params = task.init(0)
   params, state = replicate(params, W), replicate(tx.init(params), W)
   for t in range(STEPS):
-    params, state = step(params, state, *batch(task, t))
+    params, state, _ = step(params, state, *batch(task, t))
     jax.block_until_ready(params)  # unblocked multi-device loops deadlock XLA:CPU on 2 cores
   return task.evaluate(jax.tree.map(lambda x: x[0], params))[1]
 
 
 def step_report(task, tx):
   params = task.init(0)
-  return jaxcomp.comm_report(make_step(task, tx), replicate(params, W),
+  return jaxcomp.comm_report(pmap_step(task.loss, tx, W), replicate(params, W),
                              replicate(tx.init(params), W), *batch(task, 0))
 
 

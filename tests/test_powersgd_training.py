@@ -11,20 +11,9 @@ import pytest
 import jaxcomp
 from jaxcomp.train import tasks
 from helpers import replicate
+from training import pmap_step
 
 W, PER_DEVICE = 8, 16
-
-
-def make_step(task, tx):
-  """A pmapped training step; ``poison`` (per device: 0 or NaN) is added to that device's gradient."""
-
-  def step(params, opt_state, inputs, targets, poison):
-    grads = jax.grad(task.loss)(params, inputs, targets)
-    grads = jax.tree.map(lambda g: g + poison, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
 
 
 def batch(task, t):
@@ -34,7 +23,7 @@ def batch(task, t):
 
 def train(task, tx, steps, step=None, poison_at=None, skip=None):
   """Trains from the same init on the same batches; returns (params, state)."""
-  step = step or make_step(task, tx)
+  step = step or pmap_step(task.loss, tx, W, poisoned=True)
   params = task.init(0)
   params, state = replicate(params, W), replicate(tx.init(params), W)
   for t in range(steps):
@@ -43,14 +32,14 @@ def train(task, tx, steps, step=None, poison_at=None, skip=None):
     poison = np.zeros(W, np.float32)
     if t == poison_at:
       poison[3] = np.nan
-    params, state = step(params, state, *batch(task, t), poison)
+    params, state, _ = step(params, state, *batch(task, t), poison)
     jax.block_until_ready(params)  # unblocked multi-device loops deadlock XLA:CPU on 2 cores
   return params, state
 
 
 def step_report(task, tx):
   params = task.init(0)
-  return jaxcomp.comm_report(make_step(task, tx), replicate(params, W),
+  return jaxcomp.comm_report(pmap_step(task.loss, tx, W, poisoned=True), replicate(params, W),
                              replicate(tx.init(params), W), *batch(task, 0),
                              np.zeros(W, np.float32))
 
@@ -88,7 +77,7 @@ def test_non_finite_gradient_on_one_device_is_skipped_as_if_absent():
   task = tasks.digits(quick=True)
   tx = optax.chain(jaxcomp.powersgd(2, start_iter=4),
                    optax.apply_if_finite(optax.sgd(task.learning_rate, momentum=0.9), 10))
-  step = make_step(task, tx)
+  step = pmap_step(task.loss, tx, W, poisoned=True)
   poisoned, poisoned_state = train(task, tx, 14, step, poison_at=7)
   skipped, skipped_state = train(task, tx, 14, step, skip=7)
   jax.tree.map(np.testing.assert_array_equal, poisoned, skipped)

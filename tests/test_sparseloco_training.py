@@ -26,6 +26,7 @@ import pytest
 
 import jaxcomp
 from helpers import replicate
+from training import pmap_step
 from jaxcomp.train import tasks
 
 W, PER_DEVICE, SEEDS = 8, 16, (0, 1, 2)
@@ -45,12 +46,7 @@ def train(task, tx, params, seed, first, steps):
   ``first`` on, blocking on the loss every step; returns device 0's parameters and the ring bytes
   one step sends per device (steady state: a synchronization counts 1/H)."""
 
-  def step(params, state, inputs, targets):
-    loss, grads = jax.value_and_grad(task.loss)(params, inputs, targets)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  pstep = pmap_step(task.loss, tx, W)
   params, state = replicate(params, W), replicate(tx.init(params), W)
   report = jaxcomp.comm_report(pstep, params, state, *batch(task, seed, first))
   for t in range(first, first + steps):

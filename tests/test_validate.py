@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp import axis, hooks
+from jaxcomp import hooks
 from compressors import COMPRESSORS, WRAPPERS, synced_leaves
 from helpers import assert_identical_across_devices, replicate, rounding_tol
 

@@ -1,4 +1,5 @@
-"""A small pmap training loop shared by the reliability tests: replicated params, blocked every step."""
+"""The pmapped training step the training tests share (``pmap_step``), and a small regression loop for
+the reliability tests: replicated params, blocked every step."""
 
 import jax
 import jax.numpy as jnp
@@ -39,25 +40,32 @@ def loss_fn(params, x, y):
   return jnp.mean((forward(params, x) - y) ** 2)
 
 
+def pmap_step(loss, tx, n_devices=W, poisoned=False):
+  """The pmapped training step of ``loss(params, *batch)`` with ``tx``: ``step(params, opt_state,
+  *batch) -> (params, opt_state, losses)``, each device's loss. With ``poisoned``, the step takes a
+  last argument (per device: 0 or non-finite) that is added to that device's gradient."""
+
+  def step(params, opt_state, *args):
+    batch, poison = (args[:-1], args[-1]) if poisoned else (args, None)
+    value, grads = jax.value_and_grad(loss)(params, *batch)
+    if poisoned:
+      grads = jax.tree.map(lambda g: g + poison, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return jax.pmap(step, axis_name="batch", devices=jax.devices()[:n_devices])
+
+
 def make_step(name, lr=0.05, n_devices=W):
-  """A pmapped step of the registry entry ``name`` with ``apply_if_finite`` guarding what follows a
-  compressor (SGD), what a wrapper wraps (SGD, inside local SGD and DiLoCo) or what follows a whole
-  optimizer (nothing but the guard, after 1-bit Adam); ``poison`` (per device, 0 or non-finite) is
-  added to that device's gradient."""
+  """A pmapped, poisoned step (``pmap_step``) of the registry entry ``name`` on the regression, with
+  ``apply_if_finite`` guarding what follows a compressor (SGD), what a wrapper wraps (SGD, inside
+  local SGD and DiLoCo) or what follows a whole optimizer (nothing but the guard, after 1-bit Adam)."""
   guard = lambda inner: optax.apply_if_finite(inner, max_consecutive_errors=10**6)  # noqa: E731
   if name in OPTIMIZERS:
     tx = optax.chain(COMPRESSORS[name](), guard(optax.identity()))
   else:
     tx = optimizer(name, guard(optax.sgd(lr)))
-
-  def step(params, opt_state, x, y, poison):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-    grads = jax.tree.map(lambda g: g + poison, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:n_devices])
-  return tx, pstep
+  return tx, pmap_step(loss_fn, tx, n_devices, poisoned=True)
 
 
 def start(tx, seed=0, n_devices=W):
@@ -74,5 +82,5 @@ def run(pstep, params, opt_state, steps, first_step=0, poison_at=(), n_devices=W
       if at == step:
         poison[device] = value
     params, opt_state, loss = pstep(params, opt_state, *batch(step, n_devices), poison)
-    losses.append(float(loss[0]))  # reading the loss blocks: unblocked loops deadlock XLA:CPU
+    losses.append(float(np.mean(loss)))  # reading the loss blocks: unblocked loops deadlock XLA:CPU
   return params, opt_state, losses

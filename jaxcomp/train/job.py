@@ -46,7 +46,6 @@ import time
 from typing import Optional, Sequence
 
 import numpy as np
-import optax
 
 from jaxcomp.train import network, registry
 from jaxcomp.train.training_step import first_copy, make_mesh, make_step

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:  # jax is imported where it is used: the job configures its devices first
+  import jax
+
+  import jaxcomp
 
 AXIS = "batch"
 
