@@ -233,9 +233,10 @@ def to_float8_e4m3fn(y: jax.Array) -> jax.Array:
 
   XLA:CPU widens float8 arithmetic to float16 and converts between the two in software, wherever a
   float8-typed array appears (even one only bitcast to its bits); in these integer ops none does.
-  ``jaxcomp.quantized("fp8")``'s update on the MLP gradient (784-1024×3-10, W = 8, pmap, donated),
-  with both conversions: 706 → 346 ms (int8's: 274 ms), outputs bit-identical
-  (``/work/scratch/perf/ab2.py``-style A/B of the two programs, 10 interleaved rounds). Bit-exact
+  ``jaxcomp.quantized("fp8")`` with both conversions: its update of the MLP gradient (784-1024×3-10,
+  W = 8, pmap, donated) 706 → 346 ms (int8's 274 ms; the two programs timed in one process, 10
+  interleaved rounds, outputs bit-identical); its training step 5.10× → 1.84× allreduce's
+  (``PYTHONPATH=. python benchmarks/step_time.py --models mlp --devices 8 --repeats 8``). Bit-exact
   with ml_dtypes on every float8 value, every midpoint and its neighbours
   (``tests/test_quantized.py``).
   """
@@ -271,8 +272,11 @@ def row_into_arrays(row: jax.Array, owner, shapes: Sequence[tuple]) -> list:
   Each array is a dynamic slice of ``row`` zero-padded on both sides, which XLA:CPU fuses into one
   copy per array. Joined from the (W, S) rows, each array's values are computed from their flat
   position's row and column (an integer division by S) and the owner's row is re-derived for every
-  row: ``benchmarks/step_time.py``'s MLP, W = 8, the server-error step of ``jaxcomp.quantized(8)``
-  took 88–128 ms of CPU per update (8 devices), this 15–23 ms; the temporaries are unchanged.
+  row. ``jaxcomp.quantized(8)``'s update of the MLP gradient (784-1024×3-10, W = 8, pmap, donated):
+  the server-error step 88–128 → 15–23 ms of CPU (8 devices); the update 228 → 156 ms, 1-bit Adam's
+  261 → 219 ms (the two programs timed in one process, interleaved, outputs bit-identical); the
+  temporaries unchanged. The zero padding is written out (XLA:CPU does not fuse it into the
+  slices): S plus twice the largest array, which the peak of the update does not reach.
   """
   sizes = [math.prod(s) for s in shapes]
   margin = max(sizes)
