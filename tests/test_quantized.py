@@ -16,7 +16,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp import hooks
-from jaxcomp._src import exchange
+from jaxcomp._src import exchange, kernels
 from jaxcomp._src import quantized as quantized_lib
 from helpers import replicate, run_updates
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a r
 
 W = 4
 LEVELS = {8: 127, "fp8": 448}
-CODE_DTYPES = {8: np.int8, "fp8": ml_dtypes.float8_e4m3fn}
+CODE_DTYPES = {8: np.int8, "fp8": np.uint8}  # float8_e4m3fn codes are sent as their bits
 EPS = float(np.finfo(np.float32).eps)
 
 
@@ -94,6 +94,9 @@ def recorded_exchange(config):
 
 def values_of(codes):
   """Codes as numbers (float8 may round a tiny negative value to -0 or to +0: the same code)."""
+  codes = np.asarray(codes)
+  if codes.dtype == np.uint8:  # float8_e4m3fn bits
+    codes = codes.view(ml_dtypes.float8_e4m3fn)
   return np.asarray(codes).astype(np.float32)
 
 
@@ -133,6 +136,27 @@ def test_codes_and_scales_equal_the_reference_two_phase_average_exactly(bits):
     np.testing.assert_allclose(worker, ref_worker, rtol=0, atol=4 * EPS * top)
     np.testing.assert_allclose(server, ref_server, rtol=0, atol=4 * EPS * top)
     assert np.abs(ref_server).max() > 0 and np.abs(ref_worker).max() > 0
+
+
+@pytest.mark.numeric
+def test_the_float8_kernels_equal_ml_dtypes_bit_for_bit():
+  """kernels.to_float8_e4m3fn / from_float8_e4m3fn, which the fp8 codec uses in place of XLA's
+  conversions: every float8 value decodes exactly; every value, every midpoint between two (a tie,
+  to even), their float32 neighbours and a spread of magnitudes encode as ml_dtypes rounds them."""
+  codes = np.arange(256, dtype=np.uint8)
+  codes = codes[codes & 0x7F != 0x7F]  # NaN is never sent
+  exact = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  decoded = np.asarray(jax.jit(kernels.from_float8_e4m3fn)(codes))
+  np.testing.assert_array_equal(decoded.view(np.uint32), exact.view(np.uint32))  # -0 too
+  values = np.unique(np.abs(exact))
+  ties = ((values[1:].astype(np.float64) + values[:-1]) / 2).astype(np.float32)
+  x = np.concatenate([values, ties, 10.0 ** np.linspace(-12, np.log10(448), 20_001)]).astype(
+      np.float32)
+  x = np.concatenate([x, np.nextafter(x, np.float32(0)), np.nextafter(x, np.float32(np.inf))])
+  x = x[x <= 448]
+  x = np.concatenate([x, -x])
+  np.testing.assert_array_equal(np.asarray(jax.jit(kernels.to_float8_e4m3fn)(x)),
+                                x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
 
 
 @pytest.mark.parametrize("bits", [8, "fp8"])

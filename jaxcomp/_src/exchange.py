@@ -295,8 +295,16 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
   # 5–6: re-encode and gather; s ← mean − decode(encoding), at this device's row.
   whole, decoded = gather_rows(codec, rows_of, mean, rows_of.count(me), axis_name, key)
   if server_error is not None:
-    mine = jnp.arange(world) == me
-    server_error = rows_of.join([
-        jnp.where(mine.reshape((world,) + (1,) * (m.ndim - 1)) & v, m - d, 0.0)
-        for m, d, v in zip(mean, decoded, rows_of.valid(me))])
+    rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
+    server_error = _own_rows(rows_of, rows, me, world, [a.shape for a in x])
   return whole, worker_error, server_error
+
+
+def _own_rows(rows_of: Layout, rows: list, owner, world: int, shapes: Sequence[tuple]) -> list:
+  """5: the arrays of ``shapes`` holding the owner's ``rows`` (each of shape (1, …)) at its row of
+  ``layout`` and zeros elsewhere."""
+  if not kernels.keeps_leaves():  # the flat layout: one row
+    return kernels.row_into_arrays(rows[0].reshape(-1), owner, shapes)
+  mine = jnp.arange(world) == owner
+  return rows_of.join([jnp.where(mine.reshape((world,) + (1,) * (r.ndim - 1)), r, 0.0)
+                       for r in rows])

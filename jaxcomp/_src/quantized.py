@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, compressor, exchange, validate
+from jaxcomp._src import axis, compressor, exchange, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
 _CODES = {8: (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # code dtype, largest level Q
@@ -130,30 +130,41 @@ class QuantizedState(NamedTuple):
   PER_DEVICE_FIELDS = ("worker_error", "server_error")  # see jaxcomp.sharding
 
 
-def _stochastic_float8(y: jax.Array, u: jax.Array, dtype) -> jax.Array:
+def _stochastic_float8(y: jax.Array, u: jax.Array) -> jax.Array:
   """3: ``y`` (|y| ≤ the largest float8 value) rounded to one of its two float8 neighbours, up with
-  probability (|y| − lower) / (upper − lower), so that the expectation is ``y``."""
+  probability (|y| − lower) / (upper − lower), so that the expectation is ``y``; as float8 bits."""
   magnitude = jnp.abs(y)
-  nearest = magnitude.astype(dtype)
-  near = nearest.astype(jnp.float32)
+  nearest = kernels.to_float8_e4m3fn(magnitude)
+  near = kernels.from_float8_e4m3fn(nearest)
   # The other neighbour: one step of the bit pattern (float8 magnitudes are ordered as their bits).
   step = jnp.sign(magnitude - near).astype(jnp.int32)
-  bits = lax.bitcast_convert_type(nearest, jnp.uint8).astype(jnp.int32) + step
-  other = lax.bitcast_convert_type(bits.astype(jnp.uint8), dtype).astype(jnp.float32)
+  other_bits = (nearest.astype(jnp.int32) + step).astype(jnp.uint8)
+  other = kernels.from_float8_e4m3fn(other_bits)
   low, high = jnp.minimum(near, other), jnp.maximum(near, other)
-  rounded = jnp.where(u * (high - low) < magnitude - low, high, low)
-  return (jnp.sign(y) * rounded).astype(dtype)
+  up = u * (high - low) < magnitude - low
+  rounded = jnp.where(up == (other > near), other_bits, nearest)
+  return jnp.where(y < 0, rounded | 0x80, rounded)
 
 
 def _quantize(config: QuantizedConfig, y: jax.Array, key: Optional[jax.Array]) -> jax.Array:
-  """3: codes of ``y`` (already divided by the scale and clipped to ±Q)."""
+  """3: codes of ``y`` (already divided by the scale and clipped to ±Q): int8, or float8's bits in
+  uint8 (``kernels.to_float8_e4m3fn``)."""
   dtype, _ = _CODES[config.bits]
   if key is None:  # to the nearest: half to even (int8), float8's own nearest value (fp8)
-    return (jnp.round(y) if config.bits == 8 else y).astype(dtype)
+    if config.bits == 8:
+      return jnp.round(y).astype(dtype)
+    return kernels.to_float8_e4m3fn(y)
   u = jax.random.uniform(key, y.shape, jnp.float32)
   if config.bits == 8:
     return jnp.floor(y + u).astype(dtype)
-  return _stochastic_float8(y, u, dtype)
+  return _stochastic_float8(y, u)
+
+
+def _values(codes: jax.Array) -> jax.Array:
+  """6: the codes as float32 numbers."""
+  if codes.dtype == jnp.int8:
+    return codes.astype(jnp.float32)
+  return kernels.from_float8_e4m3fn(codes)
 
 
 def _tile(shape: tuple, size: int) -> tuple:
@@ -195,7 +206,7 @@ def block_codec(config: QuantizedConfig) -> exchange.Codec:
     pieces = []
     for codes, scales, tail in zip(payload[::2], payload[1::2], tails):
       tile = _tile((1,) + tuple(tail), size)
-      blocks = _blocks(codes.astype(jnp.float32), tile) * scales[..., None, :, None]
+      blocks = _blocks(_values(codes), tile) * scales[..., None, :, None]
       pieces.append(_unblocks(blocks, codes.shape))
     return pieces
 
