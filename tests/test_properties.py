@@ -74,8 +74,10 @@ STEPS = 5  # PowerSGD compresses from step 3, 1-bit Adam from step 2: both phase
                                   for name in sorted(COMPRESSORS)])
 @common
 @given(spec=tree_specs, seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 1.0, 100.0]))
-@example(spec={"a": ((), "float32"), "b": ((2,), "float16"), "c": ((3, 3), "float32")}, seed=0,
-         scale=1.0)  # dtypes interleaved: batched PowerSGD once returned its outputs out of order
+# Dtypes interleaved (batched PowerSGD once returned its outputs out of order), and float16 and
+# bfloat16 matrices large enough for every compressor to compress them.
+@example(spec={"a": ((), "float32"), "b": ((2,), "float16"), "c": ((3, 3), "float32"),
+               "d": ((12, 6), "bfloat16"), "e": ((6, 8), "float16")}, seed=0, scale=1.0)
 def test_every_property_that_applies(name, spec, seed, scale):
   """One run of ``STEPS`` steps per drawn pytree (one compiled program), checked for every property
   of the entry:
