@@ -12,10 +12,11 @@ import optax
 import pytest
 
 import jaxcomp
-from helpers import rounding_tol
+from helpers import replicate, rounding_tol
 from jaxcomp import hooks
 from jaxcomp._src.report import parse_hlo
 from jaxcomp.train import job, network, registry, tasks, training_step
+from training import pmap_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = 4
@@ -142,15 +143,8 @@ def test_the_jobs_step_refuses_a_transformation_that_does_not_average(digits):
 
 def _pmap_losses(task, tx, batches):
   """The main job's step before data_parallel: jax.pmap, replicated parameters and state."""
-
-  def step(params, opt_state, inputs, targets):
-    loss, grads = jax.value_and_grad(task.loss)(params, inputs, targets)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  step = jax.pmap(step, axis_name=training_step.AXIS, devices=jax.devices()[:W])
-  stack = lambda tree: jax.tree.map(lambda x: np.stack([np.asarray(x)] * W), tree)
-  params, opt_state = stack(task.init(0)), stack(tx.init(task.init(0)))
+  step = pmap_step(task.loss, tx, W)
+  params, opt_state = replicate(task.init(0), W), replicate(tx.init(task.init(0)), W)
   losses = []
   for inputs, targets in batches:
     params, opt_state, loss = step(params, opt_state, inputs.reshape(W, -1, *inputs.shape[1:]),

@@ -64,12 +64,12 @@ from typing import Any, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomp._src import axis, compressor, exchange, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
-_CODES = {8: (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # code dtype, largest level Q
+# The codes' dtype (float8_e4m3fn's as its bits: kernels.to_float8_e4m3fn), the largest level Q.
+_CODES = {8: (jnp.int8, 127.0), "fp8": (jnp.uint8, 448.0)}
 
 
 @jax.tree_util.register_static
