@@ -145,7 +145,7 @@ def test_alpha_beta_formulas():
   assert model.allgather_time(100, 4, 0.0, beta) == pytest.approx(3 * 100 / beta)
   # All-to-all: N/W to each of the W−1 others; on one medium every round moves W chunks of N/W.
   assert model.alltoall_time(800, 8, 1e-5, beta) == pytest.approx(7 * (1e-5 + 100 / beta))
-  assert model.shared_medium_time([("all-to-all", 800)], 8, 0.0, beta) == pytest.approx(
+  assert model.shared_medium_time([("all-to-all", 800, 1.0)], 8, 0.0, beta) == pytest.approx(
       7 * 800 / beta)
   # A reduce-scatter-style step's all-gather shrinks with W: each worker contributes a 1/W shard.
   shards = {"q": [("all-to-all", 800), ("all-gather", 100), ("all-reduce", 4)]}
@@ -153,10 +153,14 @@ def test_alpha_beta_formulas():
                                                    ("all-reduce", 4)]
   assert model.allreduce_time(n, 1, 1.0, beta) == 0.0
   # One shared medium: the ring's 2(W−1) steps each move W chunks of N/W through one queue.
-  assert model.shared_medium_time([("all-reduce", n)], 4, 0.0, beta) == pytest.approx(6 * n / beta)
-  assert model.shared_medium_time([("all-gather", 100)], 4, 1e-5, beta) == pytest.approx(
+  assert model.shared_medium_time([("all-reduce", n, 1.0)], 4, 0.0, beta) == pytest.approx(
+      6 * n / beta)
+  assert model.shared_medium_time([("all-gather", 100, 1.0)], 4, 1e-5, beta) == pytest.approx(
       3 * (1e-5 + 400 / beta))
-  assert model.shared_medium_time([("all-reduce", n)], 1, 1.0, beta) == 0.0
+  assert model.shared_medium_time([("all-reduce", n, 1.0)], 1, 1.0, beta) == 0.0
+  # A synchronization every 20 steps costs a twentieth of its time per step, on average.
+  assert model.shared_medium_time([("all-reduce", n, 0.05)], 4, 1e-5, beta) == pytest.approx(
+      0.05 * 6 * (1e-5 + n / beta))
   # DGC sends the dense mean once W·density·2 >= 1, as jaxcomp.dgc does.
   measured = {"allreduce": [("all-reduce", 40)], "dgc": [("all-gather", 8), ("all-reduce", 4)]}
   assert model.collectives_at("dgc", measured, 256) == measured["dgc"]

@@ -51,6 +51,17 @@ def test_rate_bits():
   assert link.rate_bits("none") is None
 
 
+def test_a_wrappers_timed_rounds_hold_whole_periods_of_steps():
+  # Every step's collectives: period 1; DiLoCo's sync every 20 steps; Streaming DiLoCo's fragments,
+  # each on a quarter of the steps (the 0.0 one is a warm-up, which never runs in the steady state).
+  assert link.period([["all-reduce", 400, 1.0]]) == 1
+  assert link.period([["all-reduce", 400, 0.05], ["all-reduce", 4, 1.0]]) == 20
+  assert link.period([["all-reduce", 100, 0.25], ["all-reduce", 100, 0.25],
+                      ["all-gather", 8, 0.0]]) == 4
+  assert [link.whole_periods(steps, 20) for steps in (1, 20, 21)] == [20, 20, 40]
+  assert link.whole_periods(7, 1) == 7
+
+
 def test_qdisc_commands_use_a_large_tbf_limit():
   commands = link.qdisc_commands("100mbit")
   assert commands[-1] == ["qdisc", "add", "dev", "lo", "root", "tbf", "rate", "100mbit", "burst",
@@ -233,8 +244,8 @@ def test_workers_time_the_main_jobs_data_parallel_steps_without_torch(tmp_path, 
   dense = 4 * sum(x.size for x in jax.tree.leaves(tasks.digits(quick=True).init(0)))
   # data_parallel's step: the compressor's mean and nothing else, not even a mean of the loss (the
   # losses come back per device).
-  assert result["collectives"] == {"allreduce": [["all-reduce", dense]],
-                                   "fp16": [["all-reduce", dense // 2]]}
+  assert result["collectives"] == {"allreduce": [["all-reduce", dense, 1.0]],
+                                   "fp16": [["all-reduce", dense // 2, 1.0]]}
   assert set(result["links"]["none"]["seconds"]) == {"allreduce", "fp16"}
   losses = result["checks"]["fp16"]["losses"]
   assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)

@@ -443,7 +443,8 @@ class _Worker:
     """``(run, collectives)`` of one compressor's training step, its recipe for ``steps`` steps or
     its steady state with ``settings``: ``run(t)`` takes the step on the batch of step ``t`` and
     returns this worker's loss (numpy, so it has blocked until every worker finished the step);
-    ``collectives`` are ``[op, bytes each worker contributes]`` of the compiled step."""
+    ``collectives`` are ``[op, bytes each worker contributes, share of steps it runs on]`` of the
+    compiled step (``network.operands``)."""
     import numpy as np
 
     from jaxcomp._src.report import parse_hlo
@@ -455,7 +456,7 @@ class _Worker:
     state = list(step.start(self.task.init(self.job.seed)))
     compiled = step.run.lower(*state, *step.dp.shard(self.local_batch(0))).compile()
     report = parse_hlo(compiled.as_text(), self.job.world)
-    collectives = [[op, nbytes] for op, nbytes, _ in network.operands(report)]
+    collectives = [list(operand) for operand in network.operands(report)]
 
     def run(t):
       state[0], state[1], losses = compiled(*state, *step.dp.shard(self.local_batch(t)))
@@ -476,8 +477,11 @@ class _Worker:
       self.say(f"compiled {key}")
     return runners, collectives
 
-  def time_programs(self, runners: dict) -> dict:
-    """``{key: [seconds per step, one per round]}``, programs interleaved round by round."""
+  def time_programs(self, runners: dict, periods: dict) -> dict:
+    """``{key: [seconds per step, one per round]}``, programs interleaved round by round. A round
+    of a program that synchronizes every ``periods[key]`` steps (a wrapper of the optimizer) is a
+    whole number of periods, so its time per step is the average over inner and synchronizing
+    steps, as in training."""
     keys = list(runners)
     first = {}
     for key in keys:  # warm-up: one step each (also sizes the steps per round)
@@ -485,8 +489,9 @@ class _Worker:
       start = time.perf_counter()
       runners[key](1)
       first[key] = time.perf_counter() - start
-    counts = self.agree([min(20, max(1, round(self.job.round_seconds / max(first[k], 1e-4))))
-                         for k in keys])
+    counts = self.agree([whole_periods(min(20, max(1, round(self.job.round_seconds
+                                                            / max(first[k], 1e-4)))),
+                                       periods.get(k, 1)) for k in keys])
     times = {key: [] for key in keys}
     for r in range(self.job.rounds):
       for i in list(range(r % len(keys), len(keys))) + list(range(r % len(keys))):
@@ -525,7 +530,7 @@ class _Worker:
       self.barrier(f"probed {rate}")
       self.say(f"link {rate}: " + (f"{measured['beta'] * 8e-6:.0f} Mbit/s, α {measured['alpha'] * 1e6:.0f} µs"
                                    if measured else ""))
-      times = self.time_programs(runners)
+      times = self.time_programs(runners, {key: period(c) for key, c in collectives.items()})
       links[rate] = dict(measured, rounds=times,
                          seconds={k: float(np.median(v)) for k, v in times.items()})
       self.say(f"timed over {rate}: " + ", ".join(f"{k} {v:.3f}s"
@@ -539,6 +544,18 @@ class _Worker:
         self.say(f"check run {name} over {self.job.check['rate']}: "
                  f"{checks[name]['seconds']:.1f} s for {self.job.check['steps']} steps")
     return {"links": links, "collectives": collectives, "checks": checks}
+
+
+def period(collectives: Sequence[Sequence]) -> int:
+  """Steps between the synchronizations of a program's ``[op, bytes, share]`` collectives: 1 for
+  a program whose collectives run on every step, H for one that synchronizes every H steps."""
+  shares = [share for _, _, share in collectives if 0 < share < 1]
+  return max((round(1 / share) for share in shares), default=1)
+
+
+def whole_periods(steps: int, every: int) -> int:
+  """``steps`` rounded up to a whole number of periods of ``every`` steps."""
+  return -(-steps // every) * every
 
 
 def worker_main(argv: Sequence[str], extra_programs: Optional[Callable] = None) -> int:

@@ -83,15 +83,15 @@ def comm_time(collectives: Iterable[Sequence], world: int, alpha: float, beta: f
 
 def shared_medium_time(collectives: Iterable[Sequence], world: int, alpha: float,
                        beta: float) -> float:
-  """Seconds for ``(op, bytes)`` collectives (as ``comm_time``'s) on one medium of rate ``beta``
-  bytes/s shared by all ``world`` workers, with gloo's ring algorithms: every ring step moves one
-  chunk per worker through the same queue."""
+  """Seconds of communication per step, on average, for ``(op, bytes, share)`` collectives (as
+  ``step_time``'s) on one medium of rate ``beta`` bytes/s shared by all ``world`` workers, with
+  gloo's ring algorithms: every ring step moves one chunk per worker through the same queue."""
   if world <= 1:
     return 0.0
   shared = {"all-reduce": lambda n: 2 * (world - 1) * (alpha + n / beta),
             "all-gather": lambda c: (world - 1) * (alpha + world * c / beta),
             "all-to-all": lambda n: (world - 1) * (alpha + n / beta)}
-  return sum(_formula(shared, op)(nbytes) for op, nbytes in collectives)
+  return sum(share * _formula(shared, op)(nbytes) for op, nbytes, share in collectives)
 
 
 def operands(report) -> list:
