@@ -19,8 +19,8 @@ What runs (one command):
 2. **Step times over each link.** The W workers time every phase's steady-state step of every
    compressor (``registry.Phase``: a PowerSGD warm-up step is allreduce's step, a DGC warm-up stage
    is DGC at that density; a wrapper of the optimizer, local SGD or DiLoCo, is timed over whole
-   periods of H steps, its inner steps and its synchronization together) — the main job's step, ``jaxcomp.data_parallel`` over a mesh of the W
-   workers' devices — and torch 2.13 ``DistributedDataParallel`` steps of the same model on the same
+   periods of H steps, its inner steps and its synchronization together) — the main job's step,
+   ``jaxcomp.data_parallel`` over a mesh of the W workers' devices — and torch 2.13 ``DistributedDataParallel`` steps of the same model on the same
    batches (``benchmarks/torch_ddp.py``; a fresh batch every step for both, input pipeline included,
    as in training; default all-reduce, ``fp16_compress_hook``, ``powerSGD_hook`` rank 1 and 4;
    ``bucket_cap_mb=100``: one bucket, since torch 2.13's PowerSGD hook hangs on gloo with several),
