@@ -244,8 +244,8 @@ def markdown_table(header: list, rows: list, align: Optional[str] = None) -> str
   return "\n".join(lines)
 
 
-SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "scaling", "network_model",
-            "slow_link")
+SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "kernels", "scaling",
+            "network_model", "slow_link")
 
 _HEADER = """# jaxcomp benchmarks
 

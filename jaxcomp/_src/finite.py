@@ -20,10 +20,12 @@ every stateful hook: the helpers below are its pieces.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import axis
+from jaxcomp._src import axis, kernels
 from jaxcomp._src import tree as tree_lib
 
 
@@ -48,7 +50,7 @@ def _not_finite(x: jax.Array) -> jax.Array:
 
 def keep_if_finite(finite: jax.Array, new_state, old_state):
   """Policy 1: ``new_state`` where ``finite``, else ``old_state`` (leaf by leaf)."""
-  return jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, old_state)
+  return jax.tree.map(functools.partial(kernels.where, finite), new_state, old_state)
 
 
 def nan_unless_finite(finite: jax.Array, tree):
