@@ -145,11 +145,13 @@ def random_like(tree, seed: int = 0):
 
 
 def compressors(names: Optional[str] = None) -> list:
-  """Registry entries to compare (``jaxcomp.train.registry``): its ``DEFAULT`` list, or the
-  comma-separated ``names``, in that order."""
+  """Registry entries to compare (``jaxcomp.train.registry``): its ``DEFAULT`` list, every entry
+  (``"all"``), or the comma-separated ``names``, in that order."""
   from jaxcomp.train.registry import DEFAULT, REGISTRY
   if not names:
     return [REGISTRY[n] for n in DEFAULT]
+  if names.strip() == "all":
+    return list(REGISTRY.values())
   wanted = [n.strip() for n in names.split(",") if n.strip()]
   unknown = [n for n in wanted if n not in REGISTRY]
   if unknown:
@@ -205,7 +207,8 @@ def parser(description: str) -> argparse.ArgumentParser:
   p.add_argument("--write", action="store_true",
                  help="replace this script's section of BENCHMARKS.md with the table")
   p.add_argument("--compressors", default=None,
-                 help="comma-separated subset of the compressors (default: all)")
+                 help="comma-separated registry entries, or 'all' for every entry "
+                      "(default: the registry's DEFAULT list)")
   return p
 
 
@@ -244,8 +247,8 @@ def markdown_table(header: list, rows: list, align: Optional[str] = None) -> str
   return "\n".join(lines)
 
 
-SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "scaling", "network_model",
-            "slow_link")
+SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "kernels", "scaling",
+            "network_model", "slow_link")
 
 _HEADER = """# jaxcomp benchmarks
 

@@ -15,6 +15,10 @@ copy the state before overwriting it.) Per device:
 * extra: state + temporaries − allreduce's temporaries, the memory a compressor costs over the plain
   mean (its gradient input and averaged output are the same as allreduce's).
 
+``--compressors all`` measures every registry entry. Local SGD and DiLoCo wrap the optimizer: their
+update (around plain SGD) holds the local step and the sync step in one program, and their state
+holds the parameters they average (state / grad ≥ 1 by design).
+
 All three are divided by the gradient's size (4 bytes per element). The state of each compressor here
 is the state its algorithm must keep (PowerSGD's error, DGC's u and v), so issue 15's target, state
 beyond that plus temporaries ≤ 1× the gradient, reads as temp / grad ≤ 1.
@@ -29,7 +33,7 @@ own (8-bit error feedback), and ``ring B vs f32`` the bytes each device sends pe
 float32 all-reduce of the gradient (the requested dtypes, before XLA:CPU widens bfloat16). A lossy gather's float32 master of the device's shard is shown apart (``master``): it is
 the price of keeping the parameters exact while the gathered copy is rounded.
 
-  PYTHONPATH=. python benchmarks/memory.py [--quick] [--write]
+  PYTHONPATH=. python benchmarks/memory.py [--quick] [--write] [--compressors all]
 """
 
 from __future__ import annotations
@@ -52,14 +56,24 @@ def nbytes(tree) -> int:
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def transformation(compressor):
+  """What ``measure`` compiles: the entry's transformation; local SGD and DiLoCo (which wrap the
+  optimizer) around plain SGD, whose state is empty."""
+  if compressor.wraps_optimizer:
+    import optax  # noqa: PLC0415
+    return compressor.optimizer(optax.sgd(0.01), common.AXIS)
+  return compressor.make(common.AXIS)
+
+
 def measure(compressor, tree) -> tuple:
   """``(state bytes, temporary bytes)`` per device of one update on W devices, gradient and state
-  donated."""
-  tx = compressor.make(common.AXIS)
+  donated (the parameters, which the wrappers of the optimizer read, are not)."""
+  tx = transformation(compressor)
   state = jax.eval_shape(tx.init, tree)
-  step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=common.AXIS, devices=jax.devices()[:W],
-                  donate_argnums=(0, 1))
-  compiled = step.lower(common.stacked(tree, W), common.stacked(state, W)).compile()
+  step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS,
+                  devices=jax.devices()[:W], donate_argnums=(0, 1))
+  params = common.stacked(tree, W)
+  compiled = step.lower(params, common.stacked(state, W), params).compile()
   return nbytes(state), compiled.memory_analysis().temp_size_in_bytes
 
 

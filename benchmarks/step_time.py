@@ -11,18 +11,22 @@ Three models:
 Every step is the main job's data-parallel step (``jaxcomp.train.training_step.make_step``: the step
 ``jaxcomp.data_parallel`` builds from the loss) — forward, backward, the compressor, then
 ``optax.sgd`` (momentum 0.9, or none after DGC, which applies momentum itself, and after EF-SignSGD;
-nothing after 1-bit Adam, an optimizer) — over a mesh of W simulated CPU devices (``--devices``,
+nothing after 1-bit Adam, an optimizer; local SGD and DiLoCo around it: ``Compressor.optimizer``) —
+over a mesh of W simulated CPU devices (``--devices``,
 default 8), run as the main job runs it (not donating its inputs on CPU devices, where XLA:CPU's
 all-reduce crashes on a donated step: ``training_step.make_step``). Compressors
 compress from the first step (``start_iter=0``). The steps of all compressors run round-robin on the
 same batch, each one blocked on; the ratio is the median over rounds of time(compressor) /
-time(allreduce) in the same round.
+time(allreduce) in the same round. ``--compressors all`` runs every registry entry; for local SGD
+and DiLoCo, which communicate once every H steps, the median is that of their local steps (a sync
+step is one round in H).
 
 On XLA:CPU the W "devices" share the host's cores and a collective is a memory copy (and a barrier
 of W threads), so this measures the compute a compressor adds to a step, not what it saves on a
 network (see ``network_model.py``).
 
   PYTHONPATH=. python benchmarks/step_time.py [--quick] [--write] [--models mlp] [--devices 1]
+      [--compressors all]
 """
 
 from __future__ import annotations
@@ -96,10 +100,8 @@ def step_runners(task, compressor_list, batch, devices):
   mesh = training_step.make_mesh(devices)
   runners = {}
   for c in compressor_list:
-    tx = c.make(common.AXIS) if c.is_optimizer else optax.chain(
-        c.make(common.AXIS),
-        optax.sgd(task.learning_rate if hasattr(task, "learning_rate") else 0.01,
-                  momentum=c.sgd_momentum))
+    tx = c.optimizer(optax.sgd(getattr(task, "learning_rate", 0.01), momentum=c.sgd_momentum),
+                     common.AXIS)
     step = training_step.make_step(task, c, tx, mesh)
     inputs, targets = step.dp.shard(batch)
     holder = list(step.start(task.init(0)))
@@ -147,7 +149,10 @@ def main(argv=None) -> int:
       "lllrrrr")
   body = (f"W simulated devices (`jaxcomp.data_parallel`, as the main job runs it: on CPU devices "
           f"without donation); median of {repeats} interleaved per-round ratios. "
-          "The ms column is for scale only: the devices share the machine's cores.\n\n" + table)
+          "The ms column is for scale only: the devices share the machine's cores."
+          + (" Local SGD and DiLoCo communicate once every H steps: their figure is the median "
+             "step, a local one." if any(c.wraps_optimizer for c in compressor_list) else "")
+          + "\n\n" + table)
   common.emit(args, "step_time", "Training step time against allreduce", "step_time.py", body)
   return 0
 

@@ -49,6 +49,10 @@ def test_the_benchmarks_compare_the_registry_default():
   assert ALL == list(registry.DEFAULT)
 
 
+def test_all_is_every_registry_entry():
+  assert [c.name for c in common.compressors("all")] == list(registry.REGISTRY)
+
+
 @pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_bytes_equal_the_algorithms_minimum():
   rows = table_rows(run_script("bytes.py"))
@@ -85,6 +89,31 @@ def test_step_time():
   rows = table_rows(run_script("step_time.py", "--compressors", ",".join(names)))
   assert [r[1] for r in rows] == names
   assert rows[0][4] == "1.00"
+
+
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
+def test_step_time_of_the_wrappers_of_the_optimizer():
+  names = ["allreduce", "local_sgd_h8", "streaming_diloco_h20_p2"]
+  rows = table_rows(run_script("step_time.py", "--compressors", ",".join(names)))
+  assert [r[1] for r in rows] == names
+
+
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
+def test_memory_of_every_registry_entry():
+  rows = table_rows(run_script("memory.py", "--compressors", "all"))
+  assert [r[1] for r in rows] == list(registry.REGISTRY)
+  by_name = {r[1]: r for r in rows}
+  assert float(by_name["diloco_h20"][4]) >= 1.0  # DiLoCo keeps the parameters it averages
+
+
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
+def test_kernels_against_their_obvious_forms():
+  rows = table_rows(run_script("kernels.py"))
+  assert [r[1] for r in rows] == ["quantized_int8", "sign", "onebit_adam", "quantized_fp8",
+                                  "quantized_int8", "onebit_adam", "quantized_int8", "sign"]
+  # Every kernel computes what its obvious form does, bit for bit, but device_mean's order of
+  # operations (each term ÷W, then summed), which a mean of the stacked terms does not keep.
+  assert all(r[7] == "yes" for r in rows if r[0] != "device_mean"), rows
 
 
 @pytest.mark.slow  # an end-to-end run of a script or of several processes

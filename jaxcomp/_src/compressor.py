@@ -23,8 +23,9 @@ Every jaxcomp compressor is an algorithm module that holds its math and nothing 
    returns NaN on every device. By default the step is skipped by a ``lax.cond`` on the all-device
    flag (the same everywhere, so every device takes the same branch): such a step runs no
    collective but the flag's 4 bytes. An algorithm may instead have its step run and its results
-   replaced (``Algorithm.nonfinite="select"``), where XLA compiles the step inside a conditional
-   with more memory (see ``Algorithm``);
+   replaced (``Algorithm.nonfinite="select"``: the outputs by NaN, the new state by the old,
+   ``finite.gated``), where XLA compiles the step inside a conditional with more memory (see
+   ``Algorithm``);
 2. with ``bucket_cap_mb``, the same on DDP's buckets: one state and one set of collectives per bucket
    (``buckets.comm_hook`` with the algorithm's hook), so that each bucket's collectives depend on its
    own gradients only;
@@ -95,10 +96,13 @@ class Algorithm:
     nonfinite: how a non-finite step keeps the state: ``"skip"``, a ``lax.cond`` that does not run
       the step (no collectives; with the state donated, XLA updates it in place inside the branch:
       DGC's temporaries fell from 1.7–1.9× the gradient to 1.05×); or ``"select"``, the step runs
-      and ``jnp.where`` keeps the old state and outputs NaN — for steps XLA:CPU compiles worse
-      inside a conditional branch (it leaves their concatenations unfused and copies the state in
-      and out: quantized's update temporaries on ResNet-18 3.26× the gradient under the cond
-      against 2.26× selected, 1-bit Adam's 3.19× against 2.16×; ``benchmarks/memory.py``).
+      and ``finite.gated`` keeps the old state (written in place: ``finite.keep_if_finite``) and
+      outputs NaN — for steps XLA:CPU compiles worse inside a conditional branch (it leaves their
+      concatenations unfused and copies the state in and out: quantized's update temporaries on
+      ResNet-18 3.26× the gradient under the cond against 2.26× selected, 1-bit Adam's 3.19×
+      against 2.16×; ``benchmarks/memory.py``; on the MLP of ``benchmarks/step_time.py``, W = 8,
+      donated, quantized(8)'s update 410 ms under the cond against 221 ms selected, one shared
+      run).
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.

@@ -20,25 +20,37 @@ every stateful hook: the helpers below are its pieces.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import axis
+from jaxcomp._src import axis, kernels
 from jaxcomp._src import tree as tree_lib
 
 
 def all_finite(tree, axis_name: axis.AxisName) -> jax.Array:
   """A boolean scalar, the same on every device: is every leaf finite on every device?"""
   leaves = [x for x in jax.tree.leaves(tree) if tree_lib.is_reduced(x)]
-  # max |x| is finite iff every element is (max propagates NaN): one fused reduction per leaf, about
-  # half the time of isfinite(x).all(), which XLA:CPU runs as a boolean array and then a reduction.
-  local_bad = sum((~jnp.isfinite(jnp.max(jnp.abs(x)))).astype(jnp.int32) for x in leaves)
+  local_bad = sum(_not_finite(x).astype(jnp.int32) for x in leaves)
   return axis.psum(jnp.asarray(local_bad, jnp.int32), axis_name) == 0
+
+
+def _not_finite(x: jax.Array) -> jax.Array:
+  """Whether the floating-point ``x`` holds a NaN or an infinity: ``sum(x · 0)`` is NaN iff it
+  does (∞ · 0 is NaN, and a sum propagates NaN), one fused pass over ``x``.
+
+  Not ``max |x|``: XLA:CPU (jaxlib 0.10.2) reduces arrays of 4,096 elements or more with a ``max``
+  that drops NaN (``jnp.max(jnp.abs(x))`` of a 4,096-element array with one NaN is 1.0), so a NaN
+  in any large gradient went unseen. ``isfinite(x).all()`` is right too but slower, a boolean array
+  then its reduction: on a (1024, 1024) float32 array, 448 µs against 198 µs for this sum.
+  """
+  return jnp.isnan(jnp.sum(x * jnp.zeros((), x.dtype)))
 
 
 def keep_if_finite(finite: jax.Array, new_state, old_state):
   """Policy 1: ``new_state`` where ``finite``, else ``old_state`` (leaf by leaf)."""
-  return jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, old_state)
+  return jax.tree.map(functools.partial(kernels.where, finite), new_state, old_state)
 
 
 def nan_unless_finite(finite: jax.Array, tree):

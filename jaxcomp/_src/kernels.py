@@ -164,6 +164,24 @@ def subtract_at(x: jax.Array, flat_indices: jax.Array, values: jax.Array) -> jax
   return x.at[_coordinates(flat_indices, x.shape)].add(-values, mode="drop")
 
 
+# ------------------------------------------------------------------------------ the non-finite policy
+
+
+def where(pred: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+  """``jnp.where(pred, new, old)`` for a scalar ``pred``, as a scatter of ``new`` into ``old``: at
+  index 0 of a new leading axis, or at index 1, out of range and dropped.
+
+  With ``old`` donated (the state a step replaces), XLA:CPU writes a select that reads ``old`` into
+  a temporary and copies it into ``old``'s buffer (every state leaf of a "select" algorithm, the
+  count included); the scatter it writes in place. In ``finite.keep_if_finite``, the update of the
+  MLP gradient (W = 8, pmap, gradient and state donated), ``jnp.where`` / this: quantized(8)
+  1.53× the time (temporaries 2.36 → 2.17× the gradient), 1-bit Adam 1.45× (2.36 either way),
+  sign_compress 0.88× (1.67 → 1.40; its update is within noise of the select's on a shared
+  machine). ``PYTHONPATH=. python benchmarks/kernels.py --repeats 10``, 2 shared cores.
+  """
+  return old[None].at[jnp.where(pred, 0, 1)].set(new, mode="drop")[0]
+
+
 # ----------------------------------------------------------------------- quantized, sign, 1-bit Adam
 
 def keeps_leaves() -> bool:
@@ -213,13 +231,10 @@ def device_mean(term: Callable[[int], list], world: int) -> list:
 
   Written as a running sum of W terms, XLA fuses the whole mean into one pass over the W devices'
   (compressed) inputs. The obvious forms materialize all W terms in float32 first — W times the
-  gradient's size per device — and XLA:CPU reduced the broadcast product over the device axis so
-  slowly that a ``sign_compress`` step took 133× allreduce's; as a ``(W,)·(W, …)`` tensordot it
-  took 3.4× (and 9.05× the gradient in temporaries), as this running sum 1.15× (2.21×; the signs
-  packed leaf by leaf). The owner's mean of ``jaxcomp.quantized(8)``, each row decoded as it is
-  summed rather than all W first: 3.35× → 3.07× allreduce's step (10 rounds), the same
-  temporaries. benchmarks/step_time.py --models mlp --devices 8 --repeats 15 --compressors
-  allreduce,sign,quantized_int8; benchmarks/memory.py --quick.
+  gradient's size per device. The update of the MLP gradient (W = 8, pmap, donated), the mean of
+  the stacked terms / this: ``sign_compress`` 1.18× the time, ``quantized(8)``'s owner's mean
+  1.06×, the same temporaries; ``PYTHONPATH=. python benchmarks/kernels.py --repeats 10`` (2
+  shared cores).
   """
   total = [x / world for x in term(0)]
   for w in range(1, world):
@@ -233,11 +248,10 @@ def to_float8_e4m3fn(y: jax.Array) -> jax.Array:
 
   XLA:CPU widens float8 arithmetic to float16 and converts between the two in software, wherever a
   float8-typed array appears (even one only bitcast to its bits); in these integer ops none does.
-  ``jaxcomp.quantized("fp8")`` with both conversions: its update of the MLP gradient (784-1024×3-10,
-  W = 8, pmap, donated) 706 → 346 ms (int8's 274 ms; the two programs timed in one process, 10
-  interleaved rounds, outputs bit-identical); its training step 5.10× → 1.84× allreduce's
-  (``PYTHONPATH=. python benchmarks/step_time.py --models mlp --devices 8 --repeats 8``). Bit-exact
-  with ml_dtypes on every float8 value, every midpoint and its neighbours
+  ``jaxcomp.quantized("fp8")``'s update of the MLP gradient (784-1024×3-10, W = 8, pmap, donated),
+  the float8 casts / both conversions here: 1.24× the time, outputs bit-identical;
+  ``PYTHONPATH=. python benchmarks/kernels.py --repeats 10`` (2 shared cores).
+  Bit-exact with ml_dtypes on every float8 value, every midpoint and its neighbours
   (``tests/test_quantized.py``).
   """
   bits = lax.bitcast_convert_type(y, jnp.uint32)
@@ -272,11 +286,11 @@ def row_into_arrays(row: jax.Array, owner, shapes: Sequence[tuple]) -> list:
   Each array is a dynamic slice of ``row`` zero-padded on both sides, which XLA:CPU fuses into one
   copy per array. Joined from the (W, S) rows, each array's values are computed from their flat
   position's row and column (an integer division by S) and the owner's row is re-derived for every
-  row. ``jaxcomp.quantized(8)``'s update of the MLP gradient (784-1024×3-10, W = 8, pmap, donated):
-  the server-error step 88–128 → 15–23 ms of CPU (8 devices); the update 228 → 156 ms, 1-bit Adam's
-  261 → 219 ms (the two programs timed in one process, interleaved, outputs bit-identical); the
-  temporaries unchanged. The zero padding is written out (XLA:CPU does not fuse it into the
-  slices): S plus twice the largest array, which the peak of the update does not reach.
+  row. The update of the MLP gradient (784-1024×3-10, W = 8, pmap, donated), that join / this:
+  ``jaxcomp.quantized(8)`` 1.58× the time, 1-bit Adam 1.37×, outputs bit-identical, the same
+  temporaries; ``PYTHONPATH=. python benchmarks/kernels.py --repeats 10`` (2 shared cores). The
+  zero padding is written out (XLA:CPU does not fuse it into the slices): S plus twice the largest
+  array, which the peak of the update does not reach.
   """
   sizes = [math.prod(s) for s in shapes]
   margin = max(sizes)

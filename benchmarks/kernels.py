@@ -1,0 +1,155 @@
+"""The backend workarounds of ``jaxcomp._src.kernels`` for the compressed exchanges and the
+non-finite policy, each against the obvious form it replaces.
+
+Each row compiles a compressor's update twice, once as it is and once with the kernel swapped for
+its obvious form (``OBVIOUS``), and runs the two round-robin: the MLP gradient of
+``step_time.py`` (784-1024×3-10, 2,913,290 parameters; ``--quick``: a tiny pytree), W = 8
+simulated devices, ``jax.pmap``, the gradient and the state donated as in a training step. Reported:
+the median update time of each (for scale: the devices share the machine's cores), the median of the
+per-round ratios obvious / kernel, the temporaries of each compiled update per gradient
+(``memory.py``'s measure), and whether the outputs are bit-identical after the last round. (The DGC
+kernels have their own measurement: ``dgc_selection.py --kernels``.)
+
+  PYTHONPATH=. python benchmarks/kernels.py [--quick] [--write] [--repeats N] [--compressors ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+W = 8
+jax.config.update("jax_num_cpu_devices", W)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from jaxcomp._src import kernels  # noqa: E402
+from jaxcomp._src import tree as tree_lib  # noqa: E402
+
+
+def _joined_row(row, owner, shapes):
+  """``row_into_arrays`` as the flat layout's join of W rows, all zero but the owner's."""
+  length = sum(math.prod(s) for s in shapes)
+  rows = -(-length // row.shape[0])
+  full = jnp.where(jnp.arange(rows)[:, None] == owner, row[None], 0.0)
+  return tree_lib.unflatten(full.reshape(-1)[:length], shapes)
+
+
+def _stacked_mean(term, world):
+  """``device_mean`` as the mean of the W devices' terms stacked along a new axis."""
+  return [jnp.mean(jnp.stack(xs), axis=0) for xs in zip(*[term(w) for w in range(world)])]
+
+
+# label: (replacements of kernels' functions, the registry entries whose update shows them)
+OBVIOUS = {
+    "where (non-finite policy)": (
+        {"where": lambda pred, new, old: jnp.where(pred, new, old)},
+        ("quantized_int8", "sign", "onebit_adam")),
+    "to/from_float8_e4m3fn": (
+        {"to_float8_e4m3fn": lambda y: lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn),
+                                                                jnp.uint8),
+         "from_float8_e4m3fn": lambda b: lax.bitcast_convert_type(
+             b, jnp.float8_e4m3fn).astype(jnp.float32)},
+        ("quantized_fp8",)),
+    "row_into_arrays": ({"row_into_arrays": _joined_row}, ("quantized_int8", "onebit_adam")),
+    "device_mean": ({"device_mean": _stacked_mean}, ("quantized_int8", "sign")),
+}
+
+
+@contextlib.contextmanager
+def _patched(replacements: dict):
+  """A context in which ``kernels`` holds ``replacements`` (``{name: function}``)."""
+  with contextlib.ExitStack() as stack:
+    for name, fn in replacements.items():
+      stack.enter_context(mock.patch.object(kernels, name, fn))
+    yield
+
+
+class Update:
+  """One compiled update of a compressor, its state carried from call to call."""
+
+  def __init__(self, compressor, grads, replacements: dict):
+    tx = compressor.make(common.AXIS)
+    with _patched(replacements):
+      step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS,
+                      devices=jax.devices()[:W], donate_argnums=(0, 1))
+      self.state = jax.pmap(tx.init, axis_name=common.AXIS, devices=jax.devices()[:W])(grads)
+      self.compiled = step.lower(grads, self.state, grads).compile()
+    self.grads, self.out = grads, None
+
+  def temporaries(self) -> int:
+    return self.compiled.memory_analysis().temp_size_in_bytes
+
+  def __call__(self) -> float:
+    """Seconds of one update (the donated gradient's copy made before the clock starts)."""
+    grads = jax.block_until_ready(jax.tree.map(jnp.copy, self.grads))
+    start = time.perf_counter()
+    self.out, self.state = jax.block_until_ready(self.compiled(grads, self.state, self.grads))
+    return time.perf_counter() - start
+
+
+def mlp_gradient(quick: bool) -> dict:
+  """``step_time.py``'s MLP (or a tiny pytree) as random float32 gradients stacked over W."""
+  sizes = (784, 64, 10) if quick else (784, 1024, 1024, 1024, 10)
+  tree = {f"dense{i}": common.dense(a, b) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+  return common.random_like(common.stacked(tree, W))
+
+
+def compare(compressor, grads, replacements: dict, repeats: int) -> list:
+  """The cells of one row: ms with the kernel and obvious, the ratio, temporaries, identical."""
+  updates = {"kernel": Update(compressor, grads, {}),
+             "obvious": Update(compressor, grads, replacements)}
+  times = {name: [] for name in updates}
+  for r in range(repeats + 1):  # the first round warms up
+    for name in (list(updates) if r % 2 else list(updates)[::-1]):
+      seconds = updates[name]()
+      if r:
+        times[name].append(seconds)
+  grad = sum(x.size for x in jax.tree.leaves(grads)) // W * 4
+  same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in
+             zip(jax.tree.leaves(updates["kernel"].out), jax.tree.leaves(updates["obvious"].out)))
+  return [f"{1e3 * common.median(times['kernel']):.1f}",
+          f"{1e3 * common.median(times['obvious']):.1f}",
+          f"{common.ratio(times, 'obvious', 'kernel'):.2f}",
+          f"{updates['kernel'].temporaries() / grad:.2f}",
+          f"{updates['obvious'].temporaries() / grad:.2f}", "yes" if same else "no"]
+
+
+def main(argv=None) -> int:
+  p = common.parser(__doc__.split("\n\n")[0])
+  p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10, quick 1)")
+  args = common.parse(p, argv)
+  repeats = args.repeats or (1 if args.quick else 10)
+  wanted = {c.name for c in common.compressors(args.compressors)} if args.compressors else None
+  grads = mlp_gradient(args.quick)
+  rows = []
+  for label, (replacements, names) in OBVIOUS.items():
+    for c in common.compressors(",".join(names)):
+      if wanted is None or c.name in wanted:
+        rows.append([label, c.name] + compare(c, grads, replacements, repeats))
+        print(f"  {label} {c.name}: obvious / kernel {rows[-1][4]}", file=sys.stderr, flush=True)
+  table = common.markdown_table(
+      ["kernel", "update of", "kernel ms", "obvious ms", "obvious / kernel", "temp / grad",
+       "obvious temp / grad", "same output"], rows, "llrrrrrl")
+  model = "tiny MLP 784-64-10" if args.quick else "MLP 784-1024×3-10"
+  body = (f"Each kernel of `jaxcomp._src.kernels` against the obvious form it replaces, in a "
+          f"compressor's update of the {model} gradient (W = {W}, `jax.pmap`, gradient and state "
+          f"donated); median of {repeats} interleaved rounds. The ms columns are for scale only: "
+          "the devices share the machine's cores.\n\n" + table)
+  common.emit(args, "kernels", "Kernels against their obvious forms", "kernels.py", body)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
