@@ -245,7 +245,7 @@ def markdown_table(header: list, rows: list, align: Optional[str] = None) -> str
 
 
 SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "scaling", "network_model",
-            "slow_link")
+            "slow_link", "quality")
 
 _HEADER = """# jaxcomp benchmarks
 
