@@ -109,16 +109,16 @@ class Task:
     local SGD and DiLoCo around ``chain(clip_by_global_norm(1), inner)``, ``inner`` the entry's
     (``entry.inner``: SGD with momentum 0.9, or AdamW as in DiLoCo's paper); 1-bit Adam alone.
 
-    ``schedule`` (``SCHEDULES``) sets every learning rate of a run of ``steps`` steps, 1-bit Adam's
-    included: ``"constant"``, or ``"cosine"`` (``learning_rate_schedule``).
+    ``schedule`` (``SCHEDULES``) sets the inner optimizer's learning rate over a run of ``steps``
+    steps: ``"constant"``, or ``"cosine"`` (``learning_rate_schedule``). 1-bit Adam keeps its
+    constant one: on the chars transformer (600 steps) scheduled it ended at a held-out loss of
+    2.277, constant at 2.022 (``benchmarks/quality.py``).
     """
     rate = functools.partial(learning_rate_schedule, steps=steps, schedule=schedule)
     if entry.inner == "adamw":
       inner = optax.adamw(rate(self.adamw_learning_rate), b2=0.99, weight_decay=0.1)
     else:
       inner = optax.sgd(rate(self.learning_rate), momentum=entry.sgd_momentum)
-    if entry.is_optimizer:
-      overrides.setdefault("learning_rate", rate(entry.settings["learning_rate"]))
     return entry.optimizer(optax.chain(optax.clip_by_global_norm(1.0), inner), "batch", steps,
                            **overrides)
 
