@@ -230,3 +230,13 @@ def test_interleaved_ratio_is_per_round():
   assert len(times["a"]) == len(times["b"]) == 4 and calls.count("a") == 5
   assert calls[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # the order rotates
   assert common.ratio({"x": [2.0, 9.0, 4.0], "y": [1.0, 3.0, 1.0]}, "x", "y") == 3.0
+
+
+def test_quality_on_a_transformer():
+  # Few steps of the quick transformer, two entries: the columns are computed against allreduce.
+  rows = {r[0]: r for r in table_rows(run_script("quality.py", "--compressors", "allreduce,fp16"))}
+  assert list(rows) == ["allreduce", "fp16"]
+  assert rows["allreduce"][2] == "1.000" and rows["allreduce"][5] == "1.0x"
+  assert rows["allreduce"][3].endswith("(1.00x)")  # it reaches its own final loss
+  assert float(rows["fp16"][2]) == pytest.approx(1.0, abs=0.01)
+  assert rows["fp16"][5] == "2.0x"

@@ -8,7 +8,7 @@ in the step users are told to build — ``jaxcomp.data_parallel``'s loss-functio
 one-axis mesh (``jaxcomp.train.training_step.make_step``) — with ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))``
 (DGC applies the momentum itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its
 paper; 1-bit Adam is a whole optimizer with its own learning rate, so nothing follows it); local SGD
-and DiLoCo wrap ``chain(clip_by_global_norm(1), sgd(lr, momentum=0.9))`` as their inner optimizer,
+and DiLoCo wrap ``chain(clip_by_global_norm(1), adamw(lr))`` as their inner optimizer (their papers'),
 and their bytes per step are those of a sync step divided by its period. Each compressor runs the
 recipe of ``jaxcomp.train.registry`` for the run's length (PowerSGD's ``start_iter`` and DGC's
 warm-up over the first 10% of the steps, 1-bit Adam's dense Adam over the first 20%); the bytes are
@@ -305,10 +305,12 @@ def phase_programs(names: Sequence[str], steps: int) -> dict:
 
 
 def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: int, seed: int,
-          max_steps: Optional[int] = None, progress: bool = True) -> list:
+          max_steps: Optional[int] = None, progress: bool = True,
+          schedule: str = "constant") -> list:
   """Trains ``task`` once per compressor in ``names``, side by side, and returns a ``Run`` each.
 
-  Every compressor runs its recipe for ``steps`` steps; then, if ``allreduce`` is among them, those
+  Every compressor runs its recipe for ``steps`` steps, its learning rates on ``schedule``
+  (``tasks.SCHEDULES``); then, if ``allreduce`` is among them, those
   that have not reached allreduce's final held-out loss go on (side by side) until they do or until
   ``max_steps`` (default ``steps``: no extra steps).
   """
@@ -345,7 +347,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   runs, states = [], []
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
-    step = make_step(task, entry, task.optimizer(entry, steps=steps), mesh)
+    step = make_step(task, entry, task.optimizer(entry, steps=steps, schedule=schedule), mesh)
     params, opt_state = step.start(params0)
     compiled = step.lower(params, opt_state, x0, y0).compile()
     phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(steps)]
