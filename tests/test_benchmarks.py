@@ -232,6 +232,7 @@ def test_interleaved_ratio_is_per_round():
   assert common.ratio({"x": [2.0, 9.0, 4.0], "y": [1.0, 3.0, 1.0]}, "x", "y") == 3.0
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_quality_on_a_transformer():
   # Few steps of the quick transformer, two entries: the columns are computed against allreduce.
   rows = {r[0]: r for r in table_rows(run_script("quality.py", "--compressors", "allreduce,fp16"))}
