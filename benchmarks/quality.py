@@ -8,10 +8,18 @@ Per entry it prints the final held-out loss (the mean of the last evaluations, a
 and its ratio to allreduce's, the steps until the held-out loss first reaches allreduce's final one
 (the target) and their ratio to allreduce's own, and the bytes each device sends per step in the
 steady state (``jaxcomp.report``, ring algorithm, requested wire dtypes) with allreduce's bytes /
-the entry's. Entries that have not reached the target after ``--steps`` go on up to
-``--max-steps`` (the recipes stay those for ``--steps``).
+the entry's. Entries that have not reached the target after their steps go on up to
+``--max-steps`` (the recipes and the schedule stay those of their steps, so the rate stays at the
+schedule's last).
+
+Under a decaying schedule every run's loss falls most as its rate decays, at its own end, so an
+entry a little short of the target at ``--steps`` seldom reaches it in the extra steps, at a tenth
+of the peak rate. "Does it reach allreduce's loss within F× allreduce's steps?" is answered by
+``--stretch F``: every entry but allreduce trains for F × ``--steps`` steps, its recipe and schedule
+fitted to that length, as a user with F× the budget would train it.
 
   PYTHONPATH=. python benchmarks/quality.py [--quick] [--write] [--compressors a,b] [--steps N]
+      [--stretch F]
 """
 
 from __future__ import annotations
@@ -64,9 +72,15 @@ def main(argv=None) -> int:
   p.add_argument("--devices", type=int, default=8, help="data-parallel simulated CPU devices")
   p.add_argument("--schedule", choices=tasks.SCHEDULES, default="cosine",
                  help="every learning rate's schedule (tasks.learning_rate_schedule)")
+  p.add_argument("--stretch", type=float, default=1.0,
+                 help="every entry but allreduce trains for this many times --steps, its recipe "
+                      "and schedule fitted to that length (default 1)")
   args = common.parse(p, argv)
+  if not args.stretch >= 1:
+    p.error(f"--stretch must be at least 1 (times allreduce's steps); got {args.stretch}")
   steps = args.steps or (6 if args.quick else 600)
-  max_steps = args.max_steps or steps * 3 // 2
+  own = round(args.stretch * steps)
+  max_steps = args.max_steps or own * 3 // 2
   names = [c.name for c in common.compressors(args.compressors or ",".join(
       QUICK if args.quick else registry.REGISTRY))]
   if "allreduce" not in names:
@@ -75,14 +89,18 @@ def main(argv=None) -> int:
   task = tasks.chars(quick=args.quick)
   start = time.perf_counter()
   runs = job.train(task, names, steps=steps, devices=devices, batch_size=32, seed=0,
-                   max_steps=max_steps, progress=not args.quick, schedule=args.schedule)
+                   max_steps=max_steps, progress=not args.quick, schedule=args.schedule,
+                   stretch=args.stretch)
   base, target = job.target_of(runs)
-  body = (f"The chars transformer ({common.num_params(task.init(0)):,} parameters), {steps} "
-          f"steps with each entry's recipe for {steps} (entries short of the target go on up to "
+  length = (f"{steps} steps with each entry's recipe for {steps}" if own == steps else
+            f"allreduce {steps} steps, every other entry {own} ({args.stretch:g}x) with its "
+            f"recipe and schedule for {own}")
+  body = (f"The chars transformer ({common.num_params(task.init(0)):,} parameters), {length} "
+          f"(entries short of the target go on up to "
           f"{max_steps}), {len(devices)} simulated CPU devices, global batch 32, seed 0, learning "
           f"rates {args.schedule} (`tasks.learning_rate_schedule`); "
           f"{time.perf_counter() - start:.0f} s on a machine shared with other jobs. "
-          f"Held-out loss: the mean of the last {job.WINDOW} evaluations after {steps} steps; "
+          f"Held-out loss: the mean of the last {job.WINDOW} evaluations after the entry's steps; "
           f"target: {base.name}'s, {target:.3f}; bytes: each device's per step in the steady "
           "state (ring algorithm, requested wire dtypes).\n\n" + table(runs))
   common.emit(args, "quality", "Quality on a transformer", "quality.py", body)

@@ -190,9 +190,9 @@ def main(argv=None) -> int:
   runs = job_lib.train(task, names, steps=steps, devices=devices, batch_size=batch_size, seed=0,
                        max_steps=2 * steps, progress=False)
   trained = time.perf_counter() - started
-  programs = job_lib.phase_programs(names, steps)
+  programs = job_lib.phase_programs(dict.fromkeys(names, steps))
   for name in checks:
-    programs.update(job_lib.phase_programs([name], check_steps))
+    programs.update(job_lib.phase_programs({name: check_steps}))
   print(f"  trained in {trained:.0f} s; timing {len(programs)} programs"
         f"{' + ' + str(len(torch_names)) + ' torch DDP steps' if torch_names else ''} over "
         f"{', '.join(rates)} on {world} processes", file=sys.stderr, flush=True)

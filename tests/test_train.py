@@ -264,6 +264,22 @@ def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
   assert _fake_run(evals=[(0, 2.0, 0.1), (6, float("nan"), 0.1)]).diverged
 
 
+@pytest.mark.slow  # trains two entries end to end (compiles, bytes, evaluations)
+def test_a_stretched_run_trains_every_entry_but_allreduce_for_longer(digits):
+  devices = jax.devices()[:2]
+  runs = job.train(digits, ["allreduce", "powersgd_r1"], steps=10, devices=devices, batch_size=32,
+                   seed=0, progress=False, stretch=2)
+  allreduce, powersgd = runs
+  assert (allreduce.steps, powersgd.steps) == (10, 20)
+  assert len(allreduce.losses) == 10 and len(powersgd.losses) >= 20
+  assert powersgd.evals[-1][0] >= 20  # evaluated after its own last step
+  # The recipe is the one for 20 steps: PowerSGD's plain-mean warm-up is a tenth of them.
+  assert [p[0] for p in powersgd.phases] == [0, 2]
+  with pytest.raises(ValueError, match="stretch must be at least 1"):
+    job.train(digits, ["allreduce"], steps=4, devices=devices, batch_size=32, seed=0,
+              progress=False, stretch=0.5)
+
+
 def test_the_default_run_is_job_default_and_all_is_every_entry():
   default = job.parse_args([])
   assert default.compressors == list(registry.JOB_DEFAULT)

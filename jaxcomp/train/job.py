@@ -294,11 +294,12 @@ class Run:
     return self.seconds_to(steps, self.link_seconds)
 
 
-def phase_programs(names: Sequence[str], steps: int) -> dict:
-  """``{program key: (registry name, settings)}`` of every phase of the compressors' recipes."""
+def phase_programs(steps_of: dict) -> dict:
+  """``{program key: (registry name, settings)}`` of every phase of the compressors' recipes, each
+  for its run's steps (``steps_of``: ``{registry name: steps}``)."""
   from jaxcomp.train import link
   programs = {}
-  for name in names:
+  for name, steps in steps_of.items():
     for phase in registry.REGISTRY[name].phases(steps):
       programs[link.program_key(phase.name, phase.settings)] = (phase.name, phase.settings)
   return programs
@@ -306,13 +307,15 @@ def phase_programs(names: Sequence[str], steps: int) -> dict:
 
 def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: int, seed: int,
           max_steps: Optional[int] = None, progress: bool = True,
-          schedule: str = "constant") -> list:
+          schedule: str = "constant", stretch: float = 1.0) -> list:
   """Trains ``task`` once per compressor in ``names``, side by side, and returns a ``Run`` each.
 
   Every compressor runs its recipe for ``steps`` steps, its learning rates on ``schedule``
-  (``tasks.SCHEDULES``); then, if ``allreduce`` is among them, those
-  that have not reached allreduce's final held-out loss go on (side by side) until they do or until
-  ``max_steps`` (default ``steps``: no extra steps).
+  (``tasks.SCHEDULES``) — every compressor but allreduce for ``round(stretch · steps)`` steps
+  instead, recipe and schedule fitted to that length, where ``stretch`` is not 1 (does the
+  compressor reach allreduce's loss when given ``stretch`` times its steps?); then, if
+  ``allreduce`` is among them, those that have not reached allreduce's final held-out loss go on
+  (side by side) until they do or until ``max_steps`` (default: no extra steps).
   """
   import jax
   import tqdm
@@ -320,9 +323,12 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   from jaxcomp._src.report import parse_hlo
   from jaxcomp.train import link
 
+  if not stretch >= 1:
+    raise ValueError(f"stretch must be at least 1 (times allreduce's steps); got {stretch!r}")
   n = len(devices)
   mesh = make_mesh(devices)
-  max_steps = max(max_steps or steps, steps)
+  steps_of = {name: steps if name == "allreduce" else round(stretch * steps) for name in names}
+  max_steps = max([max_steps or steps] + list(steps_of.values()))
   every = max(steps // EVALUATIONS, 1)
   params0 = task.init(seed)
   x0, y0 = task.batch(seed, 0, batch_size)
@@ -336,7 +342,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
     return parse_hlo(text, n)  # debug_info keeps the phases' labels
 
   program_bytes, program_collectives = {}, {}
-  for key, (name, settings) in tqdm.tqdm(phase_programs(names, steps).items(),
+  for key, (name, settings) in tqdm.tqdm(phase_programs(steps_of).items(),
                                          desc="reading bytes", disable=not progress,
                                          file=sys.stderr):
     entry = registry.REGISTRY[name]
@@ -347,10 +353,11 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   runs, states = [], []
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
-    step = make_step(task, entry, task.optimizer(entry, steps=steps, schedule=schedule), mesh)
+    own = steps_of[name]
+    step = make_step(task, entry, task.optimizer(entry, steps=own, schedule=schedule), mesh)
     params, opt_state = step.start(params0)
     compiled = step.lower(params, opt_state, x0, y0).compile()
-    phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(steps)]
+    phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(own)]
     # A narrow wire dtype's bytes as XLA compiles them (the steady phase's share of the recipe's
     # program): more than requested where it widens bf16.
     steady = phases[-1][1]
@@ -360,24 +367,22 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
       if sent != program_bytes[steady]:
         note = (f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after compiling "
                 "(it widens the wire dtype)")
-    run = Run(name, steps, phases, {key: program_bytes[key] for _, key in phases},
+    run = Run(name, own, phases, {key: program_bytes[key] for _, key in phases},
               program_bytes[steady], note, {key: program_collectives[key] for _, key in phases})
     run.evals.append(at_start)
     runs.append(run)
     states.append([step, compiled, params, opt_state])
 
-  bar = tqdm.tqdm(total=steps * len(names), desc=f"{task.name} x{len(names)}", unit="step",
+  bar = tqdm.tqdm(total=sum(steps_of.values()), desc=f"{task.name} x{len(names)}", unit="step",
                   disable=not progress, file=sys.stderr, mininterval=0.5)
+  base = next((r for r in runs if r.name == "allreduce"), None)
   active = list(range(len(runs)))
-  target = None
   for t in range(max_steps):
-    if t == steps:
-      base = next((r for r in runs if r.name == "allreduce"), None)
-      if base is None:
-        break
-      target = base.final[0]
-      active = [i for i in active if runs[i].steps_to(target) is None and not runs[i].diverged]
-      bar.total += len(active) * (max_steps - steps)
+    # A run ends after its own steps, unless allreduce ran too and the run is still short of its
+    # final held-out loss: then it goes on until it reaches it (or diverged) or until max_steps.
+    active = [i for i in active if t < runs[i].steps or (
+        base is not None and not runs[i].diverged and runs[i].steps_to(base.final[0]) is None)]
+    bar.total += sum(max_steps - t for i in active if t == runs[i].steps)
     if not active:
       break
     batch = task.batch(seed, t, batch_size)
@@ -389,12 +394,10 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
       run.step_seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
       states[i] = [step, compiled, params, opt_state]
-      if (t + 1) % every == 0 or t + 1 == steps:
+      if (t + 1) % every == 0 or t + 1 == run.steps:
         run.evals.append((t + 1,) + task.evaluate(first_copy(params, params0)))
       bar.set_postfix_str(f"{run.name} loss {loss:.3f}", refresh=False)
       bar.update()
-    if target is not None:
-      active = [i for i in active if runs[i].steps_to(target) is None]
   bar.close()
   return runs
 
@@ -614,7 +617,7 @@ def time_over_link(task_name: str, runs: Sequence[Run], *, rate: str, quick: boo
   """Times every phase program of ``runs`` over a slow link (``jaxcomp.train.link``) on ``world``
   processes and stores the seconds per step in each run's ``link_seconds``; returns the job's result."""
   from jaxcomp.train import link
-  programs = phase_programs([r.name for r in runs], runs[0].steps)
+  programs = phase_programs({r.name: r.steps for r in runs})
   result = link.run_job(link.Job(task=task_name, quick=quick, seed=seed, batch_size=batch_size,
                                  world=world, rates=[rate], programs=programs))
   seconds = result["links"][rate]["seconds"]
