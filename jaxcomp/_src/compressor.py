@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, buckets, finite, phases, shards, validate
+from jaxcomp._src import axis, buckets, finite, kernels, phases, shards, validate
 from jaxcomp._src import tree as tree_lib
 
 _MIB = 1024 * 1024
@@ -199,12 +199,14 @@ def _guarded(algorithm: Algorithm, config, state, leaves: list, axis_name,
              step: Optional[Callable], shape_of: Callable) -> tuple:
   """``run_step`` under the non-finite policy (``Algorithm.nonfinite`` says how); ``shape_of(leaf)``
   is the shape of its output (a shard's with ``step=algorithm.scatter``)."""
-  ok = finite.all_finite(leaves, axis_name)
+  with kernels.part("nonfinite"):
+    ok = finite.all_finite(leaves, axis_name)
   run = lambda s, g: run_step(algorithm, config, s, g, axis_name, step)  # noqa: E731
   if algorithm.nonfinite == "skip":
     return lax.cond(ok, run, functools.partial(_skip, shape_of), state, leaves)
   means, new_state = run(state, leaves)
-  return finite.gated(ok, means, new_state, state)
+  with kernels.part("nonfinite"):
+    return finite.gated(ok, means, new_state, state)
 
 
 def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
@@ -254,11 +256,13 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
 
   def update_fn(updates, state, params=None):
     del params
-    return apply(updates, state, None, lambda x: x.shape)
+    with kernels.part("update"):
+      return apply(updates, state, None, lambda x: x.shape)
 
   def scatter_fn(updates, state):
     cut = shards.layout(axis_name)
-    return apply(updates, state, algorithm.scatter, lambda x: cut.shape(x.shape))
+    with kernels.part("update"):
+      return apply(updates, state, algorithm.scatter, lambda x: cut.shape(x.shape))
 
   update_fn.scatter = scatter_fn if algorithm.scatter else _owning(update_fn, axis_name)
   return optax.GradientTransformation(init_fn, update_fn)

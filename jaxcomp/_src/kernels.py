@@ -18,6 +18,15 @@ from jax.sharding import AxisType
 
 from jaxcomp._src import axis
 
+
+def part(name: str):
+  """The name scope of one part of an exchange or of the compressor adapter (``"encode"``,
+  ``"decode"``, ``"error_feedback"``, ``"layout"``, ``"nonfinite"``, ``"update"``). Metadata only
+  (the compiled program is the same): ``benchmarks/step_profile.py`` reads it back from the compiled
+  HLO's ``op_name`` to say where a step's time goes."""
+  return jax.named_scope(f"jaxcomp.{name}")
+
+
 # ------------------------------------------------------------------------------------------ PowerSGD
 
 
@@ -236,10 +245,11 @@ def device_mean(term: Callable[[int], list], world: int) -> list:
   1.06×, the same temporaries; ``PYTHONPATH=. python benchmarks/kernels.py --repeats 10`` (2
   shared cores).
   """
-  total = [x / world for x in term(0)]
-  for w in range(1, world):
-    total = [t + x / world for t, x in zip(total, term(w))]
-  return total
+  with part("decode"):
+    total = [x / world for x in term(0)]
+    for w in range(1, world):
+      total = [t + x / world for t, x in zip(total, term(w))]
+    return total
 
 
 def to_float8_e4m3fn(y: jax.Array) -> jax.Array:
