@@ -22,7 +22,7 @@ its ``op_name`` (the JAX name scopes it was traced under, read from the compiled
 
 The innermost scope decides. A fusion carries the ``op_name`` of the instruction it was built
 around (its root), so work XLA fused across parts (``p = g + e`` into the encoding) counts in the
-root's part. Each phase is given in ms per device and step (the events' durations summed over the
+root's part; one without (a reduction XLA rewrote) takes that of an instruction inside it. Each phase is given in ms per device and step (the events' durations summed over the
 devices, ÷W, ÷steps) and as a share of their sum; ``step`` is the wall-clock time of a blocked step
 while traced (the devices share the host's cores, so a device's ops take longer than on a core of
 its own: compare shares and compressors, not the ms with another machine's). Control flow
@@ -65,6 +65,8 @@ _COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "col
 _CONTROL = ("conditional", "while", "call")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*.*?\s(?P<op>[a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'op_name="(?P<op_name>[^"]*)"')
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _SCOPE = re.compile("|".join(re.escape(s) for s in PARTS) + r"|\b(?:jvp|transpose)\(")
 
 
@@ -81,13 +83,26 @@ def scoped(tx: optax.GradientTransformation, name: str) -> optax.GradientTransfo
 
 
 def instructions(hlo_text: str) -> dict:
-  """``{instruction name: (opcode, op_name)}`` of every instruction of a compiled HLO module."""
-  out = {}
+  """``{instruction name: (opcode, op_name)}`` of every instruction of a compiled HLO module. A
+  fusion that XLA left without an ``op_name`` (a reduction it rewrote) takes the last one among the
+  instructions it calls."""
+  out, called, inside, computation = {}, {}, {}, None
   for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group("name")
     m = _INSTRUCTION.match(line)
     if m:
       op_name = _OP_NAME.search(line)
-      out[m.group("name")] = (m.group("op"), op_name.group("op_name") if op_name else "")
+      op_name = op_name.group("op_name") if op_name else ""
+      out[m.group("name")] = (m.group("op"), op_name)
+      if op_name:
+        inside[computation] = op_name
+      calls = _CALLS.search(line)
+      if calls and not op_name:
+        called[m.group("name")] = calls.group(1)
+  for name, computation in called.items():
+    out[name] = (out[name][0], inside.get(computation, ""))
   return out
 
 
