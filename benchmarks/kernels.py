@@ -1,5 +1,5 @@
-"""The backend workarounds of ``jaxcomp._src.kernels`` for the compressed exchanges and the
-non-finite policy, each against the obvious form it replaces.
+"""The backend workarounds of ``jaxcomp._src.kernels`` for the compressed exchanges, PowerSGD and
+the non-finite policy, each against the obvious form it replaces.
 
 Each row compiles a compressor's update twice, once as it is and once with the kernel swapped for
 its obvious form (``OBVIOUS``), and runs the two round-robin: the MLP gradient of
@@ -64,6 +64,8 @@ OBVIOUS = {
         ("quantized_fp8",)),
     "row_into_arrays": ({"row_into_arrays": _joined_row}, ("quantized_int8", "onebit_adam")),
     "device_mean": ({"device_mean": _stacked_mean}, ("quantized_int8", "sign")),
+    "transposed_product": ({"transposed_product": lambda terms, p: sum(t.T @ p for t in terms)},
+                           ("powersgd_r1", "powersgd_r4")),
 }
 
 

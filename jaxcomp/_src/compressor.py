@@ -95,14 +95,12 @@ class Algorithm:
       (DGC's local clipping needs the whole gradient's norm).
     nonfinite: how a non-finite step keeps the state: ``"skip"``, a ``lax.cond`` that does not run
       the step (no collectives; with the state donated, XLA updates it in place inside the branch:
-      DGC's temporaries fell from 1.7–1.9× the gradient to 1.05×); or ``"select"``, the step runs
+      DGC's temporaries in ``benchmarks/memory.py``); or ``"select"``, the step runs
       and ``finite.gated`` keeps the old state (written in place: ``finite.keep_if_finite``) and
       outputs NaN — for steps XLA:CPU compiles worse inside a conditional branch (it leaves their
       concatenations unfused and copies the state in and out: quantized's update temporaries on
       ResNet-18 3.26× the gradient under the cond against 2.26× selected, 1-bit Adam's 3.19×
-      against 2.16×; ``benchmarks/memory.py``; on the MLP of ``benchmarks/step_time.py``, W = 8,
-      donated, quantized(8)'s update 410 ms under the cond against 221 ms selected, one shared
-      run).
+      against 2.16×; ``benchmarks/memory.py``).
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.
