@@ -298,8 +298,7 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
   mean, worker_error = scatter_mean(codec, rows_of, x, worker_error, axis_name, key)
   if server_error is not None:
     with kernels.part("error_feedback"):
-      mean = [m + lax.dynamic_index_in_dim(s, me, keepdims=True)
-              for m, s in zip(mean, rows_of.split(server_error))]
+      mean = [m + s for m, s in zip(mean, _owner_rows(rows_of, server_error, me, world, mean))]
   # 5–6: re-encode and gather; s ← mean − decode(encoding), at this device's row.
   whole, decoded = gather_rows(codec, rows_of, mean, rows_of.count(me), axis_name, key)
   if server_error is not None:
@@ -307,6 +306,13 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
       rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
       server_error = _own_rows(rows_of, rows, me, world, [a.shape for a in x])
   return whole, worker_error, server_error
+
+
+def _owner_rows(rows_of: Layout, arrays: list, owner, world: int, like: list) -> list:
+  """4: the owner's row of each piece of ``rows_of.split(arrays)``, shaped as ``like``'s (1, …)."""
+  if not kernels.keeps_leaves():  # the flat layout: one row
+    return [kernels.row_of_arrays(arrays, owner, like[0].shape[-1], world)[None]]
+  return [lax.dynamic_index_in_dim(s, owner, keepdims=True) for s in rows_of.split(arrays)]
 
 
 def _own_rows(rows_of: Layout, rows: list, owner, world: int, shapes: Sequence[tuple]) -> list:

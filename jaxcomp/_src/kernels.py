@@ -291,6 +291,31 @@ def from_float8_e4m3fn(bits: jax.Array) -> jax.Array:
   return jnp.where(b >= 0x80, -magnitude, magnitude)
 
 
+def row_of_arrays(arrays: Sequence, owner, length: int, rows: int) -> jax.Array:
+  """Row ``owner`` (of ``rows``) of the ``arrays`` raveled, concatenated, zero-padded to
+  ``rows·length`` values and cut into rows of ``length``: the flat layout's ``split``
+  (``exchange.flat_layout``) for one row, the inverse of ``row_into_arrays``.
+
+  A ``lax.switch`` over the rows, each branch concatenating the static slices of the arrays its
+  row overlaps: XLA:CPU copies ``length`` values. Split, then indexed by the dynamic ``owner``, all
+  the arrays are concatenated first, unfused, to read one row of them. The update of the MLP
+  gradient (784-1024×3-10, W = 8, pmap, donated), the split / this: ``PYTHONPATH=. python
+  benchmarks/kernels.py --repeats 10``'s ``row_of_arrays`` rows (2 shared cores). Exact.
+  """
+  sizes = [x.size for x in arrays]
+  starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+  def row(w):
+    low, high = w * length, (w + 1) * length
+    parts = [x.reshape(-1)[max(low, start) - start:min(high, start + size) - start]
+             for x, start, size in zip(arrays, starts, sizes)
+             if max(low, start) < min(high, start + size)]
+    filled = sum(p.size for p in parts)
+    return jnp.concatenate(parts + [jnp.zeros([length - filled], jnp.float32)])
+
+  return lax.switch(owner, [lambda w=w: row(w) for w in range(rows)])
+
+
 def row_into_arrays(row: jax.Array, owner, shapes: Sequence[tuple]) -> list:
   """Arrays of ``shapes`` that, raveled and concatenated (``exchange.flat_layout``), hold the 1-D
   ``row`` of S values at positions ``owner·S`` to ``owner·S + S − 1`` and zeros elsewhere: the
