@@ -1,7 +1,8 @@
 """Where a training step's time goes, per phase, from a ``jax.profiler`` trace of the step.
 
 The step is ``step_time.py``'s (the main job's ``jaxcomp.data_parallel`` step over W simulated CPU
-devices, then ``optax.sgd``), traced for ``--repeats`` steps per registry entry. XLA:CPU records one
+devices, then ``optax.sgd``), traced for ``--repeats`` steps per registry entry, one step of each
+entry after the other (round-robin, as ``step_time.py`` times them). XLA:CPU records one
 event per executed HLO instruction per device; each is given a phase from the instruction's opcode and
 its ``op_name`` (the JAX name scopes it was traced under, read from the compiled HLO):
 
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import step_time  # noqa: E402  (configures the simulated devices first)
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
@@ -131,9 +133,8 @@ def events(trace_dir: str, module: str):
           yield stats["hlo_op"], stats.get("device_ordinal", 0), e.start_ns, e.duration_ns
 
 
-def phase_times(trace, ops: dict, world: int, steps: int) -> tuple:
-  """``({phase: ms}, {(phase, instruction): ms})``, per device and step, from the events of
-  ``steps`` traced steps."""
+def instruction_times(trace, ops: dict, world: int) -> dict:
+  """``{(phase, instruction): ms per device}`` from the events of one traced step."""
   total = collections.Counter()
   runs = collections.defaultdict(list)  # collective -> its runs on every device
   for hlo_op, device, start, duration in trace:
@@ -150,32 +151,59 @@ def phase_times(trace, ops: dict, world: int, steps: int) -> tuple:
       least = min(durations)
       total["collectives", hlo_op] += least * len(durations)
       total["waiting at collectives", hlo_op] += sum(durations) - least * len(durations)
-  by_instruction = {key: ns / 1e6 / world / steps for key, ns in total.items()}
-  by_phase = {p: sum(ms for (q, _), ms in by_instruction.items() if q == p) for p in PHASES}
-  return by_phase, by_instruction
+  return {key: ns / 1e6 / world for key, ns in total.items()}
 
 
-def profile(step, args: list, world: int, steps: int) -> tuple:
-  """``({phase: ms}, {(phase, instruction): ms}, wall-clock ms per step, instructions(HLO))`` of
-  ``steps`` blocked runs of ``step`` (``training_step.Step``) on ``args`` (its parameters,
-  optimizer state, inputs, targets), which it advances."""
-  compiled = step.run.lower(*args).compile()
-  text = compiled.as_text()
-  module = re.match(r"HloModule (\S+?),", text).group(1)
-  ops = instructions(text)
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir):
-      start = time.perf_counter()
-      for _ in range(steps):
-        args[0], args[1], loss = step.run(*args)
-        jax.block_until_ready((args[0], args[1], loss))
-      wall = (time.perf_counter() - start) / steps
-    return (*phase_times(events(trace_dir, module), ops, world, steps), 1e3 * wall, ops)
+class Traced:
+  """One entry's training step (``training_step.Step``), compiled, with its state; ``__call__``
+  traces one blocked step."""
+
+  def __init__(self, step, task, batch, world: int):
+    self.step, self.world = step, world
+    self.args = list(step.start(task.init(0))) + list(step.dp.shard(batch))
+    for _ in range(2):  # compile and warm up
+      self.run()
+    text = step.run.lower(*self.args).compile().as_text()
+    self.module = re.match(r"HloModule (\S+?),", text).group(1)
+    self.ops = instructions(text)
+
+  def run(self):
+    self.args[0], self.args[1], loss = self.step.run(*self.args)
+    jax.block_until_ready((self.args[0], self.args[1], loss))
+
+  def __call__(self) -> tuple:
+    """``({(phase, instruction): ms per device}, wall-clock ms)`` of one traced step."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        start = time.perf_counter()
+        self.run()
+        wall = time.perf_counter() - start
+      return instruction_times(events(trace_dir, self.module), self.ops, self.world), 1e3 * wall
+
+
+def profile(traced: dict, repeats: int) -> tuple:
+  """``({name: {(phase, instruction): ms}}, {name: wall-clock ms}, {name: step / first's})``: the
+  means over ``repeats`` rounds in which every entry's step is traced once, in an order that rotates
+  from round to round (as ``common.interleaved`` times them); the ratio is the median of the
+  per-round ratios of the wall-clock times to the first entry's."""
+  names = list(traced)
+  costs = {n: collections.Counter() for n in names}
+  walls = {n: [] for n in names}
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      cost, wall = traced[name]()
+      costs[name].update(cost)
+      walls[name].append(wall)
+  first = np.asarray(walls[names[0]])
+  return ({n: {k: v / repeats for k, v in c.items()} for n, c in costs.items()},
+          {n: common.median(w) for n, w in walls.items()},
+          {n: float(np.median(np.asarray(w) / first)) for n, w in walls.items()})
 
 
 def main(argv=None) -> int:
   p = common.parser(__doc__.split("\n\n")[0])
-  p.add_argument("--repeats", type=int, default=None, help="traced steps per entry (default 4)")
+  p.add_argument("--repeats", type=int, default=None,
+                 help="traced steps per entry, round-robin (default 4)")
   p.add_argument("--top", type=int, default=0,
                  help="also list each entry's N costliest instructions, with their op_name")
   p.add_argument("--devices", type=int, default=step_time.MAX_DEVICES,
@@ -190,29 +218,28 @@ def main(argv=None) -> int:
   if compressor_list[0].name != "allreduce":
     compressor_list = common.compressors("allreduce") + compressor_list
   (model, (task, batch_size)), = step_time.model_tasks(args.quick, ["mlp"]).items()
-  devices = jax.devices()[:args.devices]
   batch = task.batch(0, 0, batch_size(args.devices))
-  steps = step_time.make_steps(task, compressor_list, devices,
+  steps = step_time.make_steps(task, compressor_list, jax.devices()[:args.devices],
                                lambda inner: scoped(inner, OPTIMIZER_SCOPE))
-  columns, walls, tops = {}, {}, []
-  for name, step in steps.items():
-    state = list(step.start(task.init(0))) + list(step.dp.shard(batch))
-    for _ in range(2):  # compile and warm up
-      state[0], state[1], loss = step.run(*state)
-      jax.block_until_ready(loss)
-    columns[name], costs, walls[name], ops = profile(step, state, args.devices, repeats)
-    for (phase, hlo_op), ms in sorted(costs.items(), key=lambda kv: -kv[1])[:args.top]:
-      tops.append([name, phase, hlo_op, f"{ms:.3g}", _short(ops.get(hlo_op, ("", ""))[1])])
+  traced = {name: Traced(step, task, batch, args.devices) for name, step in steps.items()}
+  costs, walls, ratios = profile(traced, repeats)
+  columns = {n: {p: sum(ms for (q, _), ms in c.items() if q == p) for p in PHASES}
+             for n, c in costs.items()}
   rows = []
   for phase in PHASES:
     if any(columns[n][phase] > 0 for n in columns):
       rows.append([phase] + [_cell(columns[n][phase], sum(columns[n].values())) for n in columns])
   rows.append(["sum of the phases"] + [f"{sum(columns[n].values()):.4g}" for n in columns])
   rows.append(["step (wall clock)"] + [f"{walls[n]:.4g}" for n in columns])
+  rows.append(["step / allreduce"] + [f"{ratios[n]:.2f}" for n in columns])
   table = common.markdown_table(["phase, ms per device (share)"] + list(columns), rows)
-  body = (f"{model}, W = {args.devices}, {repeats} traced steps per entry; each phase in ms per "
-          "device and step and as a share of the phases' sum (`benchmarks/step_profile.py`'s docstring "
-          "says how events are assigned).\n\n" + table)
+  body = (f"{model}, W = {args.devices}, {repeats} traced steps per entry, round-robin; each phase "
+          "in ms per device and step and as a share of the phases' sum; the wall-clock step is the "
+          "median, its ratio the median of the per-round ratios (`benchmarks/step_profile.py`'s "
+          "docstring says how events are assigned).\n\n" + table)
+  tops = [[name, phase, hlo_op, f"{ms:.3g}", _short(traced[name].ops.get(hlo_op, ("", ""))[1])]
+          for name, c in costs.items()
+          for (phase, hlo_op), ms in sorted(c.items(), key=lambda kv: -kv[1])[:args.top]]
   if tops:
     body += "\n\n" + common.markdown_table(["entry", "phase", "instruction", "ms", "op_name"],
                                             tops, "lllrl")

@@ -268,9 +268,10 @@ def test_step_profile():
   for phase in ("forward+backward", "collectives", "encode", "error feedback", "rows layout",
                 "non-finite gate", "optimizer"):
     assert float(rows[phase][1].split()[0]) > 0, (phase, out)
+  assert rows["step / allreduce"][0] == "1.00"
+  totals = ("sum of the phases", "step (wall clock)", "step / allreduce")
   for column in range(2):
-    phases = [float(cells[column].split()[0]) for name, cells in rows.items()
-              if name not in ("sum of the phases", "step (wall clock)")]
+    phases = [float(cells[column].split()[0]) for name, cells in rows.items() if name not in totals]
     total, wall = float(rows["sum of the phases"][column]), float(rows["step (wall clock)"][column])
     assert sum(phases) == pytest.approx(total, rel=0.01), out  # rounding of each cell only
     assert 0 < total <= 1.1 * wall, out  # a device's ops fit in its step: nothing counted twice
