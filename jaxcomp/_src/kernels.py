@@ -299,8 +299,11 @@ def row_of_arrays(arrays: Sequence, owner, length: int, rows: int) -> jax.Array:
   A ``lax.switch`` over the rows, each branch concatenating the static slices of the arrays its
   row overlaps: XLA:CPU copies ``length`` values. Split, then indexed by the dynamic ``owner``, all
   the arrays are concatenated first, unfused, to read one row of them. The update of the MLP
-  gradient (784-1024×3-10, W = 8, pmap, donated), the split / this: ``PYTHONPATH=. python
-  benchmarks/kernels.py --repeats 10``'s ``row_of_arrays`` rows (2 shared cores). Exact.
+  gradient (784-1024×3-10, W = 8, pmap, donated), the split / this: ``jaxcomp.quantized(8)`` 1.10×
+  the time, 1-bit Adam 1.04×, the same temporaries, outputs bit-identical; ``PYTHONPATH=. python
+  benchmarks/kernels.py --repeats 10 --compressors quantized_int8,onebit_adam`` (2 shared cores).
+  In the training step (``benchmarks/step_profile.py``) quantized(8)'s error feedback fell from
+  17–19% of the step to 10%.
   """
   sizes = [x.size for x in arrays]
   starts = [sum(sizes[:i]) for i in range(len(sizes))]
