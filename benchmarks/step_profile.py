@@ -19,15 +19,18 @@ its ``op_name`` (the JAX name scopes it was traced under, read from the compiled
   own math outside those parts (DGC's selection, 1-bit Adam's moments, the dense casts);
 * ``optimizer``: the optimizer after (or, for local SGD and DiLoCo, inside) the compressor, which
   this script runs under a ``profile.optimizer`` scope;
-* ``other``: the rest of the step (copies, the loss's mean).
+* ``other``: the rest of the step (copies, the loss's mean, the parameters' update; local SGD's and
+  DiLoCo's local update, whose fusions end in it).
 
 The innermost scope decides. A fusion carries the ``op_name`` of the instruction it was built
 around (its root), so work XLA fused across parts (``p = g + e`` into the encoding) counts in the
-root's part; one without (a reduction XLA rewrote) takes that of an instruction inside it. Each phase is given in ms per device and step (the events' durations summed over the
-devices, ÷W, ÷steps) and as a share of their sum; ``step`` is the wall-clock time of a blocked step
-while traced (the devices share the host's cores, so a device's ops take longer than on a core of
-its own: compare shares and compressors, not the ms with another machine's). Control flow
-(``conditional``, ``while``, ``call``) is not counted itself: the instructions inside it are.
+root's part; one without (a reduction XLA rewrote) takes that of an instruction inside it. Control
+flow (``conditional``, ``while``, ``call``) is not counted itself: the instructions inside it are.
+Each phase is given in ms per device and step (the events' durations summed over the devices, ÷W,
+averaged over the traced steps) and as a share of their sum; ``step (wall clock)`` is the median
+wall-clock time of a traced step, ``step / allreduce`` the median of the per-round ratios. The
+devices share the host's cores, so a device's ops take longer than on a core of its own: compare
+shares and compressors, not the ms with another machine's.
 
   PYTHONPATH=. python benchmarks/step_profile.py [--quick] [--compressors allreduce,quantized_int8]
       [--devices 8] [--repeats 4]
