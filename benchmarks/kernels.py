@@ -1,5 +1,5 @@
-"""The backend workarounds of ``jaxcomp._src.kernels`` for the compressed exchanges and the
-non-finite policy, each against the obvious form it replaces.
+"""The backend workarounds of ``jaxcomp._src.kernels`` for the compressed exchanges, PowerSGD and
+the non-finite policy, each against the obvious form it replaces.
 
 Each row compiles a compressor's update twice, once as it is and once with the kernel swapped for
 its obvious form (``OBVIOUS``), and runs the two round-robin: the MLP gradient of
@@ -46,6 +46,13 @@ def _joined_row(row, owner, shapes):
   return tree_lib.unflatten(full.reshape(-1)[:length], shapes)
 
 
+def _split_row(arrays, owner, length, rows):
+  """``row_of_arrays`` as the flat layout's split of the arrays into rows, then row ``owner``."""
+  flat = tree_lib.flatten(list(arrays))
+  split = jnp.pad(flat, (0, rows * length - flat.size)).reshape(rows, length)
+  return lax.dynamic_index_in_dim(split, owner, keepdims=False)
+
+
 def _stacked_mean(term, world):
   """``device_mean`` as the mean of the W devices' terms stacked along a new axis."""
   return [jnp.mean(jnp.stack(xs), axis=0) for xs in zip(*[term(w) for w in range(world)])]
@@ -63,7 +70,10 @@ OBVIOUS = {
              b, jnp.float8_e4m3fn).astype(jnp.float32)},
         ("quantized_fp8",)),
     "row_into_arrays": ({"row_into_arrays": _joined_row}, ("quantized_int8", "onebit_adam")),
+    "row_of_arrays": ({"row_of_arrays": _split_row}, ("quantized_int8", "onebit_adam")),
     "device_mean": ({"device_mean": _stacked_mean}, ("quantized_int8", "sign")),
+    "transposed_product": ({"transposed_product": lambda terms, p: sum(t.T @ p for t in terms)},
+                           ("powersgd_r1", "powersgd_r4")),
 }
 
 

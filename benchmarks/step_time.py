@@ -94,22 +94,30 @@ def model_tasks(quick: bool, names) -> dict:
   return out
 
 
-def step_runners(task, compressor_list, batch, devices):
-  """A function per compressor running one blocked training step on ``batch``."""
+def make_steps(task, compressor_list, devices, wrap_inner=lambda inner: inner) -> dict:
+  """The training step (``training_step.Step``) of each compressor over ``devices``, with
+  ``optax.sgd`` (through ``wrap_inner``) as its optimizer."""
   from jaxcomp.train import training_step
   mesh = training_step.make_mesh(devices)
-  runners = {}
+  steps = {}
   for c in compressor_list:
-    tx = c.optimizer(optax.sgd(getattr(task, "learning_rate", 0.01), momentum=c.sgd_momentum),
-                     common.AXIS)
-    step = training_step.make_step(task, c, tx, mesh)
+    inner = optax.sgd(getattr(task, "learning_rate", 0.01), momentum=c.sgd_momentum)
+    steps[c.name] = training_step.make_step(task, c, c.optimizer(wrap_inner(inner), common.AXIS),
+                                            mesh)
+  return steps
+
+
+def step_runners(task, compressor_list, batch, devices):
+  """A function per compressor running one blocked training step on ``batch``."""
+  runners = {}
+  for name, step in make_steps(task, compressor_list, devices).items():
     inputs, targets = step.dp.shard(batch)
     holder = list(step.start(task.init(0)))
 
     def run(step=step, holder=holder, inputs=inputs, targets=targets):
       holder[0], holder[1], loss = step.run(holder[0], holder[1], inputs, targets)
       jax.block_until_ready((holder, loss))  # XLA:CPU needs every multi-device step blocked on
-    runners[c.name] = run
+    runners[name] = run
   return runners
 
 

@@ -110,10 +110,12 @@ def test_memory_of_every_registry_entry():
 def test_kernels_against_their_obvious_forms():
   rows = table_rows(run_script("kernels.py"))
   assert [r[1] for r in rows] == ["quantized_int8", "sign", "onebit_adam", "quantized_fp8",
-                                  "quantized_int8", "onebit_adam", "quantized_int8", "sign"]
+                                  "quantized_int8", "onebit_adam", "quantized_int8", "onebit_adam",
+                                  "quantized_int8", "sign", "powersgd_r1", "powersgd_r4"]
   # Every kernel computes what its obvious form does, bit for bit, but device_mean's order of
-  # operations (each term ÷W, then summed), which a mean of the stacked terms does not keep.
-  assert all(r[7] == "yes" for r in rows if r[0] != "device_mean"), rows
+  # operations (each term ÷W, then summed), which a mean of the stacked terms does not keep, and
+  # transposed_product's (a vector–matrix product adds in another order than M.T @ P).
+  assert all(r[7] == "yes" for r in rows if r[0] not in ("device_mean", "transposed_product")), rows
 
 
 @pytest.mark.slow  # an end-to-end run of a script or of several processes
@@ -241,3 +243,35 @@ def test_quality_on_a_transformer():
   assert rows["allreduce"][3].endswith("(1.00x)")  # it reaches its own final loss
   assert float(rows["fp16"][2]) == pytest.approx(1.0, abs=0.01)
   assert rows["fp16"][5] == "2.0x"
+
+
+def test_step_profile_assigns_instructions_to_phases():
+  from benchmarks import step_profile
+  phase = step_profile.phase_of
+  assert phase("fusion", "jit(s)/shard_map/transpose(jvp())/dot_general") == "forward+backward"
+  assert phase("fusion", "jit(s)/shard_map/jaxcomp.update/jaxcomp.encode/mul") == "encode"
+  assert phase("fusion", "jit(s)/jaxcomp.update/cond/jaxcomp.decode/add") == "decode/mean"
+  assert phase("add", "jit(s)/shard_map/jaxcomp.update/sub") == "compressor, rest"
+  assert phase("fusion", "jit(s)/profile.optimizer/jaxcomp.update/mul") == "compressor, rest"
+  assert phase("all-to-all", "jit(s)/jaxcomp.update/jaxcomp.encode/all_to_all") == "collectives"
+  assert phase("all-gather-start", "") == "collectives"
+  assert phase("conditional", "jit(s)/jaxcomp.update/cond") is None
+  assert phase("copy", "") == "other"
+
+
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
+def test_step_profile():
+  out = run_script("step_profile.py", "--compressors", "quantized_int8")
+  rows = {r[0]: r[1:] for r in table_rows(out)}
+  assert out.splitlines()[next(i for i, l in enumerate(out.splitlines()) if l.startswith("|"))] \
+      .split("|")[2:4] == [" allreduce ", " quantized_int8 "]
+  for phase in ("forward+backward", "collectives", "encode", "error feedback", "rows layout",
+                "non-finite gate", "optimizer"):
+    assert float(rows[phase][1].split()[0]) > 0, (phase, out)
+  assert rows["step / allreduce"][0] == "1.00"
+  totals = ("sum of the phases", "step (wall clock)", "step / allreduce")
+  for column in range(2):
+    phases = [float(cells[column].split()[0]) for name, cells in rows.items() if name not in totals]
+    total, wall = float(rows["sum of the phases"][column]), float(rows["step (wall clock)"][column])
+    assert sum(phases) == pytest.approx(total, rel=0.01), out  # rounding of each cell only
+    assert 0 < total <= 1.1 * wall, out  # a device's ops fit in its step: nothing counted twice

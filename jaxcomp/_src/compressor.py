@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, buckets, finite, phases, shards, validate
+from jaxcomp._src import axis, buckets, finite, kernels, phases, shards, validate
 from jaxcomp._src import tree as tree_lib
 
 _MIB = 1024 * 1024
@@ -95,14 +95,12 @@ class Algorithm:
       (DGC's local clipping needs the whole gradient's norm).
     nonfinite: how a non-finite step keeps the state: ``"skip"``, a ``lax.cond`` that does not run
       the step (no collectives; with the state donated, XLA updates it in place inside the branch:
-      DGC's temporaries fell from 1.7–1.9× the gradient to 1.05×); or ``"select"``, the step runs
+      DGC's temporaries in ``benchmarks/memory.py``); or ``"select"``, the step runs
       and ``finite.gated`` keeps the old state (written in place: ``finite.keep_if_finite``) and
       outputs NaN — for steps XLA:CPU compiles worse inside a conditional branch (it leaves their
       concatenations unfused and copies the state in and out: quantized's update temporaries on
       ResNet-18 3.26× the gradient under the cond against 2.26× selected, 1-bit Adam's 3.19×
-      against 2.16×; ``benchmarks/memory.py``; on the MLP of ``benchmarks/step_time.py``, W = 8,
-      donated, quantized(8)'s update 410 ms under the cond against 221 ms selected, one shared
-      run).
+      against 2.16×; ``benchmarks/memory.py``).
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.
@@ -199,12 +197,14 @@ def _guarded(algorithm: Algorithm, config, state, leaves: list, axis_name,
              step: Optional[Callable], shape_of: Callable) -> tuple:
   """``run_step`` under the non-finite policy (``Algorithm.nonfinite`` says how); ``shape_of(leaf)``
   is the shape of its output (a shard's with ``step=algorithm.scatter``)."""
-  ok = finite.all_finite(leaves, axis_name)
+  with kernels.part("nonfinite"):
+    ok = finite.all_finite(leaves, axis_name)
   run = lambda s, g: run_step(algorithm, config, s, g, axis_name, step)  # noqa: E731
   if algorithm.nonfinite == "skip":
     return lax.cond(ok, run, functools.partial(_skip, shape_of), state, leaves)
   means, new_state = run(state, leaves)
-  return finite.gated(ok, means, new_state, state)
+  with kernels.part("nonfinite"):
+    return finite.gated(ok, means, new_state, state)
 
 
 def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
@@ -254,11 +254,13 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
 
   def update_fn(updates, state, params=None):
     del params
-    return apply(updates, state, None, lambda x: x.shape)
+    with kernels.part("update"):
+      return apply(updates, state, None, lambda x: x.shape)
 
   def scatter_fn(updates, state):
     cut = shards.layout(axis_name)
-    return apply(updates, state, algorithm.scatter, lambda x: cut.shape(x.shape))
+    with kernels.part("update"):
+      return apply(updates, state, algorithm.scatter, lambda x: cut.shape(x.shape))
 
   update_fn.scatter = scatter_fn if algorithm.scatter else _owning(update_fn, axis_name)
   return optax.GradientTransformation(init_fn, update_fn)

@@ -227,16 +227,21 @@ def scatter_mean(codec: Codec, rows_of: Layout, x: list, worker_error: Optional[
   me = axis.axis_index(axis_name)
   key = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 0), me)
   # 1: p = x + e, in rows.
-  p = x if worker_error is None else [a + e for a, e in zip(x, worker_error)]
-  rows = rows_of.split(p)
+  with kernels.part("error_feedback"):
+    p = x if worker_error is None else [a + e for a, e in zip(x, worker_error)]
+  with kernels.part("layout"):
+    rows = rows_of.split(p)
   # 2–3: encode, send row d to device d; e ← p − decode(encoding).
-  payload, decoded = codec.encode(rows, sum(a.size for a in x), key)
+  with kernels.part("encode"):
+    payload, decoded = codec.encode(rows, sum(a.size for a in x), key)
   if worker_error is not None:
-    worker_error = rows_of.join([r - d for r, d in zip(rows, decoded)])
+    with kernels.part("error_feedback"):
+      worker_error = rows_of.join([r - d for r, d in zip(rows, decoded)])
   received = kernels.all_to_all(payload, axis_name)
   # 4: the owner's mean of its row; the padding is zeroed.
-  mean = _owner_mean(codec, received, [r.shape[1:] for r in rows], world)
-  return [jnp.where(v, m, 0.0) for v, m in zip(rows_of.valid(me), mean)], worker_error
+  with kernels.part("decode"):
+    mean = _owner_mean(codec, received, [r.shape[1:] for r in rows], world)
+    return [jnp.where(v, m, 0.0) for v, m in zip(rows_of.valid(me), mean)], worker_error
 
 
 def gather_rows(codec: Codec, rows_of: Layout, rows: list, count, axis_name: axis.AxisName,
@@ -258,10 +263,12 @@ def gather_rows(codec: Codec, rows_of: Layout, rows: list, count, axis_name: axi
   me = axis.axis_index(axis_name)
   key = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 1), me)
   # 5: encode this device's rows.
-  payload, decoded = codec.encode(rows, count, key)
+  with kernels.part("encode"):
+    payload, decoded = codec.encode(rows, count, key)
   # 6: every device's encoding to every device; decode the whole arrays.
   gathered = [g[:, 0] for g in kernels.all_gather(payload, axis_name)]
-  return rows_of.join(codec.decode(gathered, [r.shape[1:] for r in rows])), decoded
+  with kernels.part("decode"):
+    return rows_of.join(codec.decode(gathered, [r.shape[1:] for r in rows])), decoded
 
 
 def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
@@ -290,14 +297,22 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
   # 1–4: the owner's mean of its row (padding zeroed), plus its server error (zero at the padding).
   mean, worker_error = scatter_mean(codec, rows_of, x, worker_error, axis_name, key)
   if server_error is not None:
-    mean = [m + lax.dynamic_index_in_dim(s, me, keepdims=True)
-            for m, s in zip(mean, rows_of.split(server_error))]
+    with kernels.part("error_feedback"):
+      mean = [m + s for m, s in zip(mean, _owner_rows(rows_of, server_error, me, world, mean))]
   # 5–6: re-encode and gather; s ← mean − decode(encoding), at this device's row.
   whole, decoded = gather_rows(codec, rows_of, mean, rows_of.count(me), axis_name, key)
   if server_error is not None:
-    rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
-    server_error = _own_rows(rows_of, rows, me, world, [a.shape for a in x])
+    with kernels.part("error_feedback"):
+      rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
+      server_error = _own_rows(rows_of, rows, me, world, [a.shape for a in x])
   return whole, worker_error, server_error
+
+
+def _owner_rows(rows_of: Layout, arrays: list, owner, world: int, like: list) -> list:
+  """4: the owner's row of each piece of ``rows_of.split(arrays)``, shaped as ``like``'s (1, …)."""
+  if not kernels.keeps_leaves():  # the flat layout: one row
+    return [kernels.row_of_arrays(arrays, owner, like[0].shape[-1], world)[None]]
+  return [lax.dynamic_index_in_dim(s, owner, keepdims=True) for s in rows_of.split(arrays)]
 
 
 def _own_rows(rows_of: Layout, rows: list, owner, world: int, shapes: Sequence[tuple]) -> list:

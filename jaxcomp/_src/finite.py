@@ -42,8 +42,8 @@ def _not_finite(x: jax.Array) -> jax.Array:
 
   Not ``max |x|``: XLA:CPU (jaxlib 0.10.2) reduces arrays of 4,096 elements or more with a ``max``
   that drops NaN (``jnp.max(jnp.abs(x))`` of a 4,096-element array with one NaN is 1.0), so a NaN
-  in any large gradient went unseen. ``isfinite(x).all()`` is right too but slower, a boolean array
-  then its reduction: on a (1024, 1024) float32 array, 448 µs against 198 µs for this sum.
+  in any large gradient went unseen. ``isfinite(x).all()`` is right too, but writes a boolean array
+  before it reduces it.
   """
   return jnp.isnan(jnp.sum(x * jnp.zeros((), x.dtype)))
 

@@ -1,0 +1,263 @@
+"""Where a training step's time goes, per phase, from a ``jax.profiler`` trace of the step.
+
+The step is ``step_time.py``'s (the main job's ``jaxcomp.data_parallel`` step over W simulated CPU
+devices, then ``optax.sgd``), traced for ``--repeats`` steps per registry entry, one step of each
+entry after the other (round-robin, as ``step_time.py`` times them). XLA:CPU records one
+event per executed HLO instruction per device; each is given a phase from the instruction's opcode and
+its ``op_name`` (the JAX name scopes it was traced under, read from the compiled HLO):
+
+* ``forward+backward``: the loss and its gradient (``jvp(…)`` / ``transpose(…)`` in the name);
+* ``collectives``: every all-reduce, all-gather, all-to-all, reduce-scatter, collective-permute (the
+  finiteness flag's 4-byte all-reduce too), counted on each device as the least time any device
+  spent in the same collective: the device that arrives last waits for nobody;
+* ``waiting at collectives``: the rest of the collectives' time, spent waiting for the slowest
+  device (on simulated devices, which share the host's cores, mostly for the others' compute);
+* ``encode``, ``decode/mean``, ``error feedback``, ``rows layout``, ``non-finite gate``: the name
+  scopes ``jaxcomp.<part>`` that the exchange (``exchange.py``, ``kernels.device_mean``) and the
+  compressor adapter (``compressor.py``) put around their parts;
+* ``compressor, rest``: the rest of the compressor's update (``jaxcomp.update``): the algorithm's
+  own math outside those parts (DGC's selection, 1-bit Adam's moments, the dense casts);
+* ``optimizer``: the optimizer after (or, for local SGD and DiLoCo, inside) the compressor, which
+  this script runs under a ``profile.optimizer`` scope;
+* ``other``: the rest of the step (copies, the loss's mean, the parameters' update; local SGD's and
+  DiLoCo's local update, whose fusions end in it).
+
+The innermost scope decides. A fusion carries the ``op_name`` of the instruction it was built
+around (its root), so work XLA fused across parts (``p = g + e`` into the encoding) counts in the
+root's part; one without (a reduction XLA rewrote) takes that of an instruction inside it. Control
+flow (``conditional``, ``while``, ``call``) is not counted itself: the instructions inside it are.
+Each phase is given in ms per device and step (the events' durations summed over the devices, ÷W,
+averaged over the traced steps) and as a share of their sum; ``step (wall clock)`` is the median
+wall-clock time of a traced step, ``step / allreduce`` the median of the per-round ratios. The
+devices share the host's cores, so a device's ops take longer than on a core of its own: compare
+shares and compressors, not the ms with another machine's.
+
+  PYTHONPATH=. python benchmarks/step_profile.py [--quick] [--compressors allreduce,quantized_int8]
+      [--devices 8] [--repeats 4]
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import step_time  # noqa: E402  (configures the simulated devices first)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.profiler import ProfileData  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+OPTIMIZER_SCOPE = "profile.optimizer"
+# The parts the jaxcomp plumbing names (``jax.named_scope("jaxcomp.<part>")``), as the table calls them.
+PARTS = {"jaxcomp.encode": "encode", "jaxcomp.decode": "decode/mean",
+         "jaxcomp.error_feedback": "error feedback", "jaxcomp.layout": "rows layout",
+         "jaxcomp.nonfinite": "non-finite gate", "jaxcomp.update": "compressor, rest",
+         OPTIMIZER_SCOPE: "optimizer"}
+PHASES = ("forward+backward", "encode", "collectives", "waiting at collectives", "decode/mean",
+          "error feedback", "rows layout", "non-finite gate", "compressor, rest", "optimizer",
+          "other")
+_COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+_CONTROL = ("conditional", "while", "call")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*.*?\s(?P<op>[a-z][a-z0-9\-]*)\(")
+_OP_NAME = re.compile(r'op_name="(?P<op_name>[^"]*)"')
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_SCOPE = re.compile("|".join(re.escape(s) for s in PARTS) + r"|\b(?:jvp|transpose)\(")
+
+
+def scoped(tx: optax.GradientTransformation, name: str) -> optax.GradientTransformation:
+  """``tx`` with its ``init`` and ``update`` traced under the name scope ``name``."""
+  def init(params):
+    with jax.named_scope(name):
+      return tx.init(params)
+
+  def update(updates, state, params=None):
+    with jax.named_scope(name):
+      return tx.update(updates, state, params)
+  return optax.GradientTransformation(init, update)
+
+
+def instructions(hlo_text: str) -> dict:
+  """``{instruction name: (opcode, op_name)}`` of every instruction of a compiled HLO module. A
+  fusion that XLA left without an ``op_name`` (a reduction it rewrote) takes the last one among the
+  instructions it calls."""
+  out, called, inside, computation = {}, {}, {}, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group("name")
+    m = _INSTRUCTION.match(line)
+    if m:
+      op_name = _OP_NAME.search(line)
+      op_name = op_name.group("op_name") if op_name else ""
+      out[m.group("name")] = (m.group("op"), op_name)
+      if op_name:
+        inside[computation] = op_name
+      calls = _CALLS.search(line)
+      if calls and not op_name:
+        called[m.group("name")] = calls.group(1)
+  for name, computation in called.items():
+    out[name] = (out[name][0], inside.get(computation, ""))
+  return out
+
+
+def phase_of(opcode: str, op_name: str) -> str:
+  """The phase of an instruction (the module docstring); ``None`` for control flow."""
+  base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+  if base in _COLLECTIVES or base.endswith("-done") and base[:-5] in _COLLECTIVES:
+    return "collectives"
+  if opcode in _CONTROL:
+    return None
+  scopes = _SCOPE.findall(op_name)
+  if not scopes:
+    return "other"
+  innermost = scopes[-1]
+  return PARTS.get(innermost, "forward+backward")
+
+
+def events(trace_dir: str, module: str):
+  """``(hlo_op, device, start ns, duration ns)`` of every executed instruction of ``module``."""
+  path, = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  for plane in ProfileData.from_file(path).planes:
+    for line in plane.lines:
+      for e in line.events:
+        stats = dict(e.stats)
+        if stats.get("hlo_module") == module and "hlo_op" in stats:
+          yield stats["hlo_op"], stats.get("device_ordinal", 0), e.start_ns, e.duration_ns
+
+
+def instruction_times(trace, ops: dict, world: int) -> dict:
+  """``{(phase, instruction): ms per device}`` from the events of one traced step."""
+  total = collections.Counter()
+  runs = collections.defaultdict(list)  # collective -> its runs on every device
+  for hlo_op, device, start, duration in trace:
+    phase = phase_of(*ops.get(hlo_op, ("", "")))
+    if phase == "collectives":
+      runs[hlo_op].append((device, start, duration))
+    elif phase:
+      total[phase, hlo_op] += duration
+  for hlo_op, calls in runs.items():
+    per_device = collections.defaultdict(list)
+    for device, _, duration in sorted(calls, key=lambda c: c[1]):
+      per_device[device].append(duration)
+    for durations in zip(*per_device.values()):  # the k-th run of the collective on every device
+      least = min(durations)
+      total["collectives", hlo_op] += least * len(durations)
+      total["waiting at collectives", hlo_op] += sum(durations) - least * len(durations)
+  return {key: ns / 1e6 / world for key, ns in total.items()}
+
+
+class Traced:
+  """One entry's training step (``training_step.Step``), compiled, with its state; ``__call__``
+  traces one blocked step."""
+
+  def __init__(self, step, task, batch, world: int):
+    self.step, self.world = step, world
+    self.args = list(step.start(task.init(0))) + list(step.dp.shard(batch))
+    for _ in range(2):  # compile and warm up
+      self.run()
+    text = step.run.lower(*self.args).compile().as_text()
+    self.module = re.match(r"HloModule (\S+?),", text).group(1)
+    self.ops = instructions(text)
+
+  def run(self):
+    self.args[0], self.args[1], loss = self.step.run(*self.args)
+    jax.block_until_ready((self.args[0], self.args[1], loss))
+
+  def __call__(self) -> tuple:
+    """``({(phase, instruction): ms per device}, wall-clock ms)`` of one traced step."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        start = time.perf_counter()
+        self.run()
+        wall = time.perf_counter() - start
+      return instruction_times(events(trace_dir, self.module), self.ops, self.world), 1e3 * wall
+
+
+def profile(traced: dict, repeats: int) -> tuple:
+  """``({name: {(phase, instruction): ms}}, {name: wall-clock ms}, {name: step / first's})``: the
+  means over ``repeats`` rounds in which every entry's step is traced once, in an order that rotates
+  from round to round (as ``common.interleaved`` times them); the ratio is the median of the
+  per-round ratios of the wall-clock times to the first entry's."""
+  names = list(traced)
+  costs = {n: collections.Counter() for n in names}
+  walls = {n: [] for n in names}
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      cost, wall = traced[name]()
+      costs[name].update(cost)
+      walls[name].append(wall)
+  first = np.asarray(walls[names[0]])
+  return ({n: {k: v / repeats for k, v in c.items()} for n, c in costs.items()},
+          {n: common.median(w) for n, w in walls.items()},
+          {n: float(np.median(np.asarray(w) / first)) for n, w in walls.items()})
+
+
+def main(argv=None) -> int:
+  p = common.parser(__doc__.split("\n\n")[0])
+  p.add_argument("--repeats", type=int, default=None,
+                 help="traced steps per entry, round-robin (default 4)")
+  p.add_argument("--top", type=int, default=0,
+                 help="also list each entry's N costliest instructions, with their op_name")
+  p.add_argument("--devices", type=int, default=step_time.MAX_DEVICES,
+                 help=f"data-parallel devices, 1 to {step_time.MAX_DEVICES}")
+  args = common.parse(p, argv)
+  if args.write:
+    p.error("the profile is printed, not written to BENCHMARKS.md")
+  if not 1 <= args.devices <= step_time.MAX_DEVICES:
+    p.error(f"--devices takes 1 to {step_time.MAX_DEVICES}")
+  repeats = args.repeats or (1 if args.quick else 4)
+  compressor_list = common.compressors(args.compressors)
+  if compressor_list[0].name != "allreduce":
+    compressor_list = common.compressors("allreduce") + compressor_list
+  (model, (task, batch_size)), = step_time.model_tasks(args.quick, ["mlp"]).items()
+  batch = task.batch(0, 0, batch_size(args.devices))
+  steps = step_time.make_steps(task, compressor_list, jax.devices()[:args.devices],
+                               lambda inner: scoped(inner, OPTIMIZER_SCOPE))
+  traced = {name: Traced(step, task, batch, args.devices) for name, step in steps.items()}
+  costs, walls, ratios = profile(traced, repeats)
+  columns = {n: {p: sum(ms for (q, _), ms in c.items() if q == p) for p in PHASES}
+             for n, c in costs.items()}
+  rows = []
+  for phase in PHASES:
+    if any(columns[n][phase] > 0 for n in columns):
+      rows.append([phase] + [_cell(columns[n][phase], sum(columns[n].values())) for n in columns])
+  rows.append(["sum of the phases"] + [f"{sum(columns[n].values()):.4g}" for n in columns])
+  rows.append(["step (wall clock)"] + [f"{walls[n]:.4g}" for n in columns])
+  rows.append(["step / allreduce"] + [f"{ratios[n]:.2f}" for n in columns])
+  table = common.markdown_table(["phase, ms per device (share)"] + list(columns), rows)
+  body = (f"{model}, W = {args.devices}, {repeats} traced steps per entry, round-robin; each phase "
+          "in ms per device and step and as a share of the phases' sum; the wall-clock step is the "
+          "median, its ratio the median of the per-round ratios (`benchmarks/step_profile.py`'s "
+          "docstring says how events are assigned).\n\n" + table)
+  tops = [[name, phase, hlo_op, f"{ms:.3g}", _short(traced[name].ops.get(hlo_op, ("", ""))[1])]
+          for name, c in costs.items()
+          for (phase, hlo_op), ms in sorted(c.items(), key=lambda kv: -kv[1])[:args.top]]
+  if tops:
+    body += "\n\n" + common.markdown_table(["entry", "phase", "instruction", "ms", "op_name"],
+                                            tops, "lllrl")
+  common.emit(args, "profile", "Where the step's time goes", "step_profile.py", body)
+  return 0
+
+
+def _short(op_name: str) -> str:
+  """``op_name`` without the step's own prefix (``jit(_global_step)/…/shard_map/``)."""
+  return op_name.split("shard_map/", 1)[-1][:120]
+
+
+def _cell(ms: float, total: float) -> str:
+  return f"{ms:.3g} ({100 * ms / total:.0f}%)"
+
+
+if __name__ == "__main__":
+  sys.exit(main())
