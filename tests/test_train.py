@@ -264,7 +264,6 @@ def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
   assert _fake_run(evals=[(0, 2.0, 0.1), (6, float("nan"), 0.1)]).diverged
 
 
-@pytest.mark.slow  # trains two entries end to end (compiles, bytes, evaluations)
 def test_a_stretched_run_trains_every_entry_but_allreduce_for_longer(digits):
   devices = jax.devices()[:2]
   runs = job.train(digits, ["allreduce", "powersgd_r1"], steps=10, devices=devices, batch_size=32,
