@@ -276,6 +276,22 @@ def test_huge_and_all_zero_gradients_at_w8_stay_finite(bits, magnitude):
     np.testing.assert_array_equal(out["w"], 0)
 
 
+@pytest.mark.parametrize("bits", [8, "fp8"])
+def test_fewer_values_than_devices_under_data_parallel(bits):
+  # 4 values on 8 devices: owners 1-7 hold rows of padding alone, whose server error
+  # (kernels.row_of_arrays) must have the type of the others' under shard_map. Every device's
+  # gradient is the same everywhere (8, then 1.6), which 8-bit codes with a block scale carry.
+  mesh = jax.make_mesh((8,), ("batch",))
+  tx = optax.chain(jaxcomp.quantized(bits), optax.sgd(0.1))
+  dp = jaxcomp.data_parallel(lambda p, x: ((x @ p) ** 2).mean(), mesh, tx=tx)
+  params = jnp.ones((4, 1))
+  opt_state = dp.make_state(params)
+  for _ in range(2):  # the second step adds the (zero) server error of the first
+    params, opt_state, loss = dp.step(params, opt_state, dp.shard(jnp.ones((16, 4))))
+    jax.block_until_ready(loss)
+  np.testing.assert_allclose(np.asarray(params), 1 - 0.1 * 8 - 0.1 * 2 * 0.8, atol=1e-6)
+
+
 def test_a_non_finite_step_keeps_the_state_and_gives_nan():
   rng = np.random.default_rng(4)
   tx = jaxcomp.quantized(8, block_size=32, stochastic_rounding=True)

@@ -313,6 +313,9 @@ def row_of_arrays(arrays: Sequence, owner, length: int, rows: int) -> jax.Array:
     parts = [x.reshape(-1)[max(low, start) - start:min(high, start + size) - start]
              for x, start, size in zip(arrays, starts, sizes)
              if max(low, start) < min(high, start + size)]
+    # A row of padding alone: an empty slice still gives it the arrays' type (under shard_map,
+    # varying over the mesh's axes), which every branch of the switch must share.
+    parts = parts or [arrays[-1].reshape(-1)[:0]]
     filled = sum(p.size for p in parts)
     return jnp.concatenate(parts + [jnp.zeros([length - filled], jnp.float32)])
 
