@@ -38,6 +38,8 @@ the price of keeping the parameters exact while the gathered copy is rounded.
 
 from __future__ import annotations
 
+import gc
+
 import math
 import os
 import sys
@@ -74,7 +76,18 @@ def measure(compressor, tree) -> tuple:
                   devices=jax.devices()[:W], donate_argnums=(0, 1))
   params = common.stacked(tree, W)
   compiled = step.lower(params, common.stacked(state, W), params).compile()
-  return nbytes(state), compiled.memory_analysis().temp_size_in_bytes
+  temporaries = compiled.memory_analysis().temp_size_in_bytes
+  del compiled
+  release()
+  return nbytes(state), temporaries
+
+
+def release() -> None:
+  """Frees the code of the programs no longer referenced: each holds memory mappings of its own,
+  and the dozens of programs of ``--compressors all`` otherwise exhaust the process's
+  (``vm.max_map_count``; LLVM then fails with "Unable to allocate section memory")."""
+  jax.clear_caches()
+  gc.collect()
 
 
 # (name, exchange factory, gather dtype or None for the unsharded chain, "" for an exact gather)
@@ -113,6 +126,7 @@ def measure_sharded(exchange, gather, tree) -> tuple:
   lowered = step.lower(params, state, params)
   ring = report.parse_hlo(lowered.as_text(dialect="hlo", debug_info=True), W).ring_bytes
   temp = lowered.compile().memory_analysis().temp_size_in_bytes
+  release()
   return (*(nbytes(part) // W for part in parts(state)), temp, ring)
 
 

@@ -94,13 +94,11 @@ class Algorithm:
     unbucketable: ``unbucketable(config) -> reason or None``: why it cannot run bucket by bucket
       (DGC's local clipping needs the whole gradient's norm).
     nonfinite: how a non-finite step keeps the state: ``"skip"``, a ``lax.cond`` that does not run
-      the step (no collectives; with the state donated, XLA updates it in place inside the branch:
-      DGC's temporaries in ``benchmarks/memory.py``); or ``"select"``, the step runs
-      and ``finite.gated`` keeps the old state (written in place: ``finite.keep_if_finite``) and
-      outputs NaN — for steps XLA:CPU compiles worse inside a conditional branch (it leaves their
-      concatenations unfused and copies the state in and out: quantized's update temporaries on
-      ResNet-18 3.26× the gradient under the cond against 2.26× selected, 1-bit Adam's 3.19×
-      against 2.16×; ``benchmarks/memory.py``).
+      the step (no collectives; with the state donated, XLA updates it in place inside the
+      branch); or ``"select"``, the step runs and ``finite.gated`` keeps the old state (written in
+      place: ``finite.keep_if_finite``) and outputs NaN — for steps XLA:CPU compiles worse inside a
+      conditional branch (it leaves their concatenations unfused and copies the state in and out:
+      quantized's and 1-bit Adam's updates need more temporaries and time under the cond).
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.
