@@ -39,7 +39,6 @@ the price of keeping the parameters exact while the gathered copy is rounded.
 from __future__ import annotations
 
 import gc
-
 import math
 import os
 import sys
