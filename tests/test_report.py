@@ -206,3 +206,38 @@ def test_conditionals_and_phases_are_found_before_optimisation_too():
   report = jaxcomp.comm_report(f, jnp.ones((2, 3)), jnp.ones(2, jnp.int32), stage="lowered")
   assert [(c.in_conditional, c.phase, c.share) for c in report.collectives] == [
       (True, "demo.sync", 0.5)]
+
+
+@pytest.mark.parametrize("stage", ["compiled", "lowered"])
+def test_when_runs_its_branch_once_or_never_and_is_reported_as_a_conditional(stage):
+  sync = jaxcomp._src.phases.Phase("demo.sync", 0.5)
+  f = jax.pmap(lambda x, n: jaxcomp._src.phases.when(n > 0, sync, lambda v: lax.psum(v, "d") + 1, x),
+               axis_name="d", devices=jax.devices()[:2])
+  x = jnp.arange(6.0).reshape(2, 3)
+  assert (f(x, jnp.zeros(2, jnp.int32)) == x).all()
+  assert (f(x, jnp.ones(2, jnp.int32)) == x.sum(0) + 1).all()
+  report = jaxcomp.comm_report(f, x, jnp.ones(2, jnp.int32), stage=stage)
+  assert [(c.in_conditional, c.in_loop, c.phase, c.share) for c in report.collectives] == [
+      (True, False, "demo.sync", 0.5)]
+
+
+def test_when_updates_a_donated_state_in_place_where_cond_copies_it():
+  """Why ``phases.when`` exists: a conditional's results have buffers of their own, so a donated
+  state that its branch reads and rewrites around a collective (DiLoCo's outer step: the averaged
+  drift, the momentum, θ) needs a second copy; a loop carries it in place."""
+  sync = jaxcomp._src.phases.Phase("demo.sync", 0.5)
+
+  def outer_step(local, theta, momentum):
+    drift = lax.pmean(theta - local, "d")
+    momentum = 0.9 * momentum + drift
+    theta = theta - (drift + 0.9 * momentum)
+    return theta, theta, momentum
+
+  by_cond = lambda n, *s: jaxcomp._src.phases.cond(n > 0, sync, outer_step, lambda *o: o, *s)  # noqa: E731
+  by_when = lambda n, *s: jaxcomp._src.phases.when(n > 0, sync, outer_step, *s)  # noqa: E731
+  state = jax.ShapeDtypeStruct((2, 1 << 18), jnp.float32)  # 1 MiB per device and array
+  temp = {name: jax.pmap(fn, axis_name="d", devices=jax.devices()[:2], donate_argnums=(1, 2, 3))
+          .lower(jax.ShapeDtypeStruct((2,), jnp.int32), state, state, state).compile()
+          .memory_analysis().temp_size_in_bytes
+          for name, fn in {"cond": by_cond, "when": by_when}.items()}
+  assert temp["cond"] >= 2 << 20 > temp["when"] + (1 << 20) // 2

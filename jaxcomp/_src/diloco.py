@@ -268,12 +268,13 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     local, inner_state = local_steps.local_update(
         inner, updates, local_steps.from_device(state.inner_state), params)
     # 2: the outer step after every H-th inner step.
-    new_leaves, theta, outer_state, compressor_state = phases.cond(
+    new_leaves, theta, outer_state, compressor_state = phases.when(
         state.config.syncs_after(state.count),
         phases.Phase("diloco.sync", 1 / state.config.sync_every),
-        lambda leaves: outer_step(state, leaves),
-        lambda leaves: (leaves, state.outer_params, state.outer_state, state.compressor_state),
-        jax.tree.leaves(local))
+        lambda leaves, theta, outer_state, compressor_state: outer_step(
+            state._replace(outer_params=theta, outer_state=outer_state,
+                           compressor_state=compressor_state), leaves),
+        jax.tree.leaves(local), state.outer_params, state.outer_state, state.compressor_state)
     new_state = state._replace(count=state.count + 1, outer_params=theta, outer_state=outer_state,
                                compressor_state=compressor_state,
                                inner_state=local_steps.to_device(inner_state))
@@ -640,10 +641,10 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
       if not fragment:
         continue
       # S3–S4: the outer step of a fragment whose exchange is complete, mixed in.
-      new_local, new_theta, outer_states[p], compressor_states[p] = phases.cond(
+      new_local, new_theta, outer_states[p], compressor_states[p] = phases.when(
           config.applies_after(p, state.count),
           phases.Phase(f"streaming_diloco.fragment{p}", share),
-          functools.partial(land, state, p, received[p]), lambda *operands: operands,
+          functools.partial(land, state, p, received[p]),
           [leaves[i] for i in fragment], tuple(theta[i] for i in fragment), outer_states[p],
           compressor_states[p])
       for i, x, t in zip(fragment, new_local, new_theta):

@@ -180,19 +180,17 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
     state.signature.check(params, "params")
     grads = updates
     if state.config.start_iter > 0:  # 1: the mean gradient before start_iter
-      grads = phases.cond(
+      grads = phases.when(
           state.count < state.config.start_iter, phases.Phase("local_sgd.warmup", 0.0),
-          lambda g: local_steps.varying_like(local_steps.mean_reduced(g, axis_name), g),
-          lambda g: g, grads)
+          lambda g: local_steps.varying_like(local_steps.mean_reduced(g, axis_name), g), grads)
     # 2: the inner step on this device; 4: its state stays here.
     new_params, inner_state = local_steps.local_update(
         inner, grads, local_steps.from_device(state.inner_state), params)
     # 3: the periodic average.
-    new_params = phases.cond(
+    new_params = phases.when(
         state.config.averages_after(state.count),
         phases.Phase("local_sgd.sync", 1 / state.config.sync_every),
-        lambda p: local_steps.varying_like(local_steps.mean_reduced(p, axis_name), p),
-        lambda p: p, new_params)
+        lambda p: local_steps.varying_like(local_steps.mean_reduced(p, axis_name), p), new_params)
     return local_steps.assign(new_params), state._replace(
         count=state.count + 1, inner_state=local_steps.to_device(inner_state))
 

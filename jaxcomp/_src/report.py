@@ -249,8 +249,11 @@ def parse_hlo(text: str, default_group: int) -> CommReport:
       current = match.group("name")
       continue
     for callee in _CALLEES.finditer(line):
+      kind = callee.group("kind")
+      if kind in ("body", "condition") and phases_lib.WHEN in line:
+        kind = "branch_computations"  # ``phases.when``: a loop that runs its body once or never
       for name in re.findall(r"[\w.\-]+", callee.group("names").replace("%", "")):
-        parents.setdefault(name, []).append((current, callee.group("kind")))
+        parents.setdefault(name, []).append((current, kind))
     match = _INSTRUCTION.match(line)
     if match:
       found.append((current, match.group("op"), match.group("name"), line, match.group("shape"),
