@@ -189,3 +189,20 @@ def test_per_step_hierarchical_compression_sends_the_dense_mean_over_fast_and_po
   # Over slow: the finiteness flag, P (8×2) and Q (6×2) of the kernel, the bias (6,) dense.
   assert by_axes[("slow",)].payload_bytes == 4 + 4 * (IN * 2 + OUT * 2 + OUT)
   assert all(c.group_size == 2 for c in by_axes[("slow",)].collectives)
+
+
+def test_the_average_is_one_all_reduce_and_needs_no_packed_copy_of_the_parameters():
+  """The sync averages leaf by leaf; XLA's combiner sends one all-reduce, and the donated update
+  needs no more scratch than the plain mean's (a packed flat buffer needed two gradients' worth)."""
+  tx = jaxcomp.local_sgd(optax.sgd(0.1), sync_every=2)
+  params = {f"w{i}": jax.ShapeDtypeStruct((8, 256, 64 + i), jnp.float32) for i in range(6)}
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8,) + x.shape, x.dtype),
+                       jax.eval_shape(tx.init, one))
+  step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name="batch", devices=jax.devices()[:8],
+                  donate_argnums=(0, 1))
+  report = jaxcomp.comm_report(step, params, state, params)
+  assert [(c.op, c.phase) for c in report.collectives] == [("all-reduce", "local_sgd.sync")]
+  grad_bytes = sum(4 * np.prod(x.shape) for x in jax.tree.leaves(one))
+  temp = step.lower(params, state, params).compile().memory_analysis().temp_size_in_bytes
+  assert temp < 1.1 * grad_bytes

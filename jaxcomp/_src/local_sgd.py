@@ -13,8 +13,8 @@ parameters differ from device to device, which only the optimizer that moves the
 
 The steps at step t (0-based), per device (the ``# n:`` comments below point here):
 
-1. Before ``start_iter``: the gradient is averaged over the devices (÷W, then one all-reduce SUM of
-   all floating-point leaves, packed per dtype) and the inner optimizer steps on the mean, so every
+1. Before ``start_iter``: the gradient is averaged over the devices (÷W, then an all-reduce SUM of
+   every floating-point leaf, which XLA sends as one) and the inner optimizer steps on the mean, so every
    device holds the same parameters afterwards (``post_localSGD_hook`` before
    ``start_localSGD_iter``: "allreduce using ``global_group_to_use``").
 2. From ``start_iter``: the inner optimizer steps on this device's own gradient; no communication
@@ -22,8 +22,8 @@ The steps at step t (0-based), per device (the ``# n:`` comments below point her
    intra-node gradient all-reduce is the hierarchical form below). A device whose new parameters are
    not finite keeps its parameters and inner state (``local_steps``).
 3. After the steps t ≥ ``start_iter`` with (t − ``start_iter``) % ``sync_every`` == 0, the parameters
-   are averaged — ÷W, then one all-reduce SUM per dtype, as torch's ``average_parameters`` does on its
-   flat buffer — and every device is set to the average. These are the steps at which
+   are averaged — ÷W, then an all-reduce SUM of every leaf, sent as one as torch's
+   ``average_parameters`` sends its flat buffer — and every device is set to the average. These are the steps at which
    ``PeriodicModelAverager(period=sync_every, warmup_steps=start_iter)``, called after every optimizer
    step, averages: its counter's values start_iter, start_iter + sync_every, …
 4. The inner optimizer's state is never averaged (torch's averager averages parameters only): it stays
