@@ -37,15 +37,9 @@ from benchmarks import common  # noqa: E402
 from jaxcomp._src import dgc, kernels  # noqa: E402
 
 
-def _plain_counts(x, threshold):  # the same counts, the comparison free to be written out
-  blocks = -(-x.size // 32)
-  padded = jnp.pad(x, (0, blocks * 32 - x.size), constant_values=jnp.nan)
-  return (jnp.abs(padded.reshape(blocks, 32)) >= threshold).sum(1, dtype=jnp.int32)
-
-
-def _nonzero_candidates(x, threshold, counts, capacity):  # a cumsum over all of x
-  del counts
-  indices = jnp.nonzero(jnp.abs(x) >= threshold, size=capacity, fill_value=x.size)[0]
+def _nonzero_candidates(x, bits, capacity):  # a cumsum over all of x
+  hits = (bits[:, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+  indices = jnp.nonzero(hits.reshape(-1)[:x.size], size=capacity, fill_value=x.size)[0]
   return indices, jnp.where(indices < x.size, jnp.abs(x.at[indices].get(mode="clip")), -1)
 
 
@@ -55,7 +49,6 @@ def _flat(update):  # the same update through the leaf's flat view
 
 # What each kernel replaces: {label: {kernel name: the obvious form}}.
 SELECTION_KERNELS = {
-    "count_at_least without the barrier": {"count_at_least": _plain_counts},
     "first_at_least as jnp.nonzero": {"first_at_least": _nonzero_candidates},
     "kth_largest from top_k's values": {"kth_largest": lambda x, k: lax.top_k(x, k)[0][-1]},
     "a while_loop entered always": {"while_loop_if_needed": lax.while_loop},

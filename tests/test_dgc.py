@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 from jaxcomp import hooks
 from jaxcomp._src import dgc as dgc_module
+from jaxcomp._src import kernels
 from jaxcomp._src import validate
 
 from helpers import assert_identical_across_devices, replicate, rounding_tol
@@ -232,6 +233,28 @@ def test_sampled_selection_matches_reference_and_stays_in_band(dist):
     assert np.all(np.abs(x[sent]) >= threshold)
     assert 0.8 * k <= len(sent) <= k
     assert np.all(indices[len(sent):] == n)  # empty slots hold the out-of-range sentinel
+
+
+@pytest.mark.parametrize("n, density, capacity", [(1000, 0.3, 64), (1000, 0.3, 1000),
+                                                  (4099, 0.01, 90), (100_003, 0.05, 2_000),
+                                                  (37, 0.0, 8)])
+def test_first_at_least_is_nonzero_of_the_threshold(n, density, capacity):
+  # The compaction found slot by slot: the first `capacity` candidates in index order, whether
+  # there are fewer (empty slots: n and -1) or more; sizes that leave the last block short.
+  rng = np.random.default_rng(n)
+  x = np.where(rng.random(n) < density, rng.standard_normal(n) + 5,
+               rng.standard_normal(n)).astype(np.float32)
+  threshold = np.float32(4.0)
+  select = jax.jit(lambda x: kernels.first_at_least(x, kernels.bits_at_least(x, threshold),
+                                                    capacity))
+  indices, magnitudes = map(np.asarray, select(x))
+  expected = np.flatnonzero(np.abs(x) >= threshold)[:capacity]
+  np.testing.assert_array_equal(indices[:len(expected)], expected)
+  np.testing.assert_array_equal(indices[len(expected):], n)
+  np.testing.assert_array_equal(magnitudes[:len(expected)], np.abs(x[expected]))
+  np.testing.assert_array_equal(magnitudes[len(expected):], -1)
+  counts = jax.lax.population_count(kernels.bits_at_least(x, threshold)).sum()
+  assert int(counts) == int(np.sum(np.abs(x) >= threshold))
 
 
 def test_sampled_selection_resamples_and_handles_ties():

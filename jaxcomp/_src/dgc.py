@@ -309,21 +309,24 @@ def sampled_topk(x: jax.Array, plan: SamplingPlan, key: jax.Array, *, upper_boun
         plan.num_samples + 1)
     samples = jnp.where(taken < n, jnp.abs(x.at[taken].get(mode="clip")), -1)
   threshold = kernels.kth_largest(samples, plan.top_k_samples)
-  carry = (threshold, kernels.count_at_least(x, threshold), jnp.int32(0))
+  carry = (threshold, kernels.bits_at_least(x, threshold), jnp.int32(0))
+
+  def count(bits):
+    return lax.population_count(bits).sum(dtype=jnp.int32)
 
   def too_few(carry):
-    _, counts, iters = carry
-    return (iters < max_adaptation_iters) & (counts.sum() < lower_bound * k)
+    _, bits, iters = carry
+    return (iters < max_adaptation_iters) & (count(bits) < lower_bound * k)
 
   def lower(carry):
     threshold, _, iters = carry
-    return threshold * lower_bound, kernels.count_at_least(x, threshold * lower_bound), iters + 1
+    return threshold * lower_bound, kernels.bits_at_least(x, threshold * lower_bound), iters + 1
 
   if plan.num_samples < n:  # adaptation: lower the threshold while too few reach it
     carry = kernels.while_loop_if_needed(too_few, lower, carry)
-  threshold, counts, iters = carry
-  total, capacity = counts.sum(), min(2 * k, n)
-  candidates, magnitudes = kernels.first_at_least(x, threshold, counts, capacity)
+  threshold, bits, iters = carry
+  total, capacity = count(bits), min(2 * k, n)
+  candidates, magnitudes = kernels.first_at_least(x, bits, capacity)
 
   def top_k_of_candidates():  # capacity >= k
     return lax.cond(total > capacity, lambda: exact_topk(x, k),

@@ -78,52 +78,60 @@ def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
 
 # ---------------------------------------------------------------------------------------------- DGC
 #
-# Measured with ``PYTHONPATH=. python benchmarks/dgc_selection.py --kernels`` (each kernel swapped for
-# the obvious form it replaces), XLA:CPU, jax 0.10.2, 2 shared cores: the sampled selection of 10M
-# float32 elements at density 0.001, and the temporaries of a whole DGC update of ResNet-18's
-# gradient (W = 8, gradient and state donated; ``benchmarks/memory.py``'s measure), 1.05× the
-# gradient with every kernel, sampled or exact selection.
+# Measured with ``PYTHONPATH=. python benchmarks/dgc_selection.py --kernels [--density 0.015625]``
+# (each kernel swapped for the obvious form it replaces), XLA:CPU, jax 0.10.2, 2 shared cores: the
+# sampled selection of 10M float32 elements at density 0.001 (or 1/64), and the temporaries of a
+# whole DGC update of ResNet-18's gradient (W = 8, gradient and state donated;
+# ``benchmarks/memory.py``'s measure), 1.05× the gradient with every kernel, sampled or exact
+# selection.
 
-_BLOCK = 32  # elements per block of ``count_at_least`` / ``first_at_least``
+_BLOCK = 32  # elements per block of ``bits_at_least``: the bits of one uint32
 
 
-def count_at_least(x: jax.Array, threshold) -> jax.Array:
-  """How many entries of the 1-D ``x`` have ``|x| >= threshold``, per block of 32 elements (int32,
-  ``ceil(x.size / 32)`` counts, summing to the count), for ``first_at_least``.
-
-  The ``optimization_barrier`` keeps XLA:CPU from writing the full-size comparison out before it
-  sums it, which it does when the counts have several users (the adaptation loop, the total, the
-  compaction): the selection takes 53 ms with it, 148 ms without.
-  """
+def bits_at_least(x: jax.Array, threshold) -> jax.Array:
+  """Per block of 32 elements of the 1-D ``x``, a uint32 whose bit j says ``|x[32·block + j]| >=
+  threshold`` (``ceil(x.size / 32)`` words; ``lax.population_count`` gives the blocks' counts): the
+  candidates of ``first_at_least``, in one pass over ``x``."""
   num_blocks = -(-x.size // _BLOCK)
   padded = jnp.pad(x, (0, num_blocks * _BLOCK - x.size), constant_values=jnp.nan)  # NaN: never >=
-  return lax.optimization_barrier(
-      (jnp.abs(padded.reshape(num_blocks, _BLOCK)) >= threshold).sum(1, dtype=jnp.int32))
+  lanes = jnp.left_shift(jnp.uint32(1), jnp.arange(_BLOCK, dtype=jnp.uint32))
+  hit = jnp.abs(padded.reshape(num_blocks, _BLOCK)) >= threshold
+  return jnp.where(hit, lanes, jnp.uint32(0)).sum(1, dtype=jnp.uint32)
 
 
-def first_at_least(x: jax.Array, threshold, counts: jax.Array, capacity: int) -> tuple:
-  """The first ``capacity`` indices of the 1-D ``x`` with ``|x| >= threshold``, in index order, and
-  their ``|x|``: ``(int32 indices, magnitudes)``, empty slots holding ``x.size`` and -1.
+def first_at_least(x: jax.Array, bits: jax.Array, capacity: int) -> tuple:
+  """The first ``capacity`` indices of the 1-D ``x`` whose bit is set in ``bits``
+  (``bits_at_least(x, threshold)``), in index order, and their ``|x|``: ``(int32 indices,
+  magnitudes)``, empty slots holding ``x.size`` and -1.
 
-  ``jnp.nonzero(jnp.abs(x) >= threshold, size=capacity)``, compacted only from the blocks that
-  ``counts`` (``count_at_least``) says hold candidates: XLA:CPU's cumsum over all of ``x`` costs more
-  than ``lax.top_k`` of it (the selection: 53 ms, 601 ms through ``jnp.nonzero``).
+  ``jnp.nonzero(jnp.abs(x) >= threshold, size=capacity)``, found slot by slot: slot i's block is
+  the first whose running count exceeds i (a binary search in the blocks' prefix sum), its lane the
+  set bit of that rank in the block's word (a binary search by population counts). Past the one
+  prefix sum over the blocks, the work grows with ``capacity``, not with ``x.size``. XLA:CPU's cumsum
+  (and so ``jnp.nonzero``) is a reduce-window over all of ``x``: the sampled selection takes 18 ms
+  this way, 556 ms through ``jnp.nonzero``; at density 1/64, 73 and 324 ms. (A compaction of the
+  candidate blocks, a cumsum and a scatter over their 32 elements each, grew with the density to
+  all of ``x`` at 1/64.)
   """
-  num_blocks = counts.shape[0]
-  rows = jnp.nonzero(counts > 0, size=capacity, fill_value=num_blocks)[0]
-  row_counts = counts.at[rows].get(mode="fill", fill_value=0)
-  row_start = jnp.cumsum(row_counts) - row_counts
-  positions = rows[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)
-  magnitudes = jnp.abs(x.at[positions].get(mode="fill", fill_value=jnp.nan))
-  hit = magnitudes >= threshold
-  slot = jnp.where(hit, row_start[:, None] + jnp.cumsum(hit, axis=1, dtype=jnp.int32) - 1, capacity)
-  indices = jnp.full((capacity,), x.size, jnp.int32).at[slot].set(positions, mode="drop")
-  return indices, jnp.full((capacity,), -1, x.dtype).at[slot].set(magnitudes, mode="drop")
+  counts = lax.population_count(bits).astype(jnp.int32)
+  ends = lax.associative_scan(jnp.add, counts)  # each block's running count, inclusive
+  slots = jnp.arange(capacity, dtype=jnp.int32)
+  block = jnp.minimum(jnp.searchsorted(ends, slots, side="right", method="scan_unrolled"),
+                      counts.size - 1).astype(jnp.int32)
+  rank, word = slots - (ends[block] - counts[block]), bits[block]  # rank among the word's bits
+  lane = jnp.zeros_like(word)
+  for width in (16, 8, 4, 2, 1):  # the window [lane, lane + 2·width) holds the bit of that rank
+    below = lax.population_count((word >> lane) & jnp.uint32((1 << width) - 1)).astype(jnp.int32)
+    up = rank >= below
+    rank, lane = jnp.where(up, rank - below, rank), jnp.where(up, lane + width, lane)
+  filled = slots < ends[-1]
+  indices = jnp.where(filled, block * _BLOCK + lane.astype(jnp.int32), x.size)
+  return indices, jnp.where(filled, jnp.abs(x.at[indices].get(mode="clip")), -1).astype(x.dtype)
 
 
 def kth_largest(x: jax.Array, k: int) -> jax.Array:
   """The k-th largest entry of the 1-D ``x``, read through ``lax.top_k``'s indices: XLA:CPU rewrites
-  a ``top_k`` whose values alone are used into a full sort (selection 53 ms, 160 ms from the
+  a ``top_k`` whose values alone are used into a full sort (selection 18 ms, 84 ms from the
   values)."""
   return x[lax.top_k(x, k)[1]].min()
 
@@ -131,7 +139,7 @@ def kth_largest(x: jax.Array, k: int) -> jax.Array:
 def while_loop_if_needed(cond_fun: Callable, body_fun: Callable, init):
   """``lax.while_loop(cond_fun, body_fun, init)``, entered only if ``cond_fun(init)``: XLA hoists the
   loop's full-size invariants (DGC's ``|v|``) out of the body, a full-size write worth paying only
-  when the loop runs (rarely: DGC's threshold adaptation). Selection 53 ms, 134 ms entered always."""
+  when the loop runs (rarely: DGC's threshold adaptation). Selection 18 ms, 55 ms entered always."""
   return lax.cond(cond_fun(init), lambda c: lax.while_loop(cond_fun, body_fun, c), lambda c: c,
                   init)
 
