@@ -41,13 +41,16 @@ contributions) for all-gather, the input for all-to-all. Under the ring algorith
 2·(W−1)/W of its payload per device and the others (W−1)/W, so the last column, what each device
 sends against a float32 all-reduce, is the fair comparison between them. bf16 is read before
 optimisation (``stage="lowered"``): XLA:CPU widens bf16 collectives to f32 when it compiles (GPUs keep
-them narrow); the compiled figure is shown too.
+them narrow); the compiled figure is shown too. A float16 all-reduce (or reduce-scatter) runs on
+XLA:CPU as an all-to-all (and an all-gather) that ``comm_report`` counts as the collective it
+replaces, its bytes that collective's; "compiled collectives" names both.
 
   PYTHONPATH=. python benchmarks/bytes.py [--quick] [--write]
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import sys
@@ -205,6 +208,13 @@ def measure(compressor, tree):
           comm_report(step, grads, state, grads, stage="lowered", num_devices=W))
 
 
+def _compiled_op(collective) -> str:
+  """The collective's op, and what runs in its place where that differs (float16 on XLA:CPU)."""
+  if not collective.runs_as:
+    return collective.op
+  return f"{collective.op} (run as {' + '.join(collective.runs_as)})"
+
+
 def _amount(num_bytes: float) -> str:
   """Bytes with thousands separators, one decimal where an amortised figure has a fraction."""
   return f"{num_bytes:,.0f}" if num_bytes == int(num_bytes) else f"{num_bytes:,.1f}"
@@ -223,8 +233,7 @@ def main(argv=None) -> int:
       sent = c.bytes_per_step(report, "payload_bytes")
       lo = minimum(c.name, tree)
       ops = ", ".join(f"{n}× {op}" for op, n in sorted(
-          {op: sum(x.op == op for x in compiled.collectives) for op in
-           {x.op for x in compiled.collectives}}.items()))
+          collections.Counter(_compiled_op(x) for x in compiled.collectives).items()))
       if c.wraps_optimizer:
         ops += f", once every {c.settings['sync_every']} steps"
       rows.append([model, f"{numel:,}", c.name, _amount(compiled_bytes), _amount(sent),

@@ -1,5 +1,6 @@
 """The backend workarounds of ``jaxcomp._src.kernels`` for the compressed exchanges, PowerSGD and
-the non-finite policy, each against the obvious form it replaces.
+the non-finite policy, and the float16 sum over devices of ``jaxcomp._src.axis`` (``sum_in_rows``),
+each against the obvious form it replaces.
 
 Each row compiles a compressor's update twice, once as it is and once with the kernel swapped for
 its obvious form (``OBVIOUS``), and runs the two round-robin: the MLP gradient of
@@ -34,7 +35,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from jaxcomp._src import kernels  # noqa: E402
+from jaxcomp._src import axis, kernels  # noqa: E402
 from jaxcomp._src import tree as tree_lib  # noqa: E402
 
 
@@ -51,6 +52,12 @@ def _split_row(arrays, owner, length, rows):
   flat = tree_lib.flatten(list(arrays))
   split = jnp.pad(flat, (0, rows * length - flat.size)).reshape(rows, length)
   return lax.dynamic_index_in_dim(split, owner, keepdims=False)
+
+
+def _all_reduce(x, axis_name):
+  """``axis.psum`` as the all-reduce itself, whatever the dtype and backend."""
+  name = axis.bound_axis(axis_name)
+  return x if name is None else lax.psum(x, name)
 
 
 def _stacked_mean(term, world):
@@ -74,15 +81,19 @@ OBVIOUS = {
     "device_mean": ({"device_mean": _stacked_mean}, ("quantized_int8", "sign")),
     "transposed_product": ({"transposed_product": lambda terms, p: sum(t.T @ p for t in terms)},
                            ("powersgd_r1", "powersgd_r4")),
+    "axis.sum_in_rows (float16 psum)": ({"axis.psum": _all_reduce},
+                                        ("fp16", "hook_fp16_allreduce")),
 }
 
 
 @contextlib.contextmanager
 def _patched(replacements: dict):
-  """A context in which ``kernels`` holds ``replacements`` (``{name: function}``)."""
+  """A context in which ``kernels`` holds ``replacements`` (``{name: function}``; ``"axis.name"``:
+  ``axis``'s)."""
   with contextlib.ExitStack() as stack:
     for name, fn in replacements.items():
-      stack.enter_context(mock.patch.object(kernels, name, fn))
+      module, _, attribute = name.rpartition(".")
+      stack.enter_context(mock.patch.object(axis if module == "axis" else kernels, attribute, fn))
     yield
 
 
@@ -153,7 +164,8 @@ def main(argv=None) -> int:
       ["kernel", "update of", "kernel ms", "obvious ms", "obvious / kernel", "temp / grad",
        "obvious temp / grad", "same output"], rows, "llrrrrrl")
   model = "tiny MLP 784-64-10" if args.quick else "MLP 784-1024×3-10"
-  body = (f"Each kernel of `jaxcomp._src.kernels` against the obvious form it replaces, in a "
+  body = (f"Each kernel of `jaxcomp._src.kernels` (and `axis.sum_in_rows`, the float16 sum "
+          f"over devices) against the obvious form it replaces, in a "
           f"compressor's update of the {model} gradient (W = {W}, `jax.pmap`, gradient and state "
           f"donated); median of {repeats} interleaved rounds. The ms columns are for scale only: "
           "the devices share the machine's cores.\n\n" + table)

@@ -64,6 +64,28 @@ def test_allreduce_sends_four_bytes_per_parameter_and_fp16_exactly_half():
   assert "total" in str(dense) and "all-reduce" in str(dense)
 
 
+def test_fp16_on_cpu_runs_as_all_to_all_and_all_gather_and_is_counted_as_the_all_reduce():
+  """XLA:CPU gets each float16 sum as an all-to-all and an all-gather (``axis.sum_in_rows``); the
+  report counts the pair as the all-reduce it stands for: the same collectives, bytes per dtype,
+  payload and ring bytes as the step lowered for a GPU, where the all-reduce itself runs."""
+  tx = optax.chain(jaxcomp.fp16_compress(), optax.sgd(0.1))
+  step = shard_map_step(tx, pcast=True)
+  args = (PARAMS, tx.init(PARAMS), *BATCH)
+  compiled = step.lower(*args).compile().as_text()
+  assert "all-to-all(" in compiled and "all-gather(" in compiled and "all-reduce(" not in compiled
+  report = jaxcomp.comm_report(step, *args)
+  gpu = parse_hlo(step.trace(*args).lower(lowering_platforms=("cuda",)).as_text(
+      dialect="hlo", debug_info=True), W)
+  assert "all-to-all" not in str(gpu) and not any(c.runs_as for c in gpu.collectives)
+  assert sorted((c.op, c.dtypes, c.shapes) for c in report.collectives) == sorted(
+      (c.op, c.dtypes, c.shapes) for c in gpu.collectives)
+  assert all(c.runs_as == ("all-to-all", "all-gather") for c in report.collectives)
+  assert report.bytes_by_dtype() == gpu.bytes_by_dtype() == {"f16": 2 * N_PARAMS}
+  assert report.payload_bytes == gpu.payload_bytes
+  assert report.ring_bytes == pytest.approx(gpu.ring_bytes)
+  assert "run as all-to-all + all-gather" in str(report)
+
+
 def test_bf16_is_checked_before_optimisation():
   lowered = pmap_report(jaxcomp.bf16_compress(), stage="lowered")
   assert lowered.bytes_by_dtype() == {"bf16": 2 * N_PARAMS}

@@ -3,7 +3,9 @@
 Each function here computes what its one-line definition says, in a form that a backend (XLA:CPU, as
 measured on this project's machines) runs much faster or in less memory than the obvious form; each
 docstring gives the measurement that justifies it and the command that re-measures it. Algorithm
-modules call these instead of spelling the trick out in their math.
+modules call these instead of spelling the trick out in their math. (One workaround lives below this
+module, in ``axis``, because every collective goes through it: float16 sums over devices on
+XLA:CPU, ``axis.sum_in_rows``.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,16 @@ Bytes are counted two ways, per device:
 
 XLA:CPU widens bf16 collectives to f32 when it compiles; ``stage="lowered"`` reads the HLO before
 optimisation, which keeps the requested dtypes (and misses the partitioner's collectives).
+
+**Float16 sums on XLA:CPU.** XLA:CPU's all-reduce and reduce-scatter add float16 values one at a
+time in software, so a step lowered for CPU runs each float16 sum over devices as an all-to-all, a
+float16 sum of the received rows and, for an all-reduce, an all-gather (``axis.sum_in_rows``,
+``axis.scatter_in_rows``: bit-identical, the same ring bytes). Those collectives carry a label
+naming the collective they replace and its operand's shape (``axis.stands_for_label``); the report
+counts them as that one collective — its op, shape, payload and ring bytes — with ``runs_as``
+naming what runs instead (``print`` shows "run as all-to-all + all-gather"). So the totals and
+``bytes_by_dtype`` are what the algorithm sends, as on a GPU, where the all-reduce itself runs; the
+padding of the rows to a multiple of W values (fewer than W) is not counted.
 """
 
 from __future__ import annotations
@@ -39,9 +49,13 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from jaxcomp._src import axis
 from jaxcomp._src import phases as phases_lib
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# What the collectives that ``axis`` replaces on XLA:CPU run as (``axis.sum_in_rows``,
+# ``axis.scatter_in_rows``).
+_RUNS_AS = {"all-reduce": ("all-to-all", "all-gather"), "reduce-scatter": ("all-to-all",)}
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
     r"(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\(")
@@ -67,6 +81,7 @@ class Collective:
   in_conditional: bool
   replica_groups: tuple = ()  # the device (or replica) ids of each group, where the HLO names them
   phases: tuple = ()  # ((name, share), ...): the labelled branches it sits in, outermost first
+  runs_as: tuple = ()  # what runs in its place: a float16 sum on XLA:CPU (the module docstring)
 
   @property
   def share(self) -> float:
@@ -170,6 +185,8 @@ class CommReport:
       where = f"{c.phase} ({c.share:g})" if c.phases else "every step"
       if c.in_loop:
         where += ", in a loop"
+      if c.runs_as:
+        where += ", run as " + " + ".join(c.runs_as)
       rows.append(f"{c.op:<19}{','.join(sorted(set(c.dtypes))):<12}{shapes[:29]:<30}"
                   f"{c.group_size:>4}{c.payload_bytes:>13,}{c.ring_bytes:>13,.0f}  {where}")
     for name in self.phase_names:
@@ -220,22 +237,33 @@ def _group_size(line: str, default: int) -> int:
 
 
 def _collective(op: str, name: str, line: str, shape_text: str, is_start: bool, default_group: int,
-                in_loop: bool, in_conditional: bool) -> Collective:
+                in_loop: bool, in_conditional: bool) -> Optional[Collective]:
+  """The collective of one HLO instruction; a float16 sum's all-to-all on XLA:CPU as the all-reduce
+  or reduce-scatter it replaces, and None for its all-gather (``_RUNS_AS``)."""
   arrays = [(m.group("dtype"), tuple(int(d) for d in m.group("dims").split(",") if d))
             for m in _ARRAY.finditer(shape_text)]
   if is_start and op in ("all-gather", "reduce-scatter", "collective-permute") and len(arrays) > 1:
     arrays = arrays[len(arrays) // 2:]  # async start: (operands, results [, scratch]) -> results
+  op_name = re.search(r'op_name="([^"]*)"', line)
+  op_name = op_name.group(1) if op_name else ""
   group = _group_size(line, default_group)
+  runs_as = ()
+  replaced = axis.stands_for(op_name)
+  if replaced and op in ("all-to-all", "all-gather"):
+    if op == "all-gather":
+      return None  # counted with the all-to-all
+    op, shape = replaced
+    runs_as = _RUNS_AS[op]
+    arrays = [(arrays[0][0], shape if op == "all-reduce" else shape[1:])]  # the result's
   result_bytes = sum(math.prod(s) * _itemsize(d) for d, s in arrays)
   payload = result_bytes * group if op == "reduce-scatter" else result_bytes
   share = (group - 1) / group
   ring = {"all-reduce": 2 * share, "collective-permute": 1.0}.get(op, share) * payload
   if op == "collective-permute" and group <= 1:
     ring = 0.0
-  op_name = re.search(r'op_name="([^"]*)"', line)
   return Collective(op, name, tuple(d for d, _ in arrays), tuple(s for _, s in arrays), group,
                     payload, ring, in_loop, in_conditional, _replica_groups(line),
-                    phases_lib.parse(op_name.group(1)) if op_name else ())
+                    phases_lib.parse(op_name), runs_as)
 
 
 def parse_hlo(text: str, default_group: int) -> CommReport:
@@ -275,7 +303,7 @@ def parse_hlo(text: str, default_group: int) -> CommReport:
         in_loop=bool(kinds & {"body", "condition"}),
         in_conditional=bool(kinds & {"true_computation", "false_computation",
                                      "branch_computations"})))
-  return CommReport(tuple(collectives))
+  return CommReport(tuple(c for c in collectives if c is not None))
 
 
 def comm_report(fn: Callable, *args, stage: str = "compiled",

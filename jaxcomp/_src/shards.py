@@ -92,17 +92,6 @@ def own(x: jax.Array, axis_name: axis.AxisName) -> jax.Array:
   return lax.dynamic_index_in_dim(cut.split(x), axis.axis_index(axis_name), keepdims=False)
 
 
-def _psum_scatter(rows: jax.Array, axis_name: axis.AxisName) -> jax.Array:
-  """Row d of the sum over devices of ``rows`` (W, …) on device d: a reduce-scatter SUM.
-
-  (Not yet in ``jaxcomp._src.axis``, where every other collective is.)
-  """
-  name = axis.bound_axis(axis_name)
-  if name is None:
-    return rows[0]
-  return lax.psum_scatter(rows, name, scatter_dimension=0, tiled=False)
-
-
 def mean_scatter(leaves: Sequence[jax.Array], axis_name: axis.AxisName,
                  wire_dtype=None) -> list:
   """This device's shard of each leaf's mean over the axis, in torch's order: cast to
@@ -111,9 +100,9 @@ def mean_scatter(leaves: Sequence[jax.Array], axis_name: axis.AxisName,
   rows = [cut.split(axis.divide_by_world(x if wire_dtype is None else x.astype(wire_dtype),
                                          axis_name)) for x in leaves]
   if cut.by_leaf:
-    owned = [_psum_scatter(r, axis_name) for r in rows]
+    owned = [axis.psum_scatter(r, axis_name) for r in rows]
   else:
-    owned = axis._packed(_psum_scatter, rows, axis_name, keep=1)  # noqa: SLF001 (axis' packing)
+    owned = axis._packed(axis.psum_scatter, rows, axis_name, keep=1)  # noqa: SLF001 (axis' packing)
   return [shard.astype(x.dtype) for shard, x in zip(owned, leaves)]
 
 
