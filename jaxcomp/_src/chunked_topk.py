@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, bitpack, compressor, validate
+from jaxcomp._src import axis, bitpack, compressor, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
 _CENTROID_DTYPE = jnp.bfloat16  # float32's range (no overflow to clamp), 2 bytes; 8 bits of
@@ -249,12 +249,8 @@ def _mean_in_device_order(positions: jax.Array, values: jax.Array, lay: ChunkLay
   """7: Σ_w ê_w ÷ W as ``(rows, width)``, added device after device (``positions``, ``values``:
   ``(W, rows, k)``); each device's positions are distinct, so no addition ever collides."""
   world = positions.shape[0]
-  rows = jnp.arange(lay.rows)[:, None]
-
-  def add(w, total):
-    return total.at[rows, positions[w]].add(values[w] / world)
-
-  return lax.fori_loop(0, world, add, jnp.zeros((lay.rows, lay.width), jnp.float32))
+  return kernels.scatter_rows_add([(positions[w], values[w] / world) for w in range(world)],
+                                  (lay.rows, lay.width))
 
 
 def step(config: ChunkedTopKConfig, state: ChunkedTopKState, leaves: list, axis_name,
@@ -273,9 +269,8 @@ def step(config: ChunkedTopKConfig, state: ChunkedTopKState, leaves: list, axis_
     # 3: sign and magnitude bin, centroids in bfloat16.
     codes, centroids = _quantize(jnp.take_along_axis(acc, positions, axis=-1), config.bits)
     sent = _dequantize(codes, centroids)
-    # 4: e ← e − ê.
-    own = jnp.zeros_like(acc).at[jnp.arange(lay.rows)[:, None], positions].set(sent)
-    errors.append(_leaf(acc - own, lay, e))
+    # 4: e ← e − ê, subtracted where it was sent (in place: e − 0 elsewhere is e).
+    errors.append(_leaf(acc.at[jnp.arange(lay.rows)[:, None], positions].add(-sent), lay, e))
     # 5: the chunks' rows of bytes.
     rows.append(_encode(positions, codes, centroids, lay, config.bits).reshape(-1))
   # 6: one all-gather of every leaf's bytes.
