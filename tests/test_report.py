@@ -243,6 +243,29 @@ def test_when_runs_its_branch_once_or_never_and_is_reported_as_a_conditional(sta
       (True, False, "demo.sync", 0.5)]
 
 
+def test_when_sends_nothing_on_the_steps_it_skips_even_from_operands_it_leaves_as_they_are():
+  """XLA hoists what a loop's body computes from values the loop leaves unchanged out of the loop,
+  collectives included, where they would run on every step: ``when`` must keep its branch's
+  all-reduces inside (they were hoisted, merged into one, before its operands passed a barrier
+  with the loop's counter)."""
+  sync = jaxcomp._src.phases.Phase("demo.sync", 0.5)
+
+  def send(received, pending):  # averages ``pending``, which it leaves as it is
+    return lax.psum(pending, "d"), pending
+
+  def step(n, received, pending):
+    received, _ = jaxcomp._src.phases.when(n == 0, sync, send, received, pending)
+    return jaxcomp._src.phases.when(n == 1, sync, send, received, 2 * pending)[0]
+
+  f = jax.pmap(step, axis_name="d", devices=jax.devices()[:2])
+  x, zeros, n = jnp.arange(6.0).reshape(2, 3), jnp.zeros((2, 3)), jnp.full(2, 2, jnp.int32)
+  assert (f(n, zeros, x) == 0).all()
+  assert (f(n - 2, zeros, x) == x.sum(0)).all()
+  report = jaxcomp.comm_report(f, n, zeros, x)
+  assert [(c.op, c.in_conditional, c.phase) for c in report.collectives] == [
+      ("all-reduce", True, "demo.sync")] * 2
+
+
 def test_when_updates_a_donated_state_in_place_where_cond_copies_it():
   """Why ``phases.when`` exists: a conditional's results have buffers of their own, so a donated
   state that its branch reads and rewrites around a collective (DiLoCo's outer step: the averaged

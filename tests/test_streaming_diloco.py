@@ -271,7 +271,7 @@ def test_with_delay_every_collective_reads_the_state_only():
   """With τ > 0 a piece's exchange needs nothing this step computes, so XLA may run it alongside
   the forward and backward pass; without delay the exchange waits for the inner step."""
   reads = _collectives_read_the_gradient(make(delay=2, compressor=jaxcomp.quantized(8)))
-  assert len(reads) == P and not any(reads)  # one exchange per fragment
+  assert len(reads) == 2 * P and not any(reads)  # one exchange per piece of each fragment
   assert _collectives_read_the_gradient(make(delay=0)) == [True] * P
 
 

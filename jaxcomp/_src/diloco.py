@@ -575,13 +575,13 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
         buffers, buffers, local_steps.to_device(inner.init(params)), config, signature)
 
   def send(state: StreamingDiLoCoState, p: int, piece: int, received: tuple,
-           compressor_states: tuple) -> tuple:
-    """S1: ``piece`` of fragment ``p``'s pending pseudo-gradient averaged into ``received``."""
+           compressor_states: tuple, pending: tuple) -> tuple:
+    """S1: ``piece`` of fragment ``p``'s ``pending`` pseudo-gradient averaged into ``received``."""
     fragment, signature = state.layout[p], state.signature
     held = _in_piece(signature, fragment, config.pieces, piece)
     if not held:
-      return received, compressor_states
-    values = [_cut(state.pending[p][k], config.pieces, piece) for k in held]
+      return received, compressor_states, pending
+    values = [_cut(pending[k], config.pieces, piece) for k in held]
     tree = _subtree(signature, [fragment[k] for k in held], values)
     mean, piece_state = _mean(compressor, axis_name, tree,
                               compressor_states[piece] if compressor is not None else None)
@@ -592,7 +592,7 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
     if compressor is not None:
       compressor_states = (compressor_states[:piece] + (piece_state,)
                            + compressor_states[piece + 1:])
-    return tuple(received), compressor_states
+    return tuple(received), compressor_states, pending
 
   def land(state: StreamingDiLoCoState, p: int, received: tuple, local: list, theta: tuple,
            outer_state, compressor_states: tuple) -> tuple:
@@ -621,16 +621,13 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
     layout, share = state.layout, 1 / config.sync_every
     received, compressor_states = list(state.received), list(state.compressor_states)
     for p, fragment in enumerate(layout):
-      if config.delay and fragment:
+      for j in range(config.delay if fragment else 0):
         # S1: the piece of each exchange in flight, from the state alone.
-        names = [phases.Phase(f"streaming_diloco.fragment{p}.idle", 1 - config.delay * share)]
-        names += [phases.Phase(f"streaming_diloco.fragment{p}.piece{j}", share)
-                  for j in range(config.delay)]
-        branches = [lambda r, c: (r, c)] + [functools.partial(send, state, p, j)
-                                            for j in range(config.delay)]
-        received[p], compressor_states[p] = phases.switch(
-            config.piece_sent_in(p, state.count) + 1, names, branches, received[p],
-            compressor_states[p])
+        received[p], compressor_states[p], _ = phases.when(
+            config.piece_sent_in(p, state.count) == j,
+            phases.Phase(f"streaming_diloco.fragment{p}.piece{j}", share),
+            functools.partial(send, state, p, j), received[p], compressor_states[p],
+            state.pending[p])
     # S2: the inner step on this device.
     local, inner_state = local_steps.local_update(
         inner, updates, local_steps.from_device(state.inner_state), params)
@@ -650,9 +647,11 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
       for i, x, t in zip(fragment, new_local, new_theta):
         leaves[i], theta[i] = x, t
       if config.delay:  # S5: an exchange begins; Δᵢ kept for S1 of the next τ steps.
-        pending[p] = lax.cond(config.starts_after(p, state.count),
-                              lambda: tuple(theta[i] - leaves[i] for i in fragment),
-                              lambda: pending[p])
+        mine = tuple(leaves[i] for i in fragment)
+        pending[p], _, _ = phases.when(
+            config.starts_after(p, state.count), None,
+            lambda _, t, x: (tuple(a - b for a, b in zip(t, x)), t, x),
+            local_steps.varying_like(pending[p], mine), tuple(theta[i] for i in fragment), mine)
     new_state = state._replace(
         count=state.count + 1, outer_params=tuple(theta), outer_states=tuple(outer_states),
         compressor_states=tuple(compressor_states), pending=tuple(pending),

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, finite
+from jaxcomp._src import axis, finite, phases
 from jaxcomp._src import tree as tree_lib
 
 
@@ -92,8 +92,9 @@ def local_update(inner: optax.GradientTransformation, grads, inner_state, params
   new_params = jax.tree.map(lambda p, new: new if tree_lib.is_reduced(p) else p, params,
                             optax.apply_updates(params, updates))
   ok = finite.all_finite(new_params, None)  # this device's parameters only: no collective
-  return finite.keep_if_finite(ok, new_params, params), finite.keep_if_finite(ok, new_state,
-                                                                              inner_state)
+  # A loop that restores the old values on the rare step that needs it leaves the new ones where
+  # the update wrote them; a select (``finite.keep_if_finite``) reads and writes both once more.
+  return phases.when(~ok, None, lambda *_: (params, inner_state), new_params, new_state)
 
 
 def mean_reduced(tree, axis_name: axis.AxisName):

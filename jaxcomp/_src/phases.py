@@ -15,7 +15,7 @@ step, instead of adding up branches that never run together.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +73,10 @@ def cond(predicate, phase: Phase, branch: Callable, otherwise: Callable, *operan
   return lax.cond(predicate, lambda *ops: run(phase, branch, *ops), otherwise, *operands)
 
 
-def when(predicate, phase: Phase, branch: Callable, *operands):
+def when(predicate, phase: Optional[Phase], branch: Callable, *operands):
   """``branch(*operands)`` labelled as ``phase`` if ``predicate``, else ``operands`` as they are:
-  a loop that runs ``branch`` zero times or once.
+  a loop that runs ``branch`` zero times or once. ``phase`` None: a branch that runs no
+  collective, unlabelled (``local_steps.local_update``'s restoring of a non-finite step).
 
   Not ``cond(predicate, phase, branch, lambda *ops: ops, *operands)``: XLA gives a conditional's
   result buffers of its own, so a donated state that the branch reads and rewrites around a
@@ -83,11 +84,21 @@ def when(predicate, phase: Phase, branch: Callable, *operands):
   gradient (W = 8, donated): temporaries 4.54 → 2.27 times the gradient, Streaming DiLoCo's (P = 2)
   2.84 → 1.85 (``PYTHONPATH=. python benchmarks/memory.py --compressors diloco_h20,
   streaming_diloco_h20_p2``; ``tests/test_report.py`` checks a small case).
+
+  XLA moves the instructions of a loop's body that read only values the loop does not change
+  before the loop (loop-invariant code motion), collectives included, where they run on every
+  step, whatever the predicate. So the operands enter the branch through an optimization barrier
+  with the loop's counter, which makes everything computed from them depend on the loop, and the
+  branch must compute what it sends from its operands, not from values it closes over: Streaming
+  DiLoCo's pieces, closed over, were all sent on every step, merged into one all-reduce.
   """
   single = len(operands) == 1  # branch returns the operand itself, as with ``cond``
 
-  def body(_, ops):
-    results = run(phase, branch, *ops)
+  def body(i, ops):
+    # See above: nothing is hoisted out of the loop. One barrier per leaf: a barrier's results
+    # vary along every mesh axis along which any of its operands does (shard_map's check_vma).
+    ops = jax.tree.map(lambda x: lax.optimization_barrier((i, x))[1], ops)
+    results = branch(*ops) if phase is None else run(phase, branch, *ops)
     return (results,) if single else tuple(results)
 
   with jax.named_scope(WHEN):  # the report reads the loop as the conditional it is
