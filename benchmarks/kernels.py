@@ -58,6 +58,12 @@ def _stacked_mean(term, world):
   return [jnp.mean(jnp.stack(xs), axis=0) for xs in zip(*[term(w) for w in range(world)])]
 
 
+def _padded(arrays, size):
+  """``zero_padded`` as ``jnp.pad`` of the concatenation."""
+  flat = tree_lib.flatten(list(arrays))
+  return jnp.pad(flat, (0, size - flat.size))
+
+
 # label: (replacements of kernels' functions, the registry entries whose update shows them)
 OBVIOUS = {
     "where (non-finite policy)": (
@@ -74,6 +80,9 @@ OBVIOUS = {
     "device_mean": ({"device_mean": _stacked_mean}, ("quantized_int8", "sign")),
     "transposed_product": ({"transposed_product": lambda terms, p: sum(t.T @ p for t in terms)},
                            ("powersgd_r1", "powersgd_r4")),
+    "zero_padded": ({"zero_padded": _padded}, ("batched_powersgd_r1",)),
+    "in_place": ({"in_place": lambda update, old, *operands: update(old, *operands)},
+                 ("batched_powersgd_r1",)),
 }
 
 
