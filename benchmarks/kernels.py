@@ -65,6 +65,12 @@ def _stacked_mean(term, world):
   return [jnp.mean(jnp.stack(xs), axis=0) for xs in zip(*[term(w) for w in range(world)])]
 
 
+def _padded(arrays, size):
+  """``zero_padded`` as ``jnp.pad`` of the concatenation."""
+  flat = tree_lib.flatten(list(arrays))
+  return jnp.pad(flat, (0, size - flat.size))
+
+
 # label: (replacements of kernels' functions, the registry entries whose update shows them)
 OBVIOUS = {
     "where (non-finite policy)": (
@@ -83,6 +89,9 @@ OBVIOUS = {
                            ("powersgd_r1", "powersgd_r4")),
     "axis.sum_in_rows (float16 psum)": ({"axis.psum": _all_reduce},
                                         ("fp16", "hook_fp16_allreduce")),
+    "zero_padded": ({"zero_padded": _padded}, ("batched_powersgd_r1",)),
+    "in_place": ({"in_place": lambda update, old, *operands: update(old, *operands)},
+                 ("batched_powersgd_r1",)),
 }
 
 

@@ -165,8 +165,8 @@ def check_error_feedback(name, grads, out, old, new):
     for o, g, e_old, e_new in zip(per_dtype_flat(out, keys_by_dtype),
                                   per_dtype_flat(grads, keys_by_dtype), old.error, new.error):
       length = o.shape[1]
-      e_old = np.asarray(e_old, np.float64)[:, :length]
-      e_new = np.asarray(e_new, np.float64)[:, :length]
+      e_old = np.asarray(e_old, np.float64).reshape(W, -1)[:, :length]  # each (side, side)
+      e_new = np.asarray(e_new, np.float64).reshape(W, -1)[:, :length]
       pairs.append((o + e_new, g + e_old, e_old))
   else:
     dtypes = [grads[k].dtype for k in float_keys]

@@ -101,7 +101,7 @@ class PowerSGDState(NamedTuple):
   Attributes:
     count: steps taken (int32); steps with a non-finite gradient are not counted.
     error: the error feedback, per device, in the params' structure (``optax.MaskedNode()`` where
-      not reduced, or without error feedback); batched, each square raveled.
+      not reduced, or without error feedback); batched, each square ``(side, side)``.
     q: the Q the next compressed step starts from, the same on every device: ``(m, r)`` at
       compressed leaves, else ``optax.MaskedNode()``; batched, each square's ``(side, r)``.
     p: alternating: the P an odd step starts from, as ``q`` (``(n, r)``).
@@ -170,7 +170,7 @@ def init(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> PowerSGDS
   error, q, p = [], [], []
   for block in _blocks(config, signature):
     dtype = signature.dtypes[signature.reduced[block.members[0]]]
-    shape = (block.n * block.m,) if config.batched else block.shapes[0]
+    shape = (block.n, block.m) if config.batched else block.shapes[0]
     error.append(jnp.zeros(shape, dtype) if config.error_feedback else optax.MaskedNode())
     q.append(_draw(config, 0, block, _Q, dtype) if block.compress else optax.MaskedNode())
     p.append(_draw(config, 0, block, _P, dtype) if block.compress and config.alternating
@@ -210,14 +210,23 @@ def orthogonalize(x: jax.Array, epsilon=0.0) -> jax.Array:
 
 
 def _matrix(block: _Block, leaves: list, error) -> tuple:
-  """2, 3: ``M = g + e`` as the block's (n, m) matrix, kept as the terms that sum to it: a leaf's
-  g and e (``kernels.product``), or a batched square, summed into its new buffer."""
-  if len(block.members) == 1 and block.n * block.m == block.length:
-    g = leaves[block.members[0]].reshape(block.n, block.m)
-    return (g,) if error is None else (g, error.reshape(g.shape).astype(g.dtype))
-  g = jnp.pad(tree_lib.flatten([leaves[k] for k in block.members]),
-              (0, block.n * block.m - block.length))
-  return ((g if error is None else g + error.astype(g.dtype)).reshape(block.n, block.m),)
+  """2, 3: ``M = g + e`` as the block's (n, m) matrix, kept as the terms that sum to it
+  (``kernels.product``): g (a leaf, or the batched square of the leaves) and e."""
+  members = [leaves[k] for k in block.members]
+  if len(members) == 1 and block.n * block.m == block.length:
+    g = members[0].reshape(block.n, block.m)
+  else:  # batched: raveled, concatenated, zero-padded
+    g = kernels.zero_padded(members, block.n * block.m).reshape(block.n, block.m)
+  return (g,) if error is None else (g, error.reshape(g.shape).astype(g.dtype))
+
+
+def _new_error(config: PowerSGDConfig, terms: tuple, x: jax.Array, error: jax.Array) -> jax.Array:
+  """8: ``e ← M − x`` for ``M = sum(terms)`` (``_matrix``), in e's shape and dtype; batched, as
+  ``g + e − x`` over the old square (``kernels.in_place``)."""
+  if not config.batched:
+    return kernels.difference(terms, x, error)
+  return kernels.in_place(lambda e, g, x: (g + e.astype(g.dtype) - x).astype(e.dtype),
+                          error, terms[0], x)
 
 
 def _leaves(blocks: list, values: list, count: int) -> list:
@@ -313,7 +322,7 @@ def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
     return [values[k] for k in range(len(blocks))]
 
   if config.error_feedback:  # 8: e ← M − P̂·Qᵀ, M − mean for the dense blocks
-    errors = [kernels.difference(m, r, e) for m, r, e in zip(ms, per_block(residuals), errors)]
+    errors = [_new_error(config, m, r, e) for m, r, e in zip(ms, per_block(residuals), errors)]
   new_state = {f: _field(config, state.signature, v) for f, v in zip(("error", "q", "p"),
                                                                      (errors, qs, ps))}
   return _leaves(blocks, per_block(outputs), len(leaves)), state._replace(**new_state)
