@@ -220,13 +220,12 @@ def _matrix(block: _Block, leaves: list, error) -> tuple:
   return (g,) if error is None else (g, error.reshape(g.shape).astype(g.dtype))
 
 
-def _new_error(config: PowerSGDConfig, terms: tuple, x: jax.Array, error: jax.Array) -> jax.Array:
-  """8: ``e ← M − x`` for ``M = sum(terms)`` (``_matrix``), in e's shape and dtype; batched, as
-  ``g + e − x`` over the old square (``kernels.in_place``)."""
-  if not config.batched:
-    return kernels.difference(terms, x, error)
+def _new_error(terms: tuple, x: jax.Array, error: jax.Array) -> jax.Array:
+  """8: ``e ← M − x`` for ``M = sum(terms)`` (``_matrix``: g and e), in e's shape and dtype, over
+  the old error's block (``kernels.in_place``)."""
+  g = terms[0].reshape(error.shape)
   return kernels.in_place(lambda e, g, x: (g + e.astype(g.dtype) - x).astype(e.dtype),
-                          error, terms[0], x)
+                          error, g, x.reshape(error.shape))
 
 
 def _leaves(blocks: list, values: list, count: int) -> list:
@@ -322,7 +321,7 @@ def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
     return [values[k] for k in range(len(blocks))]
 
   if config.error_feedback:  # 8: e ← M − P̂·Qᵀ, M − mean for the dense blocks
-    errors = [_new_error(config, m, r, e) for m, r, e in zip(ms, per_block(residuals), errors)]
+    errors = [_new_error(m, r, e) for m, r, e in zip(ms, per_block(residuals), errors)]
   new_state = {f: _field(config, state.signature, v) for f, v in zip(("error", "q", "p"),
                                                                      (errors, qs, ps))}
   return _leaves(blocks, per_block(outputs), len(leaves)), state._replace(**new_state)
