@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp._src import axis
+
 WHEN = "jaxcomp_when"  # the name scope of ``when``'s loop
 _LABEL = re.compile(r"jaxcomp_phase\[(?P<name>[^|\]]+)\|(?P<share>[0-9.e+-]+)\]")
 
@@ -99,7 +101,10 @@ def when(predicate, phase: Optional[Phase], branch: Callable, *operands):
     # vary along every mesh axis along which any of its operands does (shard_map's check_vma).
     ops = jax.tree.map(lambda x: lax.optimization_barrier((i, x))[1], ops)
     results = branch(*ops) if phase is None else run(phase, branch, *ops)
-    return (results,) if single else tuple(results)
+    results = (results,) if single else tuple(results)
+    # The carry keeps its type: a branch may return what every device agrees on for an operand
+    # that differs per device (``local_update`` restoring replicated parameters), as ``cond`` allows.
+    return jax.tree.map(lambda r, o: axis.make_varying(r, tuple(axis.varying_axes(o))), results, ops)
 
   with jax.named_scope(WHEN):  # the report reads the loop as the conditional it is
     results = lax.fori_loop(0, jnp.asarray(predicate, jnp.int32), body, operands)
