@@ -91,7 +91,7 @@ OBVIOUS = {
                                         ("fp16", "hook_fp16_allreduce")),
     "zero_padded": ({"zero_padded": _padded}, ("batched_powersgd_r1",)),
     "in_place": ({"in_place": lambda update, old, *operands: update(old, *operands)},
-                 ("batched_powersgd_r1",)),
+                 ("batched_powersgd_r1", "powersgd_r1")),
 }
 
 
