@@ -369,6 +369,22 @@ def mean(x, axis_name: AxisName, wire_dtype=None):
   return psum(divide_by_world(wire, axis_name), axis_name).astype(x.dtype)
 
 
+def mean_leaves(arrays: Sequence, axis_name: AxisName, wire_dtype=None) -> list:
+  """``mean`` of every array, each its own all-reduce, which XLA combines into one; but float16
+  sums over devices on XLA:CPU (``sum_in_rows``: an all-to-all and an all-gather, which XLA does
+  not combine) run once, on one buffer of them all, so that a step sends one message, not two per
+  leaf (``tests/test_slow_link.py``: a multi-process step's collectives)."""
+  wires = [x if wire_dtype is None else x.astype(wire_dtype) for x in arrays]
+  name = bound_axis(axis_name)
+  if name is None or not wires or not all(_float16_over_devices(w, name) for w in wires):
+    return [mean(x, axis_name, wire_dtype) for x in arrays]
+  shares = [divide_by_world(w, axis_name) for w in wires]
+  sums = lax.platform_dependent(
+      *shares, cpu=lambda *xs: _packed(sum_in_rows, xs, name),
+      default=lambda *xs: [lax.psum(x, name) for x in xs])
+  return [total.astype(x.dtype) for x, total in zip(arrays, sums)]
+
+
 def _packed(collective, arrays: Sequence, axis_name: AxisName, keep: int = 0) -> list:
   """Runs ``collective`` once per dtype on one buffer holding all ``arrays`` of that dtype.
 

@@ -54,7 +54,7 @@ def init(config: DenseConfig, signature: tree_lib.TreeSignature) -> DenseState:
 def step(config: DenseConfig, state: DenseState, leaves: list, axis_name, phase) -> tuple:
   """Cast → ÷W → sum → cast back, one leaf at a time (XLA combines the all-reduces)."""
   del phase
-  return [axis.mean(g, axis_name, config.wire_dtype) for g in leaves], state
+  return axis.mean_leaves(leaves, axis_name, config.wire_dtype), state
 
 
 def scatter(config: DenseConfig, state: DenseState, leaves: list, axis_name, phase) -> tuple:
