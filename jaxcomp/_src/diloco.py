@@ -78,7 +78,6 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomp._src import axis, finite, local_steps, phases, validate
 from jaxcomp._src import tree as tree_lib
