@@ -55,7 +55,7 @@ def _split_row(arrays, owner, length, rows):
 
 
 def _all_reduce(x, axis_name):
-  """``axis.psum`` as the all-reduce itself, whatever the dtype and backend."""
+  """``axis.sum_in_rows`` (float16 sums over devices on XLA:CPU) as the all-reduce it stands for."""
   name = axis.bound_axis(axis_name)
   return x if name is None else lax.psum(x, name)
 
@@ -87,7 +87,7 @@ OBVIOUS = {
     "device_mean": ({"device_mean": _stacked_mean}, ("quantized_int8", "sign")),
     "transposed_product": ({"transposed_product": lambda terms, p: sum(t.T @ p for t in terms)},
                            ("powersgd_r1", "powersgd_r4")),
-    "axis.sum_in_rows (float16 psum)": ({"axis.psum": _all_reduce},
+    "axis.sum_in_rows (float16 psum)": ({"axis.sum_in_rows": _all_reduce},
                                         ("fp16", "hook_fp16_allreduce")),
     "zero_padded": ({"zero_padded": _padded}, ("batched_powersgd_r1",)),
     "in_place": ({"in_place": lambda update, old, *operands: update(old, *operands)},
