@@ -259,11 +259,11 @@ def sum_in_rows(x, axis_name: AxisName):
   (float32 in vector instructions); the sum above is the same arithmetic, so the results are
   bit-identical (``tests/test_axis.py``), and it sends the same ring bytes, 2(W−1)/W of ``x``.
   ``psum`` uses it for float16 over devices when the step is lowered for CPU; GPUs and TPUs get the
-  all-reduce. The update of the MLP gradient (784-1024×3-10, W = 8, pmap, donated), the all-reduce
-  / this: ``fp16_compress`` 1.53× the time (temporaries 0.46 → 0.63 of the gradient),
-  ``fp16_compress_wrapper(allreduce_hook)`` 1.38–1.42× (1.00 → 0.81), outputs bit-identical;
-  ``PYTHONPATH=. python benchmarks/kernels.py --repeats 10 --compressors fp16,hook_fp16_allreduce``
-  (2 shared cores). The padding goes in front: at the end, XLA:CPU slices the first row straight
+  all-reduce. The main job's training step (the MLP 784-1024×3-10, W = 8) over allreduce's, the
+  all-reduce before and this after: ``fp16_compress`` 1.91–1.95 → 1.24–1.27,
+  ``fp16_compress_wrapper(allreduce_hook)`` 2.06–2.10 → 1.23–1.31 (BENCHMARKS.md, issue 25's second
+  round; ``benchmarks/kernels.py --compressors fp16,hook_fp16_allreduce`` runs the update with
+  either, side by side). The padding goes in front: at the end, XLA:CPU slices the first row straight
   from ``x``'s producer, which it then writes out whole beside the padded rows (a bucket's float32
   concatenation, where the cast to float16 is otherwise fused into it). The collectives carry
   ``stands_for_label``, so ``jaxcomp.comm_report`` counts them as the all-reduce they replace.
