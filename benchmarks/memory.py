@@ -20,15 +20,15 @@ update (around plain SGD) holds the local step and the sync step in one program,
 holds the parameters they average (state / grad ≥ 1 by design).
 
 All three are divided by the gradient's size (4 bytes per element). The state of each compressor here
-is the state its algorithm must keep (PowerSGD's error, DGC's u and v), so issue 15's target, state
+is the state its algorithm must keep (PowerSGD's error, DGC's u and v), so the project's goal, state
 beyond that plus temporaries ≤ 1× the gradient, reads as temp / grad ≤ 1.
 
 A second table shows the optimizer state per device with and without sharding it
-(``jaxcomp.sharded_optimizer``, issue 24): AdamW after each exchange (int8: ``quantized(8)``, its
+(``jaxcomp.sharded_optimizer``, ZeRO-1/2): AdamW after each exchange (int8: ``quantized(8)``, its
 reduce-scatter an all-to-all of codes, ZeRO++'s qgZ; an int8 gather, qwZ), the whole update
 (exchange, optimizer, gather) compiled the same way. ``opt state`` is the optimizer's state per
 device (AdamW's moments and count), ``bound`` the unsharded state ÷ W plus one padding value per
-leaf and state array (issue 24's target: opt state ≤ bound), ``exchange state`` the compressor's
+leaf and state array (the goal: opt state ≤ bound), ``exchange state`` the compressor's
 own (8-bit error feedback), and ``ring B vs f32`` the bytes each device sends per step against a
 float32 all-reduce of the gradient (the requested dtypes, before XLA:CPU widens bfloat16). A lossy gather's float32 master of the device's shard is shown apart (``master``): it is
 the price of keeping the parameters exact while the gathered copy is rounded.
@@ -171,9 +171,9 @@ def main(argv=None) -> int:
       ["model", "compressor", "state", "temporaries", "state / grad", "temp / grad",
        "extra / grad"], rows, "llrrrrr")
   body = (f"Per device, W = {W} (`jax.pmap`, gradient and state donated); grad = 4 bytes per "
-          "element. extra = state + temporaries − allreduce's temporaries. Target (issue 15): state "
+          "element. extra = state + temporaries − allreduce's temporaries. Goal: state "
           "beyond the algorithm's plus temporaries ≤ 1, i.e. temp / grad ≤ 1.\n\n" + table)
-  body += (f"\n\nOptimizer state per device, W = {W}, AdamW (issue 24: sharded ≤ bound = "
+  body += (f"\n\nOptimizer state per device, W = {W}, AdamW (goal: sharded ≤ bound = "
            "unsharded ÷ W + one padding value per leaf in each moment):\n\n"
            + sharded_table(common.models(args.quick)))
   common.emit(args, "memory", "Memory: state and peak temporaries", "memory.py", body)

@@ -1,4 +1,4 @@
-"""Sharded optimizer state (issue 24): step time and held-out quality against the unsharded step.
+"""Sharded optimizer state (ZeRO-1/2): step time and held-out quality against the unsharded step.
 
 Both on the main job's task (``jaxcomp.train.tasks.chars``: the character transformer), W = 8
 simulated CPU devices, ``jaxcomp.data_parallel``, global batch 32, the main job's optimizer
@@ -8,7 +8,7 @@ simulated CPU devices, ``jaxcomp.data_parallel``, global batch 32, the main job'
 * ``time``: for each exchange, the unsharded step (``optax.chain(exchange, clip, sgd)``) and the
   sharded one (``sharded_optimizer(exchange, chain(clip, sgd), gather_dtype=...)``), timed side by
   side, round-robin (``common.interleaved``: the machine is shared), as the median over rounds of
-  sharded ÷ unsharded (issue 24's target: ≤ 1.3);
+  sharded ÷ unsharded (the goal: ≤ 1.3);
 * ``packing``: the reduce-scatter and all-gather of every leaf of the model's gradient, one pair per
   leaf against one pair for all leaves (``shards.mean_scatter`` / ``shards.gather``): XLA:CPU
   combines neither collective, so packing them is ``shards``' choice;

@@ -60,7 +60,8 @@ from benchmarks import torch_ddp  # noqa: E402
 
 DEFAULT_NAMES = "allreduce,fp16,powersgd_r1,powersgd_r2,powersgd_r4,dgc,local_sgd_h8,diloco_h20"
 QUICK_NAMES = "allreduce,fp16,powersgd_r1"
-# Wall-clock to target / allreduce's, at W = 4, for the best entry of each family (issues 12 and 22).
+# Wall-clock to target / allreduce's, at W = 4, for the best entry of each family: the
+# project's goals (BENCHMARKS.md, "Time to accuracy over a real slow link").
 GOALS = {"powersgd": 0.2, "diloco": 0.2, "dgc": 0.3, "fp16": 0.6}
 
 

@@ -2,8 +2,8 @@
 
 Three models:
 
-* ``mlp``: the MLP of issue 15's targets, 784-1024-1024-1024-10 (2,913,290 parameters), on random
-  inputs, batch 64 per device, plain softmax cross-entropy (no Flax);
+* ``mlp``: the MLP of the step-time goals (BENCHMARKS.md), 784-1024-1024-1024-10 (2,913,290
+  parameters), on random inputs, batch 64 per device, plain softmax cross-entropy (no Flax);
 * ``chars`` and ``chars-wide``: the models of ``python -m jaxcomp.train``'s ``chars`` task (a
   pre-LayerNorm causal transformer on Python standard-library text): the default one and a wider and
   deeper one (3.2M parameters), global batch 64 sequences.
@@ -52,8 +52,8 @@ MODELS = ("mlp", "chars", "chars-wide")
 
 @dataclasses.dataclass(frozen=True)
 class MLPTask:
-  """Issue 15's MLP on random data, with the interface of ``jaxcomp.train.tasks.Task`` that
-  ``training_step.make_step`` and this script use."""
+  """The step-time goals' MLP on random data, with the interface of ``jaxcomp.train.tasks.Task``
+  that ``training_step.make_step`` and this script use."""
   sizes: tuple = (784, 1024, 1024, 1024, 10)
 
   def init(self, seed: int):
