@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from jaxcomp._src import dgc  # noqa: E402
+from jaxcomp._src import topk  # noqa: E402
 
 DENSITY = 0.001
 
@@ -152,17 +152,17 @@ def selection_rows(model, tree, repeats):
   import torch
   grads, _ = gradients(tree, seed=1)
   vectors = [jnp.asarray(g.ravel()) for g in jax.tree.leaves(grads) if g.ndim > 1]
-  plans = [dgc.sampling_plan(v.size, DENSITY) for v in vectors]
+  plans = [topk.sampling_plan(v.size, DENSITY) for v in vectors]
   torch_vectors = [torch.from_numpy(np.asarray(v)) for v in vectors]
 
   @jax.jit
   def sampled(vs):
     keys = jax.random.split(jax.random.key(0), len(vs))
-    return [dgc.sampled_topk(v, p, k)[0] for v, p, k in zip(vs, plans, keys)]
+    return [topk.sampled_topk(v, p, k)[0] for v, p, k in zip(vs, plans, keys)]
 
   @jax.jit
   def exact(vs):
-    return [dgc.exact_topk(jnp.abs(v), p.k) for v, p in zip(vs, plans)]
+    return [topk.exact_topk(jnp.abs(v), p.k) for v, p in zip(vs, plans)]
 
   def run_torch():
     return [torch.topk(v.abs(), p.k).indices for v, p in zip(torch_vectors, plans)]

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from jaxcomp._src import dgc, kernels  # noqa: E402
+from jaxcomp._src import dgc, kernels, topk  # noqa: E402
 
 
 def _nonzero_candidates(x, bits, capacity):  # a cumsum over all of x
@@ -89,7 +89,7 @@ def measure_kernels(x, plan, key, repeats: int, quick: bool) -> None:
   fns = {}
   for label, replacements in {"with the kernels": {}, **SELECTION_KERNELS}.items():
     with _patched(replacements):
-      select = jax.jit(lambda x, key: dgc.sampled_topk(x, plan, key)[0])
+      select = jax.jit(lambda x, key: topk.sampled_topk(x, plan, key)[0])
       jax.block_until_ready(select(x, key))  # traced and compiled with the replacements
     fns[label] = lambda select=select: jax.block_until_ready(select(x, key))
   times = common.interleaved(fns, repeats)
@@ -117,14 +117,14 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   n = args.n or (100_000 if args.quick else 10_000_000)
   repeats = args.repeats or (3 if args.quick else 21)
-  plan = dgc.sampling_plan(n, args.density)
+  plan = topk.sampling_plan(n, args.density)
   x = jax.random.normal(jax.random.PRNGKey(args.seed), (n,), jnp.float32)
   key = jax.random.PRNGKey(args.seed + 1)
   if args.kernels:
     measure_kernels(x, plan, key, repeats, args.quick)
     return 0
-  sampled = jax.jit(lambda x, key: dgc.sampled_topk(x, plan, key)[0])
-  exact = jax.jit(lambda x: dgc.exact_topk(x, plan.k))
+  sampled = jax.jit(lambda x, key: topk.sampled_topk(x, plan, key)[0])
+  exact = jax.jit(lambda x: topk.exact_topk(x, plan.k))
 
   chosen = np.asarray(sampled(x, key))
   sent = int(np.sum(chosen < n))

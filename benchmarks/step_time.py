@@ -102,7 +102,7 @@ def make_steps(task, compressor_list, devices, wrap_inner=lambda inner: inner) -
   steps = {}
   for c in compressor_list:
     inner = optax.sgd(getattr(task, "learning_rate", 0.01), momentum=c.sgd_momentum)
-    steps[c.name] = training_step.make_step(task, c, c.optimizer(wrap_inner(inner), common.AXIS),
+    steps[c.name] = training_step.make_step(task, c.optimizer(wrap_inner(inner), common.AXIS),
                                             mesh)
   return steps
 

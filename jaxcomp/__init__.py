@@ -32,11 +32,7 @@ from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
 from jaxcomp._src.diloco import DiLoCoConfig
 from jaxcomp._src.diloco import DiLoCoState
-from jaxcomp._src.diloco import StreamingDiLoCoConfig
-from jaxcomp._src.diloco import StreamingDiLoCoState
 from jaxcomp._src.diloco import diloco
-from jaxcomp._src.diloco import fragment_layout
-from jaxcomp._src.diloco import streaming_diloco
 from jaxcomp._src.distributed import ReplicaMismatchError
 from jaxcomp._src.distributed import all_have_data
 from jaxcomp._src.distributed import broadcast_replicated
@@ -46,6 +42,7 @@ from jaxcomp._src.guard import SkipIfNonfiniteState
 from jaxcomp._src.guard import skip_if_nonfinite
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
+from jaxcomp._src.interface import Transformation
 from jaxcomp._src.local_sgd import LocalSGDConfig
 from jaxcomp._src.local_sgd import LocalSGDState
 from jaxcomp._src.local_sgd import local_sgd
@@ -72,6 +69,10 @@ from jaxcomp._src.sign import SignConfig
 from jaxcomp._src.sign import SignState
 from jaxcomp._src.sign import sign_compress
 from jaxcomp._src.sparseloco import sparseloco
+from jaxcomp._src.streaming_diloco import StreamingDiLoCoConfig
+from jaxcomp._src.streaming_diloco import StreamingDiLoCoState
+from jaxcomp._src.streaming_diloco import fragment_layout
+from jaxcomp._src.streaming_diloco import streaming_diloco
 from jaxcomp._src.tree import TreeSignature
 from jaxcomp._src.zero import ShardedOptimizerState
 from jaxcomp._src.zero import sharded_clip_by_global_norm
@@ -113,6 +114,7 @@ __all__ = (
     "StreamingDiLoCoConfig",
     "StreamingDiLoCoState",
     "TopKExchange",
+    "Transformation",
     "TreeSignature",
     "UnboundAxisError",
     "accumulate",

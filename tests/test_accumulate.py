@@ -124,7 +124,7 @@ def test_collectives_sit_in_the_branch_that_runs_once_per_k():
   assert set(accumulated.bytes_by_dtype()) == {"f16"}
   # optax.MultiSteps, by contrast, communicates on every micro-step: its collectives are
   # unconditional, and jaxcomp warns.
-  with pytest.warns(UserWarning, match="optax.MultiSteps runs the jaxcomp transformation"):
+  with pytest.warns(UserWarning, match="optax.MultiSteps runs jaxcomp\."):
     multi = _step_report(optax.MultiSteps(inner(), every_k_schedule=K).gradient_transformation())
   assert multi.collectives and not any(c.in_conditional for c in multi.collectives)
   assert multi.payload_bytes == plain.payload_bytes

@@ -188,7 +188,7 @@ def test_settings_are_checked_and_static_ones_refused_as_arrays_in_one_error():
   with pytest.raises(ValueError, match=r"error_decay must be a number in \[0, 1\]; got 1.5"):
     jaxcomp.chunked_topk(error_decay=1.5)
   with pytest.raises(TypeError, match=r"chunked_topk: k, chunk are static.*"
-                                      r"static_args=\('k', 'chunk'\).*only error_decay"):
+                                      r"static_args=\('k', 'chunk', 'bits'\).*only error_decay"):
     jaxcomp.chunked_topk(jnp.asarray(4), chunk=jnp.asarray(32))
 
 

@@ -257,7 +257,7 @@ def test_an_optax_multi_steps_object_is_accepted_as_tx():
   make = lambda: optax.MultiSteps(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)), 2)
   data = batches(2)
   dp = jaxcomp.data_parallel(loss_fn, mesh_1d("auto"), tx=make())
-  with pytest.warns(UserWarning, match="optax.MultiSteps runs the jaxcomp transformation"):
+  with pytest.warns(UserWarning, match="optax.MultiSteps runs jaxcomp\."):
     params, opt_state, _ = dp_run(dp, data)
   assert opt_state.acc_grads["w1"].shape == (W, 6, 8)  # each device's own sum, stacked
   ref_params, _ = pmap_run(make().gradient_transformation(), data)

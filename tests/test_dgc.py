@@ -16,6 +16,7 @@ import jaxcomp
 from jaxcomp import hooks
 from jaxcomp._src import dgc as dgc_module
 from jaxcomp._src import kernels
+from jaxcomp._src import topk
 from jaxcomp._src import validate
 
 from helpers import assert_identical_across_devices, replicate, rounding_tol
@@ -30,7 +31,7 @@ def ref_sparsify(x, density, start, sample_ratio=0.01, upper=1.3, lower=0.8, ite
   """The reference's _sparsify: strided sample threshold, adaptation, first k / top k among many."""
   n = x.size
   k = math.ceil(n * density)
-  plan = dgc_module.sampling_plan(n, density, sample_ratio)
+  plan = topk.sampling_plan(n, density, sample_ratio)
   importance = np.abs(x)
   samples = importance if plan.num_samples == n else importance[start::plan.stride]
   threshold = np.sort(samples)[::-1][plan.top_k_samples - 1]
@@ -215,9 +216,9 @@ def test_coarse_dgc_matches_numpy_reference():
 def test_sampled_selection_matches_reference_and_stays_in_band(dist):
   n, density = 200_003, 0.001
   k = math.ceil(n * density)
-  plan = dgc_module.sampling_plan(n, density)
+  plan = topk.sampling_plan(n, density)
   assert plan.num_samples < n  # the sampled path, not the exact one
-  select = jax.jit(lambda x, key: dgc_module.sampled_topk(x, plan, key))
+  select = jax.jit(lambda x, key: topk.sampled_topk(x, plan, key))
   rng = np.random.default_rng(3)
   for trial in range(12):
     x = (rng.standard_normal(n) if dist == "gaussian" else rng.standard_t(1.5, n)).astype(np.float32)
@@ -260,8 +261,8 @@ def test_first_at_least_is_nonzero_of_the_threshold(n, density, capacity):
 def test_sampled_selection_resamples_and_handles_ties():
   n, density = 100_000, 0.001
   k = math.ceil(n * density)
-  plan = dgc_module.sampling_plan(n, density)
-  select = jax.jit(lambda x, key: dgc_module.sampled_topk(x, plan, key))
+  plan = topk.sampling_plan(n, density)
+  select = jax.jit(lambda x, key: topk.sampled_topk(x, plan, key))
   rng = np.random.default_rng(4)
   # Half the entries tie at the top: far more than the candidate buffer, exact top-k fallback.
   x = np.where(rng.random(n) < 0.5, 1.0, rng.random(n) * 0.1).astype(np.float32)

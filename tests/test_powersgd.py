@@ -674,6 +674,10 @@ def test_static_hyperparameters_are_refused_together_and_epsilon_is_scheduled():
       refused.value)
   with pytest.raises(TypeError, match=r"static_args=\('rank', 'start_iter', 'seed'\)$"):
     optax.inject_hyperparams(jaxcomp.batched_powersgd)(rank=1).init(params)
+  # With some of them static already, the fix still names them all: copied, it runs.
+  with pytest.raises(TypeError, match=r"static_args=\('rank', 'start_iter', "
+                                      r"'min_compression_rate', 'seed'\)"):
+    optax.inject_hyperparams(jaxcomp.powersgd, static_args=("rank",))(rank=1).init(params)
   with pytest.raises(TypeError, match=r"bucket_cap_mb is static"):
     jaxcomp.powersgd(bucket_cap_mb=jnp.asarray(1.0))
   grads = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32)}

@@ -133,8 +133,8 @@ def test_a_synchronization_sends_one_uint8_all_gather_of_the_coded_chunks():
   # w (8, 6): 3 chunks, each 3 of 16 (l = 2: 6 + 6 bits) and 3 codes: 18 bits, 3 bytes, then 4.
   assert sent == (2 + 4) + 3 * (3 + 4)
   assert sorted((c.op, c.dtypes, c.payload_bytes, c.phase) for c in sync.collectives) == [
-      ("all-gather", ("u8",), n * sent, "diloco.sync"), ("all-reduce", ("s32",), 4, "diloco.sync")]
-  assert sync.phase("diloco.sync").payload_bytes == n * sent + 4
+      ("all-gather", ("u8",), n * sent, "sparseloco.sync"), ("all-reduce", ("s32",), 4, "sparseloco.sync")]
+  assert sync.phase("sparseloco.sync").payload_bytes == n * sent + 4
   # Amortised over the H steps of a period, against the float32 all-reduce of every step.
   dense = report(optax.chain(jaxcomp.allreduce(), optax.sgd(LR)))
   assert dense.payload_bytes == 4 * numel

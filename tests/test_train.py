@@ -99,8 +99,8 @@ def digits():
 def _step(task, name, tx=None, **settings):
   """The main job's step of registry entry ``name`` on W devices (``tx``: another optimizer)."""
   entry = registry.REGISTRY[name]
-  return training_step.make_step(task, entry, tx or task.optimizer(entry, **settings),
-                       training_step.make_mesh(jax.devices()[:W]))
+  return training_step.make_step(task, tx or task.optimizer(entry, **settings),
+                                 training_step.make_mesh(jax.devices()[:W]))
 
 
 @pytest.mark.parametrize("name", ["allreduce", "fp16", "powersgd_r1", "onebit_adam", "local_sgd_h8",

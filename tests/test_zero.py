@@ -157,7 +157,7 @@ def test_the_int8_reduce_scatter_loses_nothing_but_the_last_errors_of_the_sender
   grads = [jax.tree.map(lambda x: rng.normal(size=(world,) + np.shape(x)).astype(np.float32),
                         params) for _ in range(steps)]
   tx = jaxcomp.quantized(8)
-  scatter = jax.pmap(tx.update.scatter, axis_name="batch", devices=jax.devices()[:world])
+  scatter = jax.pmap(tx.scatter, axis_name="batch", devices=jax.devices()[:world])
   state = jax.tree.map(lambda x: np.stack([x] * world), tx.init(params))
   received = jax.tree.map(np.zeros_like, jax.tree.map(
       lambda x: np.asarray(shards.Layout(world).split(x)), params))
@@ -360,8 +360,8 @@ def test_elementwise_optimizers_and_rank_masks_are_accepted():
 
 
 def test_bad_arguments_and_states_are_named():
-  with pytest.raises(TypeError, match="exchange must be a jaxcomp compressor.*got a "
-                                      "GradientTransformation whose update is"):
+  with pytest.raises(TypeError, match="exchange must be a jaxcomp compressor.*got an optax "
+                                      "transformation that is not a jaxcomp compressor"):
     jaxcomp.sharded_optimizer(optax.identity(), optax.sgd(0.1))
   with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
     jaxcomp.sharded_optimizer(jaxcomp.allreduce(), "adam")

@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import phases
+from jaxcomp._src import local_steps, phases, validate
 from jaxcomp._src import tree as tree_lib
-from jaxcomp._src import validate
 
 
 class AccumulateState(NamedTuple):
@@ -46,8 +45,9 @@ class AccumulateState(NamedTuple):
 def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.GradientTransformation:
   """Runs ``inner`` (and so its collectives) once every ``every_k`` calls, on the mean local gradient.
 
-  On micro-steps 1..k−1 the local gradient is added to a per-device sum and the update is zero (so
-  ``optax.apply_updates`` leaves the parameters as they are) — no communication. On the k-th the inner
+  On micro-steps 1..k−1 the local gradient is added to a per-device sum and the update leaves the
+  parameters as they are (zero; ``Assign`` of the parameters for an optimizer that sets them, such
+  as ``jaxcomp.diloco``, whose local steps then run on k micro-batches each) — no communication. On the k-th the inner
   transformation receives the mean of the k local gradients and its update is returned. Leaves that are
   not accumulated (integers, booleans) reach ``inner`` as they were on the k-th micro-step.
 
@@ -74,8 +74,8 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
   References:
     PyTorch ``DistributedDataParallel.no_sync``.
   """
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(f"inner must be an optax.GradientTransformation; got {inner!r}")
+  inner = validate.transformation(inner, "inner",
+                                  "optax.chain(jaxcomp.allreduce(), optax.sgd(0.1))")
   every_k = validate.integer(every_k, "every_k", 1, static="fixes when the collectives run")
 
   def init_fn(params):
@@ -89,20 +89,23 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
     leaves = state.signature.check(updates)
     acc = tuple(a if isinstance(a, optax.MaskedNode) else a + g for a, g in zip(state.acc, leaves))
 
-    def communicate():
+    def run_inner():
       mean = [g if isinstance(a, optax.MaskedNode) else a / jnp.asarray(every_k, a.dtype)
               for a, g in zip(acc, leaves)]
-      new_updates, inner_state = inner.update(
-          tree_lib.like(updates, mean), state.inner_state, params)
+      return inner.update(tree_lib.like(updates, mean), state.inner_state, params)
+
+    def communicate():
+      new_updates, inner_state = run_inner()
       return new_updates, inner_state, jax.tree.map(jnp.zeros_like, acc)
 
     def hold():
-      zeros = jax.tree.map(lambda g: jnp.zeros(jnp.shape(g), jnp.result_type(g)), updates)
-      return zeros, state.inner_state, acc
+      shapes = jax.eval_shape(run_inner)[0]
+      return local_steps.unchanged(shapes, params), state.inner_state, acc
 
-    new_updates, inner_state, acc = phases.cond(
-        state.micro_step == every_k - 1, phases.Phase("accumulate.communicate", 1 / every_k),
-        communicate, hold)
+    with phases.owned_by("accumulate"):
+      new_updates, inner_state, acc = phases.cond(
+          state.micro_step == every_k - 1, phases.Phase("communicate", 1 / every_k),
+          communicate, hold)
     return new_updates, AccumulateState((state.micro_step + 1) % every_k, acc, inner_state,
                                         state.signature)
 

@@ -13,15 +13,14 @@ mesh axis, or a tuple of them). Inside a mapped context that binds it, the helpe
   trace (every compilation), however often that trace calls the helpers.
   ``axis_name=None`` asks for that explicitly and silently.
 
-Where the axis is bound, a collective refuses to run inside an optax wrapper that would break it
-(``optax.apply_if_finite`` around a compressor, ``optax.masked``; see ``optax_wrappers``). A float16
-sum over devices runs on XLA:CPU as an all-to-all and an all-gather, which XLA:CPU computes faster
+A float16 sum over devices runs on XLA:CPU as an all-to-all and an all-gather, which XLA:CPU computes faster
 than its all-reduce, bit for bit the same (``sum_in_rows``).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 import sys
@@ -34,7 +33,6 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import optax_wrappers
 from jaxcomp._src import tree as tree_lib
 
 AxisName = Optional[Union[Hashable, tuple]]
@@ -72,7 +70,7 @@ def bound_axis_names() -> list:
     return []
 
 
-def _warn_once_per_trace(key, message: str) -> None:
+def warn_once_per_trace(key, message: str) -> None:
   """Warns once per trace (per jit compilation; once for eager code) and ``key``.
 
   Python's own filter would show it only once per process; ``warn_explicit`` with a fresh registry
@@ -91,7 +89,7 @@ def _warn_once_per_trace(key, message: str) -> None:
   if key in seen:
     return
   seen.add(key)
-  frame = sys._getframe(1)
+  frame = inspect.currentframe()
   while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGES):
     frame = frame.f_back
   warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
@@ -111,20 +109,35 @@ def bound_axis(axis_name: AxisName) -> AxisName:
   except NameError:
     pass
   else:
-    optax_wrappers.check(axis_name, _warn_once_per_trace)
     return axis_name
   bound = bound_axis_names()
+  named = [n for n in bound if not (isinstance(n, str) and n.startswith("_"))]
+  if bound and not named:  # only JAX's own names: jax.pmap(f) without axis_name
+    raise UnboundAxisError(
+        f"axis_name {axis_name!r} is not bound here: the mapped function was given no axis name "
+        f"(jax.pmap(f) maps over an unnamed axis). Name it: jax.pmap(f, axis_name={axis_name!r})")
   if bound:
     raise UnboundAxisError(
         f"axis_name {axis_name!r} is not bound here; the bound axes are "
-        f"{', '.join(map(repr, bound))}. Pass the mapped axis, e.g. axis_name={bound[0]!r} "
+        f"{', '.join(map(repr, named))}. Pass the mapped axis, e.g. axis_name={named[0]!r} "
         "(a transformation averages over its own axis_name, not over whichever axis is mapped).")
-  _warn_once_per_trace(axis_name, (
+  warn_once_per_trace(axis_name, (
       f"jaxcomp: axis {axis_name!r} is not bound here (no pmap/shard_map axis at all), so nothing is "
       "averaged over devices: this runs as world size 1. Under jax.jit on a mesh, build the step with "
       "jaxcomp.data_parallel(loss_fn, mesh, tx=tx), which maps it over the data axis; on one device "
       "on purpose, pass axis_name=None to do this without the warning."))
   return None
+
+
+def is_bound(axis_name: AxisName) -> bool:
+  """Whether ``axis_name`` is bound in the current trace (never raises, never warns)."""
+  if axis_name is None:
+    return False
+  try:
+    lax.axis_size(axis_name)
+  except NameError:
+    return False
+  return True
 
 
 def varying_axes(x) -> frozenset:
@@ -261,8 +274,8 @@ def sum_in_rows(x, axis_name: AxisName):
   ``psum`` uses it for float16 over devices when the step is lowered for CPU; GPUs and TPUs get the
   all-reduce. The main job's training step (the MLP 784-1024×3-10, W = 8) over allreduce's, the
   all-reduce before and this after: ``fp16_compress`` 1.91–1.95 → 1.24–1.27,
-  ``fp16_compress_wrapper(allreduce_hook)`` 2.06–2.10 → 1.23–1.31 (BENCHMARKS.md, issue 25's second
-  round; ``benchmarks/kernels.py --compressors fp16,hook_fp16_allreduce`` runs the update with
+  ``fp16_compress_wrapper(allreduce_hook)`` 2.06–2.10 → 1.23–1.31 (BENCHMARKS.md, "Training step
+  time against allreduce"; ``benchmarks/kernels.py --compressors fp16,hook_fp16_allreduce`` runs the update with
   either, side by side). The padding goes in front: at the end, XLA:CPU slices the first row straight
   from ``x``'s producer, which it then writes out whole beside the padded rows (a bucket's float32
   concatenation, where the cast to float16 is otherwise fused into it). The collectives carry

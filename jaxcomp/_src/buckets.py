@@ -23,9 +23,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jaxcomp._src import axis, finite, validate
+from jaxcomp._src import axis, finite, interface, optax_wrappers, validate
 from jaxcomp._src import tree as tree_lib
 from jaxcomp._src.sharding import PerDevice
 
@@ -97,7 +96,7 @@ Hook = Callable[[Any, GradBucket], tuple]
 
 def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batch",
               bucket_cap_mb: float = 25.0,
-              first_bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
+              first_bucket_cap_mb: Optional[float] = None) -> interface.Transformation:
   """Runs a DDP-style communication hook on DDP-style buckets of the gradient pytree.
 
   A hook is a function ``hook(state, bucket) -> (reduced_buffer, new_state)``. It receives the bucket
@@ -131,7 +130,7 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
       1 MiB here when its ``bucket_cap_mb`` is left unset.
 
   Returns:
-    A ``GradientTransformation`` whose output is the hooks' reduced gradients.
+    A ``jaxcomp.Transformation`` whose output is the hooks' reduced gradients.
 
   References:
     PyTorch DDP communication hooks, ``torch.distributed.algorithms.ddp_comm_hooks``.
@@ -163,6 +162,7 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
 
   def update_fn(updates, hook_state: CommHookState, params=None):
     del params
+    optax_wrappers.check("comm_hook", axis_name)
     tree_lib.check_state(hook_state, init_fn, "comm_hook")
     leaves = list(hook_state.signature.check(updates))
     axis.refuse_summed_gradient([leaves[i] for i in hook_state.signature.reduced], axis_name,
@@ -186,4 +186,5 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
                                          new_states, hook_state.hook_states)
     return outputs, hook_state._replace(hook_states=new_states)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return interface.Transformation(init_fn, update_fn, name="comm_hook", axis_name=axis_name,
+                                  scatter=interface.own_shard_of(update_fn, axis_name))

@@ -1,62 +1,73 @@
 """The compressor protocol, and the one adapter that derives everything else from it.
 
-Every jaxcomp compressor is an algorithm module that holds its math and nothing else:
+Every jaxcomp algorithm is a module that holds its math and nothing else:
 
 * a **configuration**: a frozen dataclass (data) that validates itself; it never holds ``axis_name``.
   The settings that may be arrays (``optax.inject_hyperparams`` schedules) are listed in
   ``Algorithm.traceable``; the configuration holds ``validate.TRACED`` in their place;
-* **``init(config, signature) -> state``**: the per-device state for gradients of that
-  ``tree.TreeSignature``, a NamedTuple with ``count`` (steps taken; stateful algorithms), ``config``
-  and ``signature``, and ``PER_DEVICE_FIELDS`` naming the fields that differ from device to device;
-* **a pure step** ``step(config, state, leaves, axis_name, phase) -> (means, new_state)``: the math
-  on the reduced leaves (floating point, non-empty, in the signature's order; any float dtype), every
-  collective through ``jaxcomp._src.axis``, returning the cross-device mean of each (the same on every
-  device) and the new state (``count`` is the adapter's); ``phase`` is the ``phases.Phase`` this step
-  is in (warm-up or steady), static.
+* **``init``**: the per-device state, a NamedTuple with ``count`` (steps taken; stateful algorithms),
+  ``config`` and ``signature`` (the ``tree.TreeSignature`` of the gradient), and
+  ``PER_DEVICE_FIELDS`` naming the fields that differ from device to device;
+* **a pure step**, its steps numbered as in the module docstring, every collective through
+  ``jaxcomp._src.axis``.
+
+Two families share the protocol:
+
+* **a cross-device mean** (the compressors): ``init(config, signature)``; ``step(config, state,
+  leaves, axis_name, phase) -> (means, new_state)`` on the reduced leaves (floating point,
+  non-empty, in the signature's order; any float dtype), returning the cross-device mean of each,
+  the same on every device; ``phase`` is the ``phases.Phase`` this step is in (warm-up or steady),
+  static. With ``Algorithm.nonfinite="own"`` it returns ``(means, new_state, finite)``: the
+  all-device finiteness flag taken from values it already reduced (``finite.reduced_finite``), at
+  no extra pass over the gradient;
+* **an optimizer that owns the parameters** (``Algorithm.owns_params``: local SGD, DiLoCo,
+  Streaming DiLoCo, SparseLoCo): ``init(config, signature, params)``; ``step(config, state, grads,
+  params, axis_name) -> (new_params, new_state)`` on whole pytrees. Its phases (``"sync"``, a
+  fragment's pieces) are ``phases.when`` branches inside the step, and it applies the local-step
+  part of the non-finite policy (``finite.kept_locally``, ``finite.keep_if_finite``).
 
 ``Algorithm`` bundles them. From it the adapter derives, for every algorithm alike:
 
-1. ``transformation``: the optax ``GradientTransformation`` — the state and signature checks, the
-   refusal of a gradient that autodiff already summed over the devices, the phase switch (each
-   phase's collectives labelled for ``comm_report``), ``count``, and the non-finite policy of
-   ``finite.py``: a step whose gradient is not finite on some device keeps the state exactly and
-   returns NaN on every device. By default the step is skipped by a ``lax.cond`` on the all-device
-   flag (the same everywhere, so every device takes the same branch): such a step runs no
-   collective but the flag's 4 bytes. An algorithm may instead have its step run and its results
-   replaced (``Algorithm.nonfinite="select"``: the outputs by NaN, the new state by the old,
-   ``finite.gated``), where XLA compiles the step inside a conditional with more memory (see
-   ``Algorithm``);
+1. ``transformation``: an ``interface.Transformation``, the optax ``GradientTransformation`` that declares what
+   it is — the state and signature checks, the refusal of a gradient that autodiff already summed
+   over the devices, the phase labels (``phases.owned_by`` the algorithm's public name, read by
+   ``comm_report``), ``count``, the refusal of the optax wrappers a step must not run inside
+   (``optax_wrappers.check``, once per trace), and the non-finite policy of ``finite.py``. A mean
+   is gated: by a ``lax.cond`` on ``finite.all_finite`` (``"skip"``: no collective but the flag's
+   4 bytes on such a step), by replacing its results (``"select"``), or by its own flag
+   (``"own"``). An optimizer that owns the parameters needs them (``update(grads, state, params)``),
+   returns ``local_steps.Assign`` updates, refuses anything after it in an ``optax.chain``, and its
+   inner optimizer may not communicate over its axis (``local_steps.local_update``);
 2. with ``bucket_cap_mb``, the same on DDP's buckets: one state and one set of collectives per bucket
    (``buckets.comm_hook`` with the algorithm's hook), so that each bucket's collectives depend on its
    own gradients only;
-3. ``hook`` and ``bucket_state``: the per-bucket hook ``hook(state, bucket)`` of ``comm_hook`` and the
-   factory of its per-bucket state, running the same step on the bucket's parameters;
+3. ``run_hook`` and ``bucket_state``: the per-bucket hook ``hook(state, bucket)`` of ``comm_hook``
+   (``jaxcomp.hooks`` defines one per algorithm with it) and the factory of its per-bucket state,
+   running the same step on the bucket's parameters;
 4. traced hyperparameters: ``configure`` refuses every static setting given as an array in one error
-   that lists them all (the ``static_args`` that ``optax.inject_hyperparams`` needs), and hands the
+   that names every setting ``optax.inject_hyperparams`` must leave static, and hands the
    traceable ones to the step as arrays;
-5. the reduce-scatter for sharded optimizer state (``jaxcomp.sharded_optimizer``): the
-   transformation's ``update.scatter(updates, state) -> (shards, state)`` gives this device its
-   shard (``shards.py``'s layout) of each leaf's mean, with 1–4 as for ``update``: the algorithm's
-   own ``scatter`` where it has one (the dense means' ``psum_scatter``), else the whole mean with
-   this device's shard kept.
+5. the reduce-scatter for sharded optimizer state (``jaxcomp.sharded_optimizer``):
+   ``interface.Transformation.scatter(updates, state) -> (shards, state)`` gives this device its shard
+   (``shards.py``'s layout) of each leaf's mean, with 1–4 as for ``update``: the algorithm's own
+   ``scatter`` where it has one (the dense means' ``psum_scatter``), else the whole mean with this
+   device's shard kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
-from jax import lax
 
-from jaxcomp._src import axis, buckets, finite, kernels, phases, shards, validate
+from jaxcomp._src import axis, buckets, finite, interface, kernels, local_steps, optax_wrappers
+from jaxcomp._src import phases, shards, validate
 from jaxcomp._src import tree as tree_lib
 
-_MIB = 1024 * 1024
 STEADY = phases.Phase("steady", 1.0)
+NONFINITE = ("skip", "select", "own")
 
 
 def _one_phase(config) -> tuple:
@@ -83,9 +94,11 @@ class Algorithm:
     state: the type of its state.
     configure: ``configure(**settings) -> config``: the configuration from the public factory's
       keyword arguments (usually the configuration class itself).
-    init: ``init(config, signature) -> state``.
-    step: ``step(config, state, leaves, axis_name, phase) -> (means, state)``.
-    phases: ``phases(config) -> tuple of phases.Phase``, the branches of the step; one by default.
+    init: ``init(config, signature) -> state`` (``init(config, signature, params)`` with
+      ``owns_params``).
+    step: the step of its family (the module docstring).
+    phases: ``phases(config) -> tuple of phases.Phase``, the branches of a mean's step; one by
+      default.
     phase_of: ``phase_of(config, count) -> int32``: the index into ``phases(config)`` of the step
       taken at ``count``.
     stateful: it keeps a state that a non-finite gradient must not touch (and a ``count``). The
@@ -93,15 +106,18 @@ class Algorithm:
     traceable: the settings that may be arrays (``optax.inject_hyperparams`` schedules).
     unbucketable: ``unbucketable(config) -> reason or None``: why it cannot run bucket by bucket
       (DGC's local clipping needs the whole gradient's norm).
-    nonfinite: how a non-finite step keeps the state: ``"skip"``, a ``lax.cond`` that does not run
-      the step (no collectives; with the state donated, XLA updates it in place inside the
-      branch); or ``"select"``, the step runs and ``finite.gated`` keeps the old state (written in
-      place: ``finite.keep_if_finite``) and outputs NaN — for steps XLA:CPU compiles worse inside a
-      conditional branch (it leaves their concatenations unfused and copies the state in and out:
-      quantized's and 1-bit Adam's updates need more temporaries and time under the cond).
+    nonfinite: how a mean's non-finite step keeps the state (``finite.guarded``): ``"skip"``, a
+      ``lax.cond`` that does not run the step (no collectives; with the state donated, XLA updates
+      it in place inside the branch); ``"select"``, the step runs and its results are replaced —
+      for steps XLA:CPU compiles worse inside a conditional branch (it leaves their
+      concatenations unfused and copies the state in and out: quantized's and 1-bit Adam's
+      updates need more temporaries and time under the cond); ``"own"``, the step returns the
+      all-device flag from values it reduces anyway and keeps its state itself where the flag is
+      false (no extra pass over the gradient), and the adapter sets the outputs to NaN.
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.
+    owns_params: a whole optimizer that sets the parameters (the local-step family).
   """
   name: str
   state: type
@@ -115,6 +131,10 @@ class Algorithm:
   unbucketable: Callable = _anywhere
   nonfinite: str = "skip"
   scatter: Optional[Callable] = None
+  owns_params: bool = False
+
+  def __post_init__(self):
+    validate.choice(self.nonfinite, "nonfinite", NONFINITE)
 
 
 def configure(algorithm: Algorithm, settings: dict) -> tuple:
@@ -122,20 +142,24 @@ def configure(algorithm: Algorithm, settings: dict) -> tuple:
   given as arrays, and those arrays by name.
 
   Raises:
-    TypeError: static settings were given as arrays; the message lists all of them at once.
+    TypeError: static settings were given as arrays; the message lists every setting that must be
+      static under ``optax.inject_hyperparams`` (those already Python numbers too).
   """
   arrays = [name for name, value in settings.items() if validate.is_array(value)]
   static = [name for name in arrays if name not in algorithm.traceable]
   if static:
-    names = ", ".join(static)
-    listed = ", ".join(repr(n) for n in static) + ("," if len(static) == 1 else "")
+    # inject_hyperparams turns every number it is not told is static into an array: the fix names
+    # them all, those already static included, or copying it would drop them.
+    numbers = [name for name, value in settings.items() if name not in algorithm.traceable and (
+        name in static or (isinstance(value, (int, float)) and not isinstance(value, bool)))]
+    listed = ", ".join(repr(n) for n in numbers) + ("," if len(numbers) == 1 else "")
     raise TypeError(
-        f"{algorithm.name}: {names} "
-        + ("is static (it fixes shapes or which program runs) and must be a Python value"
-           if len(static) == 1 else
-           "are static (they fix shapes or which program runs) and must be Python values")
-        + ", not arrays. Under optax.inject_hyperparams "
-        f"pass static_args=({listed})"
+        f"{algorithm.name}: {', '.join(static)} "
+        + ("is static (it fixes shapes or which program runs) and must be a Python value, not an "
+           "array" if len(static) == 1 else
+           "are static (they fix shapes or which program runs) and must be Python values, not "
+           "arrays")
+        + f". Under optax.inject_hyperparams pass static_args=({listed})"
         + (f"; only {', '.join(algorithm.traceable)} may be scheduled" if algorithm.traceable
            else ""))
   traced = {name: settings[name] for name in arrays}
@@ -161,53 +185,42 @@ def _live(config, traced: dict):
 
 def run_step(algorithm: Algorithm, config, state, leaves: list, axis_name,
              step: Optional[Callable] = None) -> tuple:
-  """The phase switch, the step (``algorithm.step``, or ``step`` of the same signature) and the
-  count, on the reduced ``leaves``; no non-finite policy."""
+  """A mean's phase switch, step (``algorithm.step``, or ``step`` of the same signature) and count
+  on the reduced ``leaves``: ``(means, new_state, finite)``, ``finite`` the step's own flag
+  (``nonfinite="own"``) or None."""
   step = step or algorithm.step
   all_phases = algorithm.phases(config)
-  qualified = [p._replace(name=f"{algorithm.name}.{p.name}") for p in all_phases]
   branches = [lambda s, g, p=p: step(config, s, g, axis_name, p) for p in all_phases]
-  if len(all_phases) == 1 and all_phases[0] is STEADY:
-    means, new_state = branches[0](state, leaves)
-  else:
-    means, new_state = phases.switch(algorithm.phase_of(config, state.count), qualified, branches,
-                                     state, leaves)
+  with phases.owned_by(algorithm.name):
+    if len(all_phases) == 1 and all_phases[0] is STEADY:
+      results = branches[0](state, leaves)
+    else:
+      results = phases.switch(algorithm.phase_of(config, state.count), all_phases, branches,
+                              state, leaves)
+  means, new_state, ok = results if algorithm.nonfinite == "own" else (*results, None)
   if algorithm.stateful:
-    new_state = new_state._replace(count=state.count + 1)
-  return list(means), new_state
+    new_state = new_state._replace(count=state.count + (1 if ok is None else ok.astype(jnp.int32)))
+  return list(means), new_state, ok
 
 
-def _skip(shape_of: Callable, state, leaves: list) -> tuple:
-  """The non-finite branch: NaN outputs (of ``shape_of(leaf)``) on every device, the state as it
-  was."""
-  return [jnp.full(shape_of(x), jnp.nan, x.dtype) for x in leaves], state
-
-
-def _owning(update: Callable, axis_name: axis.AxisName) -> Callable:
-  """``scatter`` from ``update``: the whole mean, of which this device keeps its shard."""
-  def scatter(updates, state):
-    means, state = update(updates, state)
-    return tree_lib.map_reduced(lambda m: shards.own(m, axis_name), means), state
-  return scatter
-
-
-def _guarded(algorithm: Algorithm, config, state, leaves: list, axis_name,
-             step: Optional[Callable], shape_of: Callable) -> tuple:
+def _mean(algorithm: Algorithm, config, state, leaves: list, axis_name,
+          step: Optional[Callable], shape_of: Callable) -> tuple:
   """``run_step`` under the non-finite policy (``Algorithm.nonfinite`` says how); ``shape_of(leaf)``
   is the shape of its output (a shard's with ``step=algorithm.scatter``)."""
+  if not algorithm.stateful or not leaves:
+    return run_step(algorithm, config, state, leaves, axis_name, step)[:2]
+  if algorithm.nonfinite == "own":
+    means, new_state, ok = run_step(algorithm, config, state, leaves, axis_name, step)
+    with kernels.part("nonfinite"):
+      return finite.nan_unless_finite(ok, means), new_state
   with kernels.part("nonfinite"):
     ok = finite.all_finite(leaves, axis_name)
-  run = lambda s, g: run_step(algorithm, config, s, g, axis_name, step)  # noqa: E731
-  if algorithm.nonfinite == "skip":
-    return lax.cond(ok, run, functools.partial(_skip, shape_of), state, leaves)
-  means, new_state = run(state, leaves)
-  with kernels.part("nonfinite"):
-    return finite.gated(ok, means, new_state, state)
+  run = lambda s, g: run_step(algorithm, config, s, g, axis_name, step)[:2]  # noqa: E731
+  return finite.guarded(algorithm.nonfinite, ok, run, shape_of, state, leaves)
 
 
 def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
-                   bucket_cap_mb: Optional[float] = None,
-                   **settings) -> optax.GradientTransformation:
+                   bucket_cap_mb: Optional[float] = None, **settings) -> interface.Transformation:
   """The optax transformation of ``algorithm`` with ``settings`` (the module docstring, 1–2 and 4).
 
   Args:
@@ -217,35 +230,36 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
     **settings: the configuration's settings (``algorithm.configure``'s arguments).
 
   Returns:
-    A ``GradientTransformation`` whose output is the cross-device mean, identical on every device.
+    An ``interface.Transformation``: the cross-device mean, identical on every device, or (``owns_params``)
+    the optimizer's ``Assign`` updates.
   """
   axis_name = axis.check_axis_name(axis_name)
   config, traced = configure(algorithm, settings)
+  if algorithm.owns_params:
+    return _owning_params(algorithm, config, axis_name)
   if bucket_cap_mb is not None:
     cap = validate.number(bucket_cap_mb, "bucket_cap_mb", 0, low_open=True,
                           static="decides which leaves share a collective")
     reason = algorithm.unbucketable(config)
     if reason:
       raise ValueError(f"{algorithm.name}: bucket_cap_mb cannot be used here: {reason}")
-    bucketed = buckets.comm_hook(hook(algorithm, traced), bucket_state(algorithm, config),
+    bucketed = buckets.comm_hook(_bucket_hook(algorithm, traced), bucket_state(algorithm, config),
                                  axis_name=axis_name, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
-    bucketed.update.scatter = _owning(bucketed.update, axis_name)
-    return bucketed
+    return interface.Transformation(bucketed.init, bucketed.update, name=algorithm.name,
+                          axis_name=axis_name, scatter=bucketed.scatter)
 
   def init_fn(params):
     return algorithm.init(config, tree_lib.TreeSignature.of(params))
 
   def apply(updates, state, step: Optional[Callable], shape_of: Callable):
     """1 (and 5 with ``step=algorithm.scatter``): ``(outputs, new_state)``."""
+    optax_wrappers.check(algorithm.name, axis_name)
     tree_lib.check_state(state, init_fn, algorithm.name)
     leaves = state.signature.check(updates)
     reduced = [leaves[i] for i in state.signature.reduced]
     axis.refuse_summed_gradient(reduced, axis_name, algorithm.name)
-    live = _live(state.config, traced)
-    if algorithm.stateful and reduced:
-      means, new_state = _guarded(algorithm, live, state, reduced, axis_name, step, shape_of)
-    else:
-      means, new_state = run_step(algorithm, live, state, reduced, axis_name, step)
+    means, new_state = _mean(algorithm, _live(state.config, traced), state, reduced, axis_name,
+                             step, shape_of)
     for i, mean in zip(state.signature.reduced, means):
       leaves[i] = mean
     return tree_lib.like(updates, leaves), new_state
@@ -260,13 +274,42 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
     with kernels.part("update"):
       return apply(updates, state, algorithm.scatter, lambda x: cut.shape(x.shape))
 
-  update_fn.scatter = scatter_fn if algorithm.scatter else _owning(update_fn, axis_name)
-  return optax.GradientTransformation(init_fn, update_fn)
+  return interface.Transformation(init_fn, update_fn, name=algorithm.name, axis_name=axis_name,
+                        scatter=scatter_fn if algorithm.scatter else interface.own_shard_of(update_fn, axis_name))
 
 
-def hook(algorithm: Algorithm, traced: Optional[dict] = None,
-         name: Optional[str] = None) -> buckets.Hook:
-  """``algorithm``'s per-bucket hook for ``comm_hook``: ``hook(state, bucket) -> (buffer, state)``.
+def _owning_params(algorithm: Algorithm, config, axis_name: axis.AxisName) -> interface.Transformation:
+  """1 for an optimizer that owns the parameters."""
+  name = algorithm.name
+
+  def init_fn(params):
+    params = tree_lib.unwrap(params)
+    return algorithm.init(config, tree_lib.TreeSignature.of(params), params)
+
+  def update_fn(updates, state, params=None):
+    optax_wrappers.check(name, axis_name)
+    optax_wrappers.check_last_in_chain(f"jaxcomp.{name}", sets_params=True)
+    if not isinstance(state, algorithm.state):
+      raise TypeError(f"{name}: update needs the state {name}'s init made, a "
+                      f"{algorithm.state.__name__}; got {type(state).__name__}")
+    grads = state.signature.unflatten(state.signature.check(updates))
+    if params is None:
+      raise ValueError(f"{name} sets the parameters, so its update needs them: call "
+                       "tx.update(grads, state, params) (nnx.Optimizer and the usual optax loop "
+                       "do)")
+    params = state.signature.unflatten(state.signature.check(params, "params"))
+    axis.refuse_summed_gradient(state.signature.pick(grads), axis_name, name)
+    with kernels.part("update"), phases.owned_by(name):
+      new_params, new_state = algorithm.step(state.config, state, grads, params, axis_name)
+    new_state = new_state._replace(count=state.count + 1)
+    return local_steps.assign(new_params), new_state
+
+  return interface.Transformation(init_fn, update_fn, name=name, axis_name=axis_name, owns_params=True)
+
+
+def run_hook(algorithm: Algorithm, state, bucket: buckets.GradBucket, traced: Optional[dict] = None,
+             name: Optional[str] = None) -> tuple:
+  """``algorithm``'s step as a hook of ``comm_hook``: ``(buffer, state)`` for ``bucket``.
 
   The step runs on the bucket's parameters (their paths name them, as in the whole pytree), in the
   bucket's dtype (a hook under ``fp16_compress_wrapper`` computes in float16; the state keeps its
@@ -274,22 +317,27 @@ def hook(algorithm: Algorithm, traced: Optional[dict] = None,
   hook and its state factory in ``jaxcomp.hooks`` (default the algorithm's name).
   """
   name = name or algorithm.name
+  if not isinstance(state, algorithm.state):
+    raise TypeError(f"{name}_hook needs the per-bucket state made by jaxcomp.hooks.{name}_state"
+                    f"(...), as in comm_hook(jaxcomp.hooks.{name}_hook, "
+                    f"jaxcomp.hooks.{name}_state()); got {type(state).__name__}")
+  leaves = state.signature.check(bucket.gradients(), "bucket", dtypes=False)
+  reduced = [leaves[i] for i in state.signature.reduced]
+  means, state, ok = run_step(algorithm, _live(state.config, traced or {}), state, reduced,
+                              bucket.axis_name)
+  if ok is not None:
+    means = finite.nan_unless_finite(ok, means)
+  for i, mean in zip(state.signature.reduced, means):
+    leaves[i] = mean
+  return tree_lib.flatten(leaves), state
 
-  def run_hook(state, bucket: buckets.GradBucket):
-    if not isinstance(state, algorithm.state):
-      raise TypeError(f"{name}_hook needs the per-bucket state made by jaxcomp.hooks.{name}_state"
-                      f"(...), as in comm_hook(jaxcomp.hooks.{name}_hook, "
-                      f"jaxcomp.hooks.{name}_state()); got {type(state).__name__}")
-    leaves = state.signature.check(bucket.gradients(), "bucket", dtypes=False)
-    reduced = [leaves[i] for i in state.signature.reduced]
-    means, state = run_step(algorithm, _live(state.config, traced or {}), state, reduced,
-                            bucket.axis_name)
-    for i, mean in zip(state.signature.reduced, means):
-      leaves[i] = mean
-    return tree_lib.flatten(leaves), state
 
-  run_hook.__name__ = f"{name}_hook"
-  return run_hook
+def _bucket_hook(algorithm: Algorithm, traced: dict) -> buckets.Hook:
+  """The hook of ``algorithm`` with its traced settings, for ``transformation``'s buckets."""
+  def hook(state, bucket):
+    return run_hook(algorithm, state, bucket, traced)
+  hook.__name__ = f"{algorithm.name}_hook"
+  return hook
 
 
 def bucket_state(algorithm: Algorithm, config) -> Callable[[buckets.GradBucket], Any]:
@@ -309,4 +357,3 @@ def hook_state(algorithm: Algorithm, settings: dict) -> Callable[[buckets.GradBu
   if reason:
     raise ValueError(f"{algorithm.name}_state: {reason}")
   return bucket_state(algorithm, config)
-

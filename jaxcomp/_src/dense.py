@@ -20,7 +20,6 @@ import functools
 from typing import NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import axis, compressor, shards

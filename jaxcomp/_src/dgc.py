@@ -44,7 +44,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, compressor, kernels, phases as phases_lib, validate
+from jaxcomp._src import axis, compressor, kernels, phases as phases_lib, topk, validate
 from jaxcomp._src import tree as tree_lib
 
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
@@ -257,86 +257,6 @@ def phase_of(config: DGCConfig, count) -> jax.Array:
   return jnp.asarray([densities.index(d) for d in config.densities], jnp.int32)[stage]
 
 
-class SamplingPlan(NamedTuple):
-  """Static sizes of one leaf's sampled selection (the reference's ``initialize``): at most ``k``
-  coordinates sent; the threshold is the smallest of the top ``top_k_samples`` of ``num_samples``
-  magnitudes taken every ``stride`` elements from a random offset in [0, stride)."""
-  numel: int
-  k: int
-  num_samples: int
-  top_k_samples: int
-  stride: int
-
-
-def sampling_plan(numel: int, density: float, sample_ratio: float = 0.01) -> SamplingPlan:
-  """The reference's sample sizes: ~``sample_ratio`` of the leaf, and at least 2/density samples."""
-  cpr_numel = math.ceil(2 / density)
-  stride, num_samples = 1, numel
-  if sample_ratio < 1.0 and numel > cpr_numel:
-    wanted = max(math.ceil(numel * sample_ratio), cpr_numel)
-    stride = math.ceil(numel / wanted / 32) * 32 + 1
-    num_samples = numel // stride
-    while num_samples < wanted:  # ends at stride 1 at the latest
-      stride -= 8
-      num_samples = numel // stride
-  return SamplingPlan(numel, math.ceil(numel * density), num_samples,
-                      math.ceil(num_samples * density), stride)
-
-
-def exact_topk(x: jax.Array, k: int) -> jax.Array:
-  """The int32 indices of the k entries of largest magnitude of the 1-D ``x`` (``lax.top_k``)."""
-  return lax.top_k(jnp.abs(x), k)[1].astype(jnp.int32)
-
-
-def sampled_topk(x: jax.Array, plan: SamplingPlan, key: jax.Array, *, upper_bound: float = 1.3,
-                 lower_bound: float = 0.8, max_adaptation_iters: int = 10) -> tuple:
-  """At most k coordinates of the 1-D ``x`` whose magnitude reaches a threshold estimated by sampling.
-
-  The reference's ``_sparsify``, with static shapes: the threshold is the smallest of the top
-  ``plan.top_k_samples`` strided sample magnitudes; while fewer than ``lower_bound·k`` entries reach
-  it, it is multiplied by ``lower_bound`` (at most ``max_adaptation_iters`` times); if then more than
-  ``upper_bound·k`` reach it, the exact top k among them are taken, otherwise the first k (in index
-  order) of those reaching it. Without sampling (``num_samples == numel``) the threshold is exact.
-
-  Returns:
-    ``(indices, threshold)``: int32 indices of shape ``(k,)``, each with ``|x| >= threshold``;
-    slots left empty hold ``numel`` (out of range: scatters drop them).
-  """
-  n, k = plan.numel, plan.k
-  samples = jnp.abs(x)
-  if plan.num_samples < n:  # x[start::stride]: num_samples or num_samples + 1 entries (else -1)
-    taken = jax.random.randint(key, (), 0, plan.stride) + plan.stride * jnp.arange(
-        plan.num_samples + 1)
-    samples = jnp.where(taken < n, jnp.abs(x.at[taken].get(mode="clip")), -1)
-  threshold = kernels.kth_largest(samples, plan.top_k_samples)
-  carry = (threshold, kernels.bits_at_least(x, threshold), jnp.int32(0))
-
-  def count(bits):
-    return lax.population_count(bits).sum(dtype=jnp.int32)
-
-  def too_few(carry):
-    _, bits, iters = carry
-    return (iters < max_adaptation_iters) & (count(bits) < lower_bound * k)
-
-  def lower(carry):
-    threshold, _, iters = carry
-    return threshold * lower_bound, kernels.bits_at_least(x, threshold * lower_bound), iters + 1
-
-  if plan.num_samples < n:  # adaptation: lower the threshold while too few reach it
-    carry = kernels.while_loop_if_needed(too_few, lower, carry)
-  threshold, bits, iters = carry
-  total, capacity = count(bits), min(2 * k, n)
-  candidates, magnitudes = kernels.first_at_least(x, bits, capacity)
-
-  def top_k_of_candidates():  # capacity >= k
-    return lax.cond(total > capacity, lambda: exact_topk(x, k),
-                    lambda: candidates[lax.top_k(magnitudes, k)[1]])
-
-  # The reference counts again only if the loop stopped before its last iteration.
-  resample = (total > upper_bound * k) & (iters < max_adaptation_iters)
-  return lax.cond(resample, top_k_of_candidates, lambda: candidates[:k]), threshold
-
-
 def _clipped(config: DGCConfig, leaves: list, axis_name) -> list:
   """1: local gradient clipping (paper §3.3), before accumulation, threshold scaled by W^exponent."""
   if config.clip_norm is None:
@@ -373,11 +293,12 @@ def _topk_exchange(exchange: TopKExchange, vs, density, keys, wires, axis_name) 
   dtype) and one of indices for all leaves."""
   flats = [v.ravel() for v in vs]
   if exchange.selection == "exact":  # 3
-    mine = [exact_topk(flat, math.ceil(flat.size * density)) for flat in flats]
+    mine = [topk.exact_topk(flat, math.ceil(flat.size * density)) for flat in flats]
   else:
-    mine = [sampled_topk(flat, sampling_plan(flat.size, density, exchange.sample_ratio), key,
-                         upper_bound=exchange.upper_bound, lower_bound=exchange.lower_bound,
-                         max_adaptation_iters=exchange.max_adaptation_iters)[0]
+    mine = [topk.sampled_topk(flat, topk.sampling_plan(flat.size, density, exchange.sample_ratio),
+                              key, upper_bound=exchange.upper_bound,
+                              lower_bound=exchange.lower_bound,
+                              max_adaptation_iters=exchange.max_adaptation_iters)[0]
             for flat, key in zip(flats, keys)]
   sent = [flat.at[i].get(mode="fill", fill_value=0) for flat, i in zip(flats, mine)]
   values = axis.all_gather_many([x.astype(d) for x, d in zip(sent, wires)], axis_name)  # 4

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, finite, validate
+from jaxcomp._src import axis, finite, local_steps, validate
 from jaxcomp._src import tree as tree_lib
 
 
@@ -48,8 +48,9 @@ def skip_if_nonfinite(inner: optax.GradientTransformation, max_consecutive_error
     tx = jaxcomp.skip_if_nonfinite(
         optax.chain(jaxcomp.powersgd(rank=2), optax.adamw(1e-3)), max_consecutive_errors=10)
 
-  On a step whose gradient holds a NaN or an infinity on any device, the update is zero and the inner
-  state is kept, on every device alike; after more than ``max_consecutive_errors`` such steps in a
+  On a step whose gradient holds a NaN or an infinity on any device, the update leaves the
+  parameters as they are (zero; ``Assign`` of the parameters for an optimizer that sets them, such
+  as ``jaxcomp.diloco``) and the inner state is kept, on every device alike; after more than ``max_consecutive_errors`` such steps in a
   row the update is applied anyway, as ``optax.apply_if_finite`` does. The decision comes from one
   4-byte all-reduce of a flag, the same on every device, so the inner transformation (and its
   collectives) runs on every device or on none.
@@ -74,8 +75,8 @@ def skip_if_nonfinite(inner: optax.GradientTransformation, max_consecutive_error
   References:
     ``optax.apply_if_finite``, whose semantics (and state fields) it keeps.
   """
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(f"inner must be an optax.GradientTransformation; got {inner!r}")
+  inner = validate.transformation(inner, "inner",
+                                  "optax.chain(jaxcomp.powersgd(rank=2), optax.adamw(1e-3))")
   max_consecutive_errors = validate.integer(max_consecutive_errors, "max_consecutive_errors", 0)
   axis_name = axis.check_axis_name(axis_name)
 
@@ -94,7 +95,7 @@ def skip_if_nonfinite(inner: optax.GradientTransformation, max_consecutive_error
 
     def skip():
       shapes = jax.eval_shape(inner.update, updates, state.inner_state, params)[0]
-      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state
+      return local_steps.unchanged(shapes, params), state.inner_state
 
     new_updates, inner_state = lax.cond(
         finite_everywhere | (notfinite_count > max_consecutive_errors), apply, skip)

@@ -1,8 +1,8 @@
 """The built-in per-bucket hooks; ``jaxcomp.hooks`` documents them and how to write one.
 
-The dense hooks are torch's ``default_hooks``, a line each. Every other hook is derived from its
-algorithm by the compressor adapter (``compressor.hook``): the same step as the transformation, on
-the bucket's parameters; its state factory takes the transformation's own keyword arguments (but
+The dense hooks are torch's ``default_hooks``, a line each. Every other hook runs its algorithm's
+step through the compressor adapter (``compressor.run_hook``): the same step as the transformation,
+on the bucket's parameters; its state factory takes the transformation's own keyword arguments (but
 ``axis_name``, which is the bucket's, and ``bucket_cap_mb``, which is ``comm_hook``'s).
 """
 
@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from jaxcomp._src import axis, chunked_topk, compressor, dgc, onebit_adam, powersgd, quantized
 from jaxcomp._src import sign
-from jaxcomp._src import tree as tree_lib
 from jaxcomp._src.buckets import GradBucket, Hook
 
 
@@ -76,15 +75,19 @@ def bf16_compress_wrapper(hook: Hook) -> Hook:
   return _cast_wrapper(hook, jnp.bfloat16, "bf16_compress_wrapper")
 
 
-
 # ---------------------------------------------------------------------------------------- PowerSGD
 
-powersgd_hook = compressor.hook(powersgd.POWERSGD, name="powersgd")
-"""Layer-wise PowerSGD on one bucket (torch's ``powerSGD_hook``); state from ``powersgd_state``."""
+def powersgd_hook(state, bucket: GradBucket):
+  """Layer-wise PowerSGD on one bucket (torch's ``powerSGD_hook``): ``jaxcomp.powersgd``'s step on
+  the bucket's parameters, each viewed as a matrix; state from ``powersgd_state``."""
+  return compressor.run_hook(powersgd.POWERSGD, state, bucket)
 
-batched_powersgd_hook = compressor.hook(powersgd.BATCHED_POWERSGD, name="batched_powersgd")
-"""Batched PowerSGD on one bucket (torch's ``batched_powerSGD_hook``, which raises in torch 2.13);
-state from ``batched_powersgd_state``."""
+
+def batched_powersgd_hook(state, bucket: GradBucket):
+  """Batched PowerSGD on one bucket (torch's ``batched_powerSGD_hook``, which raises in torch
+  2.13): the bucket as one zero-padded square matrix; state from ``batched_powersgd_state``."""
+  return compressor.run_hook(powersgd.BATCHED_POWERSGD, state, bucket, name="batched_powersgd")
+
 
 def powersgd_state(rank: int = 1, **settings):
   """The per-bucket state of ``powersgd_hook``: pass it as ``comm_hook``'s ``state``::
@@ -124,9 +127,10 @@ def batched_powersgd_state(rank: int = 1, **settings):
 
 # ---------------------------------------------------------------------------------------- DGC
 
-dgc_hook = compressor.hook(dgc.DGC, name="dgc")
-"""Deep Gradient Compression on one bucket, each parameter treated as ``jaxcomp.dgc`` treats a leaf;
-state from ``dgc_state``."""
+def dgc_hook(state, bucket: GradBucket):
+  """Deep Gradient Compression on one bucket, each parameter treated as ``jaxcomp.dgc`` treats a
+  leaf; state from ``dgc_state``."""
+  return compressor.run_hook(dgc.DGC, state, bucket)
 
 
 def dgc_state(ratio: float = 0.001, **settings):
@@ -145,15 +149,23 @@ def dgc_state(ratio: float = 0.001, **settings):
   return compressor.hook_state(dgc.DGC, dict(ratio=ratio, **settings))
 
 
-quantized_hook = compressor.hook(quantized.QUANTIZED, name="quantized")
-"""8-bit averaging of one bucket (``jaxcomp.quantized``'s step); state from ``quantized_state``."""
+def quantized_hook(state, bucket: GradBucket):
+  """8-bit averaging of one bucket (``jaxcomp.quantized``'s step); state from
+  ``quantized_state``."""
+  return compressor.run_hook(quantized.QUANTIZED, state, bucket)
 
-sign_hook = compressor.hook(sign.SIGN, name="sign")
-"""EF-SignSGD's scaled-sign mean of one bucket, a scale per parameter; state from ``sign_state``."""
 
-onebit_adam_hook = compressor.hook(onebit_adam.SCALE_BY_ONEBIT_ADAM, name="onebit_adam")
-"""1-bit Adam on one bucket: returns the direction ``m̂ / (√v̂ + eps)`` for a momentum-free
-``optax.sgd`` (``jaxcomp.scale_by_onebit_adam``'s step); state from ``onebit_adam_state``."""
+def sign_hook(state, bucket: GradBucket):
+  """EF-SignSGD's scaled-sign mean of one bucket, a scale per parameter
+  (``jaxcomp.sign_compress``'s step); state from ``sign_state``."""
+  return compressor.run_hook(sign.SIGN, state, bucket, name="sign")
+
+
+def onebit_adam_hook(state, bucket: GradBucket):
+  """1-bit Adam on one bucket: returns the direction ``m̂ / (√v̂ + eps)`` for a momentum-free
+  ``optax.sgd`` (``jaxcomp.scale_by_onebit_adam``'s step); state from ``onebit_adam_state``."""
+  return compressor.run_hook(onebit_adam.SCALE_BY_ONEBIT_ADAM, state, bucket, name="onebit_adam")
+
 
 def quantized_state(bits=8, **settings):
   """The per-bucket state of ``quantized_hook``: pass it as ``comm_hook``'s ``state``::
@@ -201,9 +213,10 @@ def onebit_adam_state(**settings):
 
 # ------------------------------------------------------------------------------------ chunked top-k
 
-chunked_topk_hook = compressor.hook(chunked_topk.CHUNKED_TOPK, name="chunked_topk")
-"""SparseLoCo's exchange on one bucket (``jaxcomp.chunked_topk``'s step); state from
-``chunked_topk_state``."""
+def chunked_topk_hook(state, bucket: GradBucket):
+  """SparseLoCo's exchange on one bucket (``jaxcomp.chunked_topk``'s step); state from
+  ``chunked_topk_state``."""
+  return compressor.run_hook(chunked_topk.CHUNKED_TOPK, state, bucket)
 
 
 def chunked_topk_state(k: int = 64, **settings):

@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, local_steps, phases, validate
+from jaxcomp._src import axis, compressor, local_steps, phases, validate
 from jaxcomp._src import tree as tree_lib
 
 
@@ -72,6 +72,8 @@ class LocalSGDConfig:
   """Local SGD's settings, validated; a static node of the state.
 
   Attributes:
+    inner: the optimizer each device runs on its own gradient (e.g. ``optax.sgd(lr,
+      momentum=0.9)``); it may itself average over a faster axis (hierarchical averaging).
     sync_every: the averaging period H in steps (torch's ``period``). Each period sends one
       all-reduce of the parameters instead of H of the gradients; the replicas drift apart for H − 1
       steps, the more the larger the learning rate and the more different the devices' data. 1 is
@@ -80,10 +82,13 @@ class LocalSGDConfig:
       ``start_localSGD_iter`` and ``warmup_steps``): early training changes the parameters fastest
       and suffers most from drift; Lin et al. switch after the first learning-rate decay.
   """
+  inner: optax.GradientTransformation
   sync_every: int
   start_iter: int = 0
 
   def __post_init__(self):
+    object.__setattr__(self, "inner", validate.transformation(
+        self.inner, "inner", "optax.sgd(0.1, momentum=0.9)"))
     object.__setattr__(self, "sync_every", validate.integer(
         self.sync_every, "sync_every", 1, static="fixes when the parameters are averaged"))
     object.__setattr__(self, "start_iter", validate.integer(self.start_iter, "start_iter", 0))
@@ -115,6 +120,38 @@ class LocalSGDState(NamedTuple):
 
   PER_DEVICE_FIELDS = ("inner_state",)  # see jaxcomp.sharding
   PARAMS_PER_DEVICE = True  # the parameters differ between synchronizations
+
+
+def init(config: LocalSGDConfig, signature: tree_lib.TreeSignature, params) -> LocalSGDState:
+  """The inner optimizer's state for ``params``, kept per device."""
+  return LocalSGDState(jnp.zeros([], jnp.int32), local_steps.to_device(config.inner.init(params)),
+                       config, signature)
+
+
+def _averaged(axis_name: axis.AxisName) -> callable:
+  """The mean over the devices of a tree's reduced leaves, typed as the tree (steps 1 and 3)."""
+  return lambda tree: local_steps.varying_like(local_steps.mean_reduced(tree, axis_name), tree)
+
+
+def step(config: LocalSGDConfig, state: LocalSGDState, grads, params,
+         axis_name: axis.AxisName) -> tuple:
+  """Steps 1–4 (the module docstring): ``(new params, new state)``."""
+  if config.start_iter > 0:  # 1: the mean gradient before start_iter
+    grads = phases.when(state.count < config.start_iter, phases.Phase("warmup", 0.0),
+                        _averaged(axis_name), grads)
+  # 2: the inner step on this device; 4: its state stays here.
+  new_params, inner_state = local_steps.local_update(
+      config.inner, grads, local_steps.from_device(state.inner_state), params,
+      axis_name)
+  # 3: the periodic average.
+  new_params = phases.when(config.averages_after(state.count),
+                           phases.Phase("sync", 1 / config.sync_every), _averaged(axis_name),
+                           new_params)
+  return new_params, state._replace(inner_state=local_steps.to_device(inner_state))
+
+
+LOCAL_SGD = compressor.Algorithm("local_sgd", LocalSGDState, LocalSGDConfig, init, step,
+                                 owns_params=True)
 
 
 def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_iter: int = 0,
@@ -165,33 +202,5 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
     Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020. PyTorch 2.13
     ``post_localSGD_hook``, ``PeriodicModelAverager``.
   """
-  inner = local_steps.check_transformation(inner, "inner", "optax.sgd(0.1, momentum=0.9)")
-  config = LocalSGDConfig(sync_every=sync_every, start_iter=start_iter)
-  axis_name = axis.check_axis_name(axis_name)
-
-  def init_fn(params):
-    params = tree_lib.unwrap(params)
-    return LocalSGDState(jnp.zeros([], jnp.int32), local_steps.to_device(inner.init(params)),
-                         config, tree_lib.TreeSignature.of(params))
-
-  def update_fn(updates, state: LocalSGDState, params=None):
-    state.signature.check(updates)
-    params = local_steps.require_params(params, "local_sgd")
-    state.signature.check(params, "params")
-    grads = updates
-    if state.config.start_iter > 0:  # 1: the mean gradient before start_iter
-      grads = phases.when(
-          state.count < state.config.start_iter, phases.Phase("local_sgd.warmup", 0.0),
-          lambda g: local_steps.varying_like(local_steps.mean_reduced(g, axis_name), g), grads)
-    # 2: the inner step on this device; 4: its state stays here.
-    new_params, inner_state = local_steps.local_update(
-        inner, grads, local_steps.from_device(state.inner_state), params)
-    # 3: the periodic average.
-    new_params = phases.when(
-        state.config.averages_after(state.count),
-        phases.Phase("local_sgd.sync", 1 / state.config.sync_every),
-        lambda p: local_steps.varying_like(local_steps.mean_reduced(p, axis_name), p), new_params)
-    return local_steps.assign(new_params), state._replace(
-        count=state.count + 1, inner_state=local_steps.to_device(inner_state))
-
-  return optax.GradientTransformation(init_fn, update_fn)
+  return compressor.transformation(LOCAL_SGD, axis_name, inner=inner, sync_every=sync_every,
+                                   start_iter=start_iter)

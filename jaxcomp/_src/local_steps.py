@@ -1,7 +1,8 @@
-"""Local steps: the mechanics local SGD and DiLoCo share.
+"""Local steps: the mechanics the optimizers that own the parameters share.
 
-Both run an inner optimizer on each device's own gradient, with no communication, and every few steps
-set every device's parameters to one synchronized value. Three pieces serve both:
+Local SGD, DiLoCo, Streaming DiLoCo and SparseLoCo run an inner optimizer on each device's own
+gradient, with no communication, and every few steps set every device's parameters to one
+synchronized value. These pieces serve them all:
 
 * ``Assign``, the update that sets a parameter exactly. An optax update is *added* to the parameters
   (``optax.apply_updates`` computes ``params + updates``), and in floating point ``p + (t − p)`` is not
@@ -11,14 +12,15 @@ set every device's parameters to one synchronized value. Three pieces serve both
   ``p₂ = −(0.5 − 2⁻²⁴)`` even ones, so no value near their average is reachable from both.
   ``params + Assign(t)`` is ``t`` itself, so ``optax.apply_updates``, ``nnx.Optimizer`` and any
   hand-written ``params + updates`` leave every device bitwise the same parameters.
-* ``local_update``: one step of the inner optimizer on this device's gradient, under the non-finite
-  policy of local steps: a device whose new parameters are not finite keeps its parameters and its
-  inner state as they were. The decision is this device's alone and needs no collective — a local step
-  runs none that the devices must keep in step — so the other devices go on, and the next
-  synchronization, to which the device brings its unchanged (finite) parameters, brings it back. A NaN
-  on one device never reaches the average, and replicas are identical after every synchronization all
-  the same. (Step counters advance on every step regardless, so that all devices agree on when to
-  communicate.)
+* ``local_update``: one step of the inner optimizer on this device's gradient, under the local-step
+  part of the non-finite policy (``finite.kept_locally``): a device whose new parameters are not
+  finite keeps its parameters and its inner state as they were, which needs no collective. (Step
+  counters advance on every step regardless, so that all devices agree on when to communicate.)
+  The inner optimizer must not communicate over the axis the local steps average over, or the
+  steps would not be local: that is refused while the step is traced (``jaxprs``).
+* ``unchanged``: the update that leaves the parameters as they are, for a wrapper that skips a
+  step (``accumulate``'s held micro-steps, ``skip_if_nonfinite``): zero for an additive update,
+  ``Assign(params)`` for an optimizer that sets them.
 * ``to_device`` / ``from_device``: the inner optimizer's state is kept with a leading axis of length 1.
   It differs from device to device (momenta, Adam's moments, the count of a device that skipped a
   step), and under ``shard_map`` every per-device leaf is sharded along its first dimension
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, finite, phases
+from jaxcomp._src import axis, finite, jaxprs, phases
 from jaxcomp._src import tree as tree_lib
 
 
@@ -77,24 +79,53 @@ def assign(params):
   return jax.tree.map(Assign, params)
 
 
-def local_update(inner: optax.GradientTransformation, grads, inner_state, params) -> tuple:
+def local_update(inner: optax.GradientTransformation, grads, inner_state, params,
+                 axis_name: axis.AxisName) -> tuple:
   """One step of ``inner`` on this device's gradient: ``(new params, new inner state)``.
 
-  A device whose new parameters are not finite keeps ``params`` and ``inner_state`` (the module
-  docstring says why that needs no collective). Only reduced (floating-point, non-empty) parameters
-  move; the others keep their values, so they stay the same on every device. ``inner`` may itself
-  communicate (an ``allreduce`` over a fast axis): a NaN then reaches every device of that axis,
-  which all keep their parameters together.
+  A device whose new parameters are not finite keeps ``params`` and ``inner_state``
+  (``finite.kept_locally``). Only reduced (floating-point, non-empty) parameters move; the others
+  keep their values, so they stay the same on every device. ``inner`` may communicate over another
+  axis (an ``allreduce`` over a fast axis: hierarchical averaging), where a NaN then reaches every
+  device of that axis, which all keep their parameters together.
+
+  Raises:
+    ValueError: ``inner`` communicates over ``axis_name``: it would send on every local step, and
+      the synchronization would average what is already averaged.
   """
+  if axis.is_bound(axis_name):
+    name = phases.owner() or "the local-step optimizer"
+    axes = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+    sent = jaxprs.collectives_over(
+        jax.make_jaxpr(inner.update)(grads, inner_state, params).jaxpr, axes)
+    if sent:
+      raise ValueError(
+          f"{name}: its inner optimizer communicates over {axis_name!r} on every local step "
+          f"({sent[0]}{' and more' if len(sent) > 1 else ''}), so the steps would not be local "
+          f"and the synchronization would average what is already averaged. Pass the optimizer "
+          "alone as inner (optax.adamw(1e-3)); the exchange of the synchronization is "
+          f"{name}'s own (diloco's compressor=); an all-reduce over a faster axis names that axis "
+          "(hierarchical averaging: jaxcomp.allreduce(axis_name='fast'))")
   updates, new_state = inner.update(grads, inner_state, params)
   # Integer, boolean and zero-size parameters are left as they are: never trained, never averaged,
   # so they stay the same on every device.
   new_params = jax.tree.map(lambda p, new: new if tree_lib.is_reduced(p) else p, params,
                             optax.apply_updates(params, updates))
-  ok = finite.all_finite(new_params, None)  # this device's parameters only: no collective
-  # A loop that restores the old values on the rare step that needs it leaves the new ones where
-  # the update wrote them; a select (``finite.keep_if_finite``) reads and writes both once more.
-  return phases.when(~ok, None, lambda *_: (params, inner_state), new_params, new_state)
+  return finite.kept_locally((new_params, new_state), (params, inner_state))
+
+
+def unchanged(update_shapes, params):
+  """The update that leaves ``params`` as they are, for updates shaped as ``update_shapes``
+  (``jax.eval_shape`` of the update): ``Assign(p)`` where the update sets a parameter, zeros
+  where it is added to one."""
+  is_assign = lambda x: isinstance(x, Assign)
+  if not any(is_assign(x) for x in jax.tree.leaves(update_shapes, is_leaf=is_assign)):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+  if params is None:
+    raise ValueError("the optimizer sets the parameters (jaxcomp.Assign updates), so a step that "
+                     "leaves them unchanged needs them: call tx.update(grads, state, params)")
+  return jax.tree.map(lambda _, p: Assign(p), update_shapes, tree_lib.unwrap(params),
+                      is_leaf=is_assign)
 
 
 def mean_reduced(tree, axis_name: axis.AxisName):
@@ -130,19 +161,3 @@ def to_device(inner_state):
 def from_device(stored):
   """The inner state stored by ``to_device``, leading axis removed."""
   return jax.tree.map(lambda x: x[0], stored)
-
-
-def check_transformation(value, name: str, example: str) -> optax.GradientTransformation:
-  """``value`` if it is an optax ``GradientTransformation``, else a TypeError naming ``name``."""
-  if not isinstance(value, optax.GradientTransformation):
-    raise TypeError(f"{name} must be an optax.GradientTransformation, e.g. {example}; got "
-                    f"{value!r} ({type(value).__name__})")
-  return value
-
-
-def require_params(params, name: str):
-  """``params`` (unwrapped from Flax NNX Variables), or a ValueError saying ``name`` needs them."""
-  if params is None:
-    raise ValueError(f"{name} sets the parameters, so its update needs them: call "
-                     "tx.update(grads, state, params) (nnx.Optimizer and the usual optax loop do)")
-  return tree_lib.unwrap(params)

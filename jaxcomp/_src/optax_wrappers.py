@@ -17,23 +17,28 @@ order, on every step. Some optax wrappers, wrapped around one, break that:
 * ``optax.MultiSteps`` runs it, and its collectives, on every micro-step: k times the traffic of
   ``jaxcomp.accumulate``, which gives the same update. A warning, once per trace.
 
-They are recognised by their update functions' code on the Python stack while the step is traced (and
-what a chain or a masked transformation holds by the variables its update function closes over), so
-the check costs nothing when the step runs. ``check`` runs only where an axis is bound: at world size
+They are recognised by their update functions' code on the Python stack (and what a chain or a
+masked transformation holds by the variables its update function closes over), read once each time
+a jaxcomp transformation's ``update`` is traced — at its entry, never inside a collective — so the
+check costs nothing when the step runs. ``check`` looks only where the axis is bound: at world size
 1 nothing communicates and the wrappers are harmless.
 
-``check_last_in_chain`` guards whole optimizers whose output is the parameter update
-(``jaxcomp.onebit_adam``): another optimizer after one in an ``optax.chain`` would take that update
-for a gradient, and training diverges without an error. It refuses anything after it but guards.
+``check_last_in_chain`` guards whole optimizers: those whose output is the parameter update
+(``jaxcomp.onebit_adam``), which another optimizer after them in an ``optax.chain`` would take for a
+gradient (training diverges without an error), and those that set the parameters (``local_sgd``,
+``diloco``, ...: their ``Assign`` updates are no gradient at all). It refuses anything after them
+but guards, and after those that set the parameters even guards.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Callable, Optional
+import inspect
+from typing import Optional
 
 import jax
 import optax
+
+from jaxcomp._src import axis
 
 
 def _code(update_fn) -> Optional[object]:
@@ -153,24 +158,38 @@ def _left_out(masked) -> Optional[list]:
           zip(with_path, _selected(mask, updates), covered) if not selected and not c]
 
 
-def check(axis_name, warn: Callable[[str, str], None]) -> None:
-  """Raises (or warns, through ``warn(key, message)``) if the caller runs inside a wrapper above.
+def _callers() -> list:
+  """The frames that called the jaxcomp ``update`` running now, innermost first (read once per
+  trace)."""
+  frame, found = inspect.currentframe(), []
+  while frame is not None:
+    found.append(frame)
+    frame = frame.f_back
+  return found[2:]  # not this function and its caller in this module
+
+
+def check(name: str, axis_name) -> None:
+  """Raises (or warns) if the jaxcomp transformation ``name`` is traced inside a wrapper above.
+
+  Called at the entry of every jaxcomp ``update``, once per trace.
 
   Args:
-    axis_name: the bound axis a collective is about to run over.
-    warn: ``warn(key, message)`` warns once per trace and key.
+    name: the transformation's public name, for the message.
+    axis_name: the axis it averages over; nothing is checked where it is not bound.
 
   Raises:
-    ValueError: the collective runs inside ``optax.apply_if_finite``, inside ``optax.MultiSteps``
-      with a ``should_skip_update_fn``, or inside ``optax.masked`` (not from ``multi_transform``)
-      whose left-out leaves no other jaxcomp transformation of its chain averages.
+    ValueError: it runs inside ``optax.apply_if_finite``, inside ``optax.MultiSteps`` with a
+      ``should_skip_update_fn``, or inside ``optax.masked`` (not from ``multi_transform``) whose
+      left-out leaves no other jaxcomp transformation of its chain averages.
   """
-  frame, masked, under_multi_transform = sys._getframe(1), None, False
-  while frame is not None:
+  if not axis.is_bound(axis_name):
+    return
+  masked, under_multi_transform = None, False
+  for frame in _callers():
     code = frame.f_code
     if code is _APPLY_IF_FINITE:
       raise ValueError(
-          f"optax.apply_if_finite wraps a jaxcomp transformation that communicates over axis "
+          f"optax.apply_if_finite wraps jaxcomp.{name}, which communicates over axis "
           f"{_name(axis_name)}: it decides on each device alone whether to run it, and a device "
           "whose gradient is non-finite skips the collectives the others wait in (the job hangs at "
           "the first such step). Use jaxcomp.skip_if_nonfinite(inner, max_consecutive_errors, "
@@ -181,25 +200,25 @@ def check(axis_name, warn: Callable[[str, str], None]) -> None:
       skip = getattr(getattr(multi_steps, "_should_skip_update_fn", None), "__code__", _NO_SKIP)
       if skip is not _NO_SKIP:
         raise ValueError(
-            "optax.MultiSteps with a should_skip_update_fn wraps a jaxcomp transformation that "
+            f"optax.MultiSteps with a should_skip_update_fn wraps jaxcomp.{name}, which "
             f"communicates over axis {_name(axis_name)}: it skips on each device alone, and a "
             "device that skips misses the collectives the others wait in. Use "
             "jaxcomp.accumulate(jaxcomp.skip_if_nonfinite(inner, ...), every_k=k)")
-      warn("optax.MultiSteps",
-           "jaxcomp: optax.MultiSteps runs the jaxcomp transformation inside it, and its collectives "
-           f"over axis {_name(axis_name)}, on every micro-step: k times the traffic. "
-           "jaxcomp.accumulate(inner, every_k=k) gives the same update and communicates once per "
-           "k micro-steps")
+      axis.warn_once_per_trace(
+          "optax.MultiSteps",
+          f"jaxcomp: optax.MultiSteps runs jaxcomp.{name} inside it, and its collectives over axis "
+          f"{_name(axis_name)}, on every micro-step: k times the traffic. "
+          "jaxcomp.accumulate(inner, every_k=k) gives the same update and communicates once per "
+          "k micro-steps")
     if code is _MASKED and masked is None:
       masked = frame
     under_multi_transform |= code is _MULTI_TRANSFORM  # its masks cover every leaf once
-    frame = frame.f_back
   if masked is not None and not under_multi_transform:
     left_out = _left_out(masked)
     if left_out is None or left_out:
       raise ValueError(
-          f"optax.masked leaves {', '.join(left_out or []) or 'some leaves'} out of a jaxcomp "
-          f"transformation that averages over axis {_name(axis_name)}: nothing averages them, and "
+          f"optax.masked leaves {', '.join(left_out or []) or 'some leaves'} out of jaxcomp.{name}, "
+          f"which averages over axis {_name(axis_name)}: nothing averages them, and "
           "the replicas drift apart. Choose the compressed leaves with the transformation's own "
           "predicate — jaxcomp.powersgd(compress=...), jaxcomp.dgc(sparsify=...) — and the others "
           "are averaged densely; or average them with another jaxcomp transformation in the same "
@@ -227,39 +246,50 @@ def _describe(update_fn) -> str:
   return f"{qualname.split('.<locals>')[0]} (from {getattr(update_fn, '__module__', '?')})"
 
 
-def check_last_in_chain(name: str, alternative: Optional[str] = None) -> None:
+def check_last_in_chain(name: str, alternative: Optional[str] = None,
+                        sets_params: bool = False) -> None:
   """Raises if the calling transformation is followed in an ``optax.chain`` by anything but guards.
 
-  For whole optimizers whose output is the parameter update (``jaxcomp.onebit_adam``): a
-  transformation after one would take that update for a gradient —
-  ``optax.chain(jaxcomp.onebit_adam(...), optax.adamw(...))`` diverges without an error. Call this
-  from the optimizer's ``update`` function; it reads the Python stack, so under ``jit`` it runs
-  once, at trace time. What may follow: ``optax.identity()``, ``optax.apply_if_finite`` around
-  such a guard, and chains of them. (``jaxcomp.skip_if_nonfinite`` goes around the optimizer.)
-  Every enclosing chain is checked, so a chain that ends with the optimizer and is itself followed
-  by another optimizer is refused too.
+  For whole optimizers: those whose output is the parameter update (``jaxcomp.onebit_adam``), which
+  a transformation after it would take for a gradient — ``optax.chain(jaxcomp.onebit_adam(...),
+  optax.adamw(...))`` diverges without an error — and those that set the parameters
+  (``sets_params``: ``jaxcomp.diloco`` and the other local-step optimizers, whose updates are
+  ``jaxcomp.Assign``). Call it from the optimizer's ``update`` function; it reads the Python stack,
+  so under ``jit`` it runs once, at trace time. What may follow an optimizer whose output is the
+  update: ``optax.identity()``, ``optax.apply_if_finite`` around such a guard, and chains of them
+  (``jaxcomp.skip_if_nonfinite`` goes around the optimizer); nothing may follow one that sets the
+  parameters (a guard's zero update would set them to zero). Every enclosing chain is checked, so
+  a chain that ends with the optimizer and is itself followed by another optimizer is refused too.
 
   Args:
     name: the optimizer's public name, for the message (e.g. ``"jaxcomp.onebit_adam"``).
     alternative: a transformation that computes the same direction without the learning rate
       (e.g. ``"jaxcomp.scale_by_onebit_adam"``), offered in the message to chain with others.
+    sets_params: the optimizer's updates set the parameters (``jaxcomp.Assign``).
 
   Raises:
     ValueError: naming the optimizer, what follows it and the fix.
   """
-  frame = sys._getframe(1)
-  while frame is not None:
+  for frame in _callers():
     position = _chain_position(frame)
-    if position is not None:
-      update_fns, running = position
-      after = [fn for fn in update_fns[running + 1:] if not _is_guard(fn)]
-      if after:
-        instead = (f", or {alternative}(...) followed by a learning rate (e.g. "
-                   f"optax.chain({alternative}(...), optax.scale(-lr)))" if alternative else "")
-        raise ValueError(
-            f"{name} is followed in an optax.chain by {_describe(after[0])}: {name} is a whole "
-            "optimizer whose output is the parameter update, and a transformation after it would "
-            f"take that update for a gradient. Use {name} alone (only guards such as "
-            "optax.apply_if_finite(optax.identity(), ...) may follow it; "
-            f"jaxcomp.skip_if_nonfinite goes around it){instead}")
-    frame = frame.f_back
+    if position is None:
+      continue
+    update_fns, running = position
+    after = [fn for fn in update_fns[running + 1:] if sets_params or not _is_guard(fn)]
+    if not after:
+      continue
+    if sets_params:
+      raise ValueError(
+          f"{name} is followed in an optax.chain by {_describe(after[0])}: {name} is a whole "
+          "optimizer that sets the parameters (its updates are jaxcomp.Assign, not a gradient). "
+          "Use it alone, and put gradient processing (clipping, weight decay, a learning-rate "
+          f"schedule) into its inner optimizer: {name}(optax.chain(optax.clip_by_global_norm(1.0), "
+          "optax.adamw(1e-3)), ...)")
+    instead = (f", or {alternative}(...) followed by a learning rate (e.g. "
+               f"optax.chain({alternative}(...), optax.scale(-lr)))" if alternative else "")
+    raise ValueError(
+        f"{name} is followed in an optax.chain by {_describe(after[0])}: {name} is a whole "
+        "optimizer whose output is the parameter update, and a transformation after it would "
+        f"take that update for a gradient. Use {name} alone (only guards such as "
+        "optax.apply_if_finite(optax.identity(), ...) may follow it; "
+        f"jaxcomp.skip_if_nonfinite goes around it){instead}")

@@ -14,6 +14,8 @@ step, instead of adding up branches that never run together.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -24,6 +26,7 @@ from jax import lax
 from jaxcomp._src import axis
 
 WHEN = "jaxcomp_when"  # the name scope of ``when``'s loop
+_OWNER: contextvars.ContextVar = contextvars.ContextVar("jaxcomp_phase_owner", default=None)
 _LABEL = re.compile(r"jaxcomp_phase\[(?P<name>[^|\]]+)\|(?P<share>[0-9.e+-]+)\]")
 
 
@@ -31,7 +34,8 @@ class Phase(NamedTuple):
   """One branch of a step.
 
   Attributes:
-    name: what the report calls it, ``"<transformation>.<phase>"`` (e.g. ``"powersgd.warmup"``).
+    name: the phase's own name (``"warmup"``); the report calls it ``"<transformation>.<name>"``
+      (``label``).
     share: the fraction of steady-state steps that take it: 0 for a warm-up phase, 1 for the only
       steady phase, 1/H for a synchronization every H steps.
     value: what the step needs to know of the phase (DGC's density), or None.
@@ -41,9 +45,30 @@ class Phase(NamedTuple):
   value: Any = None
 
 
+@contextlib.contextmanager
+def owned_by(name: str):
+  """Within it, phases are labelled as phases of the transformation ``name`` (trace time only)."""
+  token = _OWNER.set(name)
+  try:
+    yield
+  finally:
+    _OWNER.reset(token)
+
+
+def owner() -> Optional[str]:
+  """The public name of the transformation whose step is being traced (``owned_by``), or None."""
+  return _OWNER.get()
+
+
+def qualified(phase: Phase) -> str:
+  """``phase``'s name as the report gives it: ``"<owner>.<name>"`` inside ``owned_by``."""
+  owner = _OWNER.get()
+  return phase.name if owner is None else f"{owner}.{phase.name}"
+
+
 def label(phase: Phase) -> str:
   """The name scope that marks ``phase``'s instructions."""
-  return f"jaxcomp_phase[{phase.name}|{phase.share!r}]"
+  return f"jaxcomp_phase[{qualified(phase)}|{phase.share!r}]"
 
 
 def parse(op_name: str) -> tuple:

@@ -312,7 +312,8 @@ def comm_report(fn: Callable, *args, stage: str = "compiled",
 
   Args:
     fn: a ``jax.jit`` / ``jax.pmap`` function, or a plain function (it is jitted), e.g. a training
-      step built with ``jax.shard_map``.
+      step built with ``jax.shard_map``; or a step already lowered (``jax.stages.Lowered``, then
+      no arguments) or compiled (``jax.stages.Compiled``, read as it is).
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
     stage: ``"compiled"`` (the HLO XLA runs) or ``"lowered"`` (before optimisation: requested dtypes,
       no partitioner collectives).
@@ -332,8 +333,16 @@ def comm_report(fn: Callable, *args, stage: str = "compiled",
   """
   if stage not in ("compiled", "lowered"):
     raise ValueError(f"stage must be 'compiled' or 'lowered'; got {stage!r}")
-  lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
-  lowered = lower(*args, **kwargs)
-  text = (lowered.compile().as_text() if stage == "compiled"
-          else lowered.as_text(dialect="hlo", debug_info=True))
+  if isinstance(fn, jax.stages.Compiled):
+    if stage != "compiled":
+      raise ValueError("a compiled step holds the compiled HLO only: pass its Lowered stage "
+                       "(fn.lower(*args)) for stage='lowered'")
+    text = fn.as_text()
+  else:
+    if isinstance(fn, jax.stages.Lowered):
+      lowered = fn
+    else:
+      lowered = (fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower)(*args, **kwargs)
+    text = (lowered.compile().as_text() if stage == "compiled"
+            else lowered.as_text(dialect="hlo", debug_info=True))
   return parse_hlo(text, num_devices or jax.device_count())

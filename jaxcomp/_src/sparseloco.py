@@ -11,9 +11,10 @@ then, per device and per reduced leaf, with θ the parameters of the last synchr
 
 Steps 2–3 and the mean of step 4 are ``jaxcomp.chunked_topk`` (its steps 1–7 say how the bytes are
 coded and sent); steps 1 and 4, the periods, the ``Assign`` updates and the parameters kept per device
-are ``jaxcomp.diloco``'s (its module docstring): ``sparseloco`` is ``diloco`` with
-``outer_momentum=0`` and that compressor, so it checkpoints, runs under ``data_parallel`` and is
-reported (its synchronization is the ``"diloco.sync"`` phase) exactly as DiLoCo is.
+are ``jaxcomp.diloco``'s (its module docstring): ``sparseloco`` is DiLoCo's algorithm with
+``outer_momentum=0`` and that compressor, under its own name, so it checkpoints (a
+``jaxcomp.DiLoCoState``) and runs under ``data_parallel`` exactly as DiLoCo does, and its
+synchronization is reported as the ``"sparseloco.sync"`` phase.
 
 Written with Δᵢ = θᵢ − θ and θ ← θ + α·mean(Δ̂ᵢ) instead, it is the same algorithm: the selection
 depends on magnitudes only and the quantizer is odd (``Q(−x) = −Q(x)``), so both give the same θ.
@@ -27,9 +28,14 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+
 import optax
 
 from jaxcomp._src import axis, chunked_topk, diloco
+from jaxcomp._src import compressor as adapter
+
+SPARSELOCO = dataclasses.replace(diloco.DILOCO, name="sparseloco")
 
 
 def sparseloco(inner: optax.GradientTransformation, *, sync_every: int, k: int = 64,
@@ -43,7 +49,7 @@ def sparseloco(inner: optax.GradientTransformation, *, sync_every: int, k: int =
   of every ``chunk`` coordinates in ``bits`` bits (``jaxcomp.chunked_topk``), and every device sets
   θ ← θ − ``outer_learning_rate``·mean of what was sent.
 
-  It is the whole optimizer, as ``jaxcomp.diloco`` (which runs it): its update needs ``params`` and
+  It is the whole optimizer, as ``jaxcomp.diloco`` (whose steps it runs): its update needs ``params`` and
   returns ``jaxcomp.Assign`` updates, so every device holds bitwise the same θ after each
   synchronization; under ``jaxcomp.data_parallel`` the parameters are kept per device
   (``make_params``). Chain nothing after it; put gradient processing into ``inner``.
@@ -56,7 +62,7 @@ def sparseloco(inner: optax.GradientTransformation, *, sync_every: int, k: int =
     >>> params = jnp.ones((64, 16))  # 4 KiB of float32
     >>> opt_state, params = dp.make_state(params), dp.make_params(params)
     >>> report = jaxcomp.comm_report(dp.step, params, opt_state, dp.shard(jnp.ones((16, 64))))
-    >>> report.phase("diloco.sync").bytes_by_dtype()  # 112 B from each device, every 30 steps
+    >>> report.phase("sparseloco.sync").bytes_by_dtype()  # 112 B from each device, every 30 steps
     {'u8': 896, 's32': 4}
     >>> report.payload_bytes  # per step, on average
     30
@@ -85,5 +91,6 @@ def sparseloco(inner: optax.GradientTransformation, *, sync_every: int, k: int =
   """
   exchange = chunked_topk.chunked_topk(k, chunk=chunk, bits=bits, error_decay=error_decay,
                                        axis_name=axis_name)
-  return diloco.diloco(inner, sync_every=sync_every, outer_learning_rate=outer_learning_rate,
-                       outer_momentum=0.0, compressor=exchange, axis_name=axis_name)
+  return adapter.transformation(SPARSELOCO, axis_name, inner=inner, sync_every=sync_every,
+                                outer_learning_rate=outer_learning_rate, outer_momentum=0.0,
+                                compressor=exchange)

@@ -103,7 +103,8 @@ class TreeSignature:
                tuple(dtype_of(x).name for x in leaves), paths)
 
   def check(self, tree, name: str = "updates", dtypes: bool = True) -> list:
-    """Returns ``tree``'s leaves, or raises ValueError saying how ``tree`` differs from this one.
+    """Returns ``tree``'s leaves, or raises ValueError saying how ``tree`` differs from this one
+    (TypeError for a float0 leaf, the gradient of an integer parameter).
 
     With ``dtypes=False`` only structure and shapes must match (a hook under
     ``fp16_compress_wrapper`` sees its bucket in another float dtype than at ``init``).
@@ -114,6 +115,13 @@ class TreeSignature:
       raise ValueError(f"{name}: the pytree structure changed between init and update: "
                        f"init saw {self.treedef}, update got {treedef}")
     for path, leaf, shape, dtype in zip(self.paths, leaves, self.shapes, self.dtypes):
+      if dtype_of(leaf) == jax.dtypes.float0:
+        raise TypeError(
+            f"{name}: leaf {path} is float0, the gradient of the {dtype}{list(shape)} parameter "
+            "from jax.grad(..., allow_int=True); neither jaxcomp nor optax's optimizers take "
+            "float0 gradients. Differentiate only the floating-point parameters: keep integer "
+            "leaves out of the tree given to jax.grad (a separate argument, or a Flax Variable "
+            "that is not a parameter)")
       if shape_of(leaf) != shape or (dtypes and dtype_of(leaf).name != dtype):
         hint = _device_axis_hint(shape_of(leaf), shape, _UPDATES_HINTS)
         raise ValueError(f"{name}: leaf {path} changed between init and update: init saw "

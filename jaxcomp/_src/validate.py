@@ -123,3 +123,12 @@ def function(value, name: str, signature: str) -> Callable:
   if not callable(value):
     raise TypeError(f"{name} must be callable as {signature}; {_got(value)}")
   return value
+
+
+def transformation(value, name: str, example: str):
+  """An ``optax.GradientTransformation``; ``example`` shows one, for the message."""
+  import optax  # noqa: PLC0415 (the only check that needs it)
+  if not isinstance(value, optax.GradientTransformation):
+    raise TypeError(f"{name} must be an optax.GradientTransformation, e.g. {example}; "
+                    f"{_got(value)}")
+  return value

@@ -8,8 +8,8 @@ moments, momentum buffers) and runs the optimizer on its shard of every leaf onl
 layout). The steps, per device (the ``# n:`` comments below):
 
 1. reduce-scatter: the exchange — a jaxcomp compressor — gives this device its shard of each leaf's
-   mean gradient (the compressor's ``update.scatter``): the dense means natively as a
-   ``psum_scatter`` in their wire dtype (float32, float16, bfloat16); ``quantized`` as the
+   mean gradient (its ``scatter``, a declared part of ``jaxcomp.Transformation``): the dense means
+   natively as a ``psum_scatter`` in their wire dtype (float32, float16, bfloat16); ``quantized`` as the
    all-to-all of its 8-bit codes, the owner averaging them in float32, with the sender's error
    feedback (ZeRO++'s qgZ); the others (PowerSGD, DGC, sign, ...) as their whole mean, of which the
    shard is kept;
@@ -59,11 +59,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, exchange, quantized, shards, validate
+from jaxcomp._src import axis, exchange, interface, jaxprs, optax_wrappers, quantized, shards
+from jaxcomp._src import validate
 from jaxcomp._src import tree as tree_lib
 
 GATHER_DTYPES = (None, "bfloat16", "float16", "int8")
@@ -116,15 +116,6 @@ def _gather(sent: list, shapes: list, gather_dtype: Optional[str], axis_name) ->
   rows = exchange.shard_rows(sent)
   count = rows_of.count(axis.axis_index(axis_name))
   return exchange.gather_rows(_INT8, rows_of, rows, count, axis_name)[0]
-
-
-def _describe(transformation) -> str:
-  """A transformation by the qualified name of its update function (its repr can be pages long)."""
-  update = getattr(transformation, "update", None)
-  name = getattr(update, "__qualname__", None)
-  where = getattr(update, "__module__", None)
-  return (f"a {type(transformation).__name__} whose update is {where}.{name}" if name
-          else repr(transformation)[:200])
 
 
 def sharded_optimizer(exchange: optax.GradientTransformation,
@@ -184,15 +175,8 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
   References:
     Rajbhandari et al., "ZeRO", SC 2020; Wang et al., "ZeRO++", 2023 (qgZ, qwZ).
   """
-  scatter = getattr(getattr(exchange, "update", None), "scatter", None)
-  if not isinstance(exchange, optax.GradientTransformation) or scatter is None:
-    raise TypeError(
-        "exchange must be a jaxcomp compressor, the cross-device mean that sharded_optimizer turns "
-        "into a reduce-scatter (jaxcomp.allreduce(), jaxcomp.bf16_compress(), "
-        f"jaxcomp.powersgd(...), ...); got {_describe(exchange)}. Pass the optimizer alone as the "
-        "second argument")
-  if not isinstance(optimizer, optax.GradientTransformation):
-    raise TypeError(f"optimizer must be an optax.GradientTransformation; got {optimizer!r}")
+  exchange = interface.mean(exchange, "exchange", "jaxcomp.bf16_compress()")
+  optimizer = validate.transformation(optimizer, "optimizer", "optax.adamw(1e-3)")
   gather_dtype = validate.choice(gather_dtype, "gather_dtype", GATHER_DTYPES)
   axis_name = axis.check_axis_name(axis_name)
   lossy = gather_dtype is not None
@@ -204,6 +188,7 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
                                  owned if lossy else optax.MaskedNode(), signature)
 
   def update_fn(updates, state: ShardedOptimizerState, params=None):
+    optax_wrappers.check_last_in_chain("jaxcomp.sharded_optimizer")
     # The exchange checks its own state; tree_lib.check_state cannot read the optimizer's PRNG keys.
     if not isinstance(state, ShardedOptimizerState):
       raise TypeError(f"sharded_optimizer: update needs the state its init made; got "
@@ -213,7 +198,7 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
                        "tx.update(grads, opt_state, params), to cut this device's shard of them")
     signature = state.signature
     # 1: this device's shard of each leaf's mean gradient.
-    owned, exchange_state = scatter(updates, state.exchange)
+    owned, exchange_state = exchange.scatter(updates, state.exchange)
     owned = signature.unflatten(jax.tree.leaves(tree_lib.unwrap(owned)))
     # 2: the parameters' shards.
     current = _own(signature, params, axis_name)
@@ -297,90 +282,6 @@ def sharded_clip_by_global_norm(max_norm: float, *,
 
 # ----------------------------------------------------------- what the optimizer may do on a shard
 
-# Primitives that combine the elements of an array (a dot_general only when it contracts).
-_REDUCTIONS = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "reduce_xor", "reduce", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
-    "cumlogsumexp", "dot_general", "conv_general_dilated", "sort", "top_k", "approx_top_k"})
-_COLLECTIVES = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "all_to_all",
-    "reduce_scatter", "psum_scatter", "ppermute", "pbroadcast"})
-_TYPE_ONLY = frozenset({"pvary", "pcast"})  # change what the type says varies, not the values
-# Primitives that draw random numbers: the same key draws the same numbers on every shard.
-_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
-
-
-def _subjaxprs(eqn) -> list:
-  """The jaxprs an equation calls (a jit, a cond's branches, a loop's body, a custom rule)."""
-  found = []
-  for value in eqn.params.values():
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      if hasattr(v, "eqns"):
-        found.append(v)
-      elif hasattr(getattr(v, "jaxpr", None), "eqns"):
-        found.append(v.jaxpr)
-  return found
-
-
-def _program(jaxpr) -> tuple:
-  """The primitives of ``jaxpr`` in order, nested as it nests them; type-only ones left out."""
-  return tuple((eqn.primitive.name, tuple(_program(s) for s in _subjaxprs(eqn)))
-               for eqn in jaxpr.eqns if eqn.primitive.name not in _TYPE_ONLY)
-
-
-def _where(eqn) -> str:
-  """The equation's primitive and, where JAX knows it, the line that made it."""
-  try:
-    from jax._src import source_info_util  # the only way JAX offers to name an equation's line
-    line = source_info_util.summarize(eqn.source_info)
-  except (ImportError, AttributeError):
-    line = ""
-  return f"{eqn.primitive.name} at {line}" if line else eqn.primitive.name
-
-
-def _reduces(eqn) -> bool:
-  if eqn.primitive.name == "dot_general":
-    return bool(eqn.params["dimension_numbers"][0][0])
-  return eqn.primitive.name in _REDUCTIONS
-
-
-def _shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list, drawn: list) -> list:
-  """Propagates through ``jaxpr`` which values depend on a reduction over shard elements that no
-  collective over ``axes`` made global (a taint: the reductions' names and lines).
-
-  Args:
-    jaxpr: the optimizer's update, or a jaxpr it calls.
-    taints: a frozenset of reductions per input.
-    axes: the axis names the state is sharded over.
-    exchanged: collects the collectives over ``axes`` applied to shard values themselves.
-    drawn: collects the draws of random numbers.
-
-  Returns:
-    A frozenset of reductions per output.
-  """
-  taint = dict(zip(jaxpr.invars, taints))
-  of = lambda v: (frozenset() if isinstance(v, jax.extend.core.Literal)
-                  else taint.get(v, frozenset()))
-  for eqn in jaxpr.eqns:
-    inputs = frozenset().union(*(of(v) for v in eqn.invars))
-    names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-    names = frozenset(names if isinstance(names, (tuple, list)) else (names,))
-    if eqn.primitive.name in _COLLECTIVES and names & axes:
-      if not inputs:
-        exchanged.append(_where(eqn))
-      out = frozenset()  # made the same on every device: global
-    elif _reduces(eqn):
-      out = inputs | {_where(eqn)}
-    else:
-      if eqn.primitive.name in _RANDOM:
-        drawn.append(_where(eqn))
-      out = inputs
-      for sub in _subjaxprs(eqn):
-        out = out.union(*_shard_local(sub, [inputs] * len(sub.invars), axes, exchanged, drawn))
-    for v in eqn.outvars:
-      taint[v] = out
-  return [of(v) for v in jaxpr.outvars]
-
 
 def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple,
                       signature: tree_lib.TreeSignature, axis_name) -> None:
@@ -400,7 +301,7 @@ def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple
   on_shards = jax.make_jaxpr(update)(*shard_args)
   if axis.axis_size(axis_name) > 1:
     exchanged, drawn = [], []
-    reductions = frozenset().union(*_shard_local(
+    reductions = frozenset().union(*jaxprs.shard_local(
         on_shards.jaxpr, [frozenset()] * len(on_shards.jaxpr.invars), axes, exchanged, drawn))
     if exchanged:
       raise ValueError(
@@ -423,7 +324,7 @@ def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple
   whole = signature.unflatten([jax.ShapeDtypeStruct(s, d)
                                for s, d in zip(signature.shapes, signature.dtypes)])
   on_leaves = jax.make_jaxpr(update)(whole, jax.eval_shape(optimizer.init, whole), whole)
-  if _program(on_shards.jaxpr) != _program(on_leaves.jaxpr):
+  if jaxprs.program(on_shards.jaxpr) != jaxprs.program(on_leaves.jaxpr):
     raise ValueError(
         "sharded_optimizer: the optimizer computes differently on a shard of a leaf than on the "
         "whole leaf: it decides by the leaves' shapes (Adafactor's factored moments, a mask on a "

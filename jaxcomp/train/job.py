@@ -320,7 +320,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   import jax
   import tqdm
 
-  from jaxcomp._src.report import parse_hlo
+  import jaxcomp
   from jaxcomp.train import link
 
   if not stretch >= 1:
@@ -337,9 +337,9 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   def requested(entry, **settings):
     """The report of ``entry``'s steady state with ``settings``, read before XLA optimises: the
     wire dtypes jaxcomp asks for."""
-    step = make_step(task, entry, task.optimizer(entry, **settings), mesh)
-    text = step.lower(*step.start(params0), x0, y0).as_text(dialect="hlo", debug_info=True)
-    return parse_hlo(text, n)  # debug_info keeps the phases' labels
+    step = make_step(task, task.optimizer(entry, **settings), mesh)
+    lowered = step.lower(*step.start(params0), x0, y0)
+    return jaxcomp.comm_report(lowered, stage="lowered", num_devices=n)
 
   program_bytes, program_collectives = {}, {}
   for key, (name, settings) in tqdm.tqdm(phase_programs(steps_of).items(),
@@ -354,7 +354,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
   for name in tqdm.tqdm(names, desc="compiling", disable=not progress, file=sys.stderr):
     entry = registry.REGISTRY[name]
     own = steps_of[name]
-    step = make_step(task, entry, task.optimizer(entry, steps=own, schedule=schedule), mesh)
+    step = make_step(task, task.optimizer(entry, steps=own, schedule=schedule), mesh)
     params, opt_state = step.start(params0)
     compiled = step.lower(params, opt_state, x0, y0).compile()
     phases = [(p.first_step, link.program_key(p.name, p.settings)) for p in entry.phases(own)]
@@ -363,7 +363,7 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
     steady = phases[-1][1]
     note = ""
     if entry.wire_dtype:
-      sent = entry.bytes_per_step(parse_hlo(compiled.as_text(), n))
+      sent = entry.bytes_per_step(jaxcomp.comm_report(compiled, num_devices=n))
       if sent != program_bytes[steady]:
         note = (f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after compiling "
                 "(it widens the wire dtype)")

@@ -447,15 +447,15 @@ class _Worker:
     compiled step (``network.operands``)."""
     import numpy as np
 
-    from jaxcomp._src.report import parse_hlo
+    import jaxcomp
     from jaxcomp.train import network, registry, training_step
 
     entry = registry.REGISTRY[name]
     tx = self.task.optimizer(entry, steps=steps, **(settings or {}))
-    step = training_step.make_step(self.task, entry, tx, self.mesh)
+    step = training_step.make_step(self.task, tx, self.mesh)
     state = list(step.start(self.task.init(self.job.seed)))
     compiled = step.run.lower(*state, *step.dp.shard(self.local_batch(0))).compile()
-    report = parse_hlo(compiled.as_text(), self.job.world)
+    report = jaxcomp.comm_report(compiled, num_devices=self.job.world)
     collectives = [list(operand) for operand in network.operands(report)]
 
     def run(t):

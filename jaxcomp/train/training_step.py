@@ -31,9 +31,9 @@ class Step:
   Attributes:
     dp: the ``jaxcomp.DataParallel`` (its loss-function form, with the optimizer); ``dp.shard``
       places a batch.
-    run: the jitted step, ``run(params, opt_state, inputs, targets) -> (params, opt_state,
-      losses)``, one loss per device; it donates the parameters and the optimizer state except on
-      CPU devices (``make_step``).
+    run: the jitted step, ``dp.step``: ``run(params, opt_state, inputs, targets) -> (params,
+      opt_state, losses)``, one loss per device; it donates the parameters and the optimizer state
+      except on CPU devices (``make_step``).
     start: ``start(params) -> (params, opt_state)`` placed on the mesh for ``run``, from one
       device's parameters.
   """
@@ -54,29 +54,19 @@ def _start(dp, params) -> tuple:
   return dp.make_params(params), opt_state
 
 
-def make_step(task, entry, tx, mesh) -> Step:
-  """The training step of ``task`` (its ``loss``) with ``tx``, registry ``entry``'s optimizer,
-  over ``mesh``'s ``AXIS``.
+def make_step(task, tx, mesh) -> Step:
+  """The training step of ``task`` (its ``loss``) with the optimizer ``tx`` over ``mesh``'s
+  ``AXIS``.
 
   ``jaxcomp.data_parallel`` builds it: per-device loss and gradient (of a per-device copy of the
   parameters, so that autodiff adds no all-reduce of its own), then ``tx``, whose compressor is the
-  cross-device mean. Its jitted step does not donate; ``run`` jits the same global step again with
-  the parameters and the optimizer state donated, as a training loop wants — except on CPU
-  devices, where XLA's in-process all-reduce crashes on a donated step (below).
+  cross-device mean; the parameters and the optimizer state are donated, as a training loop wants
+  (``data_parallel`` leaves that out on CPU devices, where XLA:CPU's all-reduce crashes on a donated
+  step).
   """
-  import jax
-
   import jaxcomp
-  dp = jaxcomp.data_parallel(task.loss, mesh, axis_name=AXIS, tx=tx)
-  # XLA:CPU (jaxlib 0.10.2) segfaults in its in-process all-reduce (InProcessCommunicator's
-  # ReduceScatter<F32> reads a null buffer) when the step donates its inputs: powersgd_r1 on the
-  # chars task, 8 devices, crashed within 5 steps in every run, and the job with it; the same steps
-  # without donation run. On CPU the donation saves little (host memory), so it is left out there.
-  donate = () if mesh.devices.flat[0].platform == "cpu" else (0, 1)
-  # dp.step calls its jitted function under the mesh; on an Auto mesh the jitted function alone
-  # is the same step, and jitting it again adds the donation data_parallel does not offer.
-  return Step(dp, jax.jit(dp.step.__wrapped__, donate_argnums=donate),
-              functools.partial(_start, dp))
+  dp = jaxcomp.data_parallel(task.loss, mesh, axis_name=AXIS, tx=tx, donate=True)
+  return Step(dp, dp.step, functools.partial(_start, dp))
 
 
 def first_copy(params, like):
