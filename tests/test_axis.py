@@ -46,6 +46,18 @@ def test_pmap_over_another_axis_raises_naming_both(name):
     step(grads, state)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adam(1e-3)),
+    lambda: jaxcomp.allreduce()])
+def test_pmap_without_an_axis_name_says_which_to_pass(make):
+  # jax.pmap(f) maps over an axis JAX names itself ('_internal_pmap_axis_name'): not a fix to offer.
+  tx = make()
+  params = {"w": np.ones((W, 3, 8), np.float32)}
+  with pytest.raises(jaxcomp.UnboundAxisError, match=r"the mapped function was given no axis name "
+                                                     r".*jax.pmap\(f, axis_name='batch'\)"):
+    jax.pmap(lambda p: tx.update(p, tx.init(p), p), devices=jax.devices()[:W])(params)
+
+
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_vmap_with_an_axis_name_raises_naming_both(name):
   tx, grads, state = setup(name)

@@ -289,3 +289,100 @@ def test_data_parallel_refuses_replicated_parameters_under_local_steps():
     dp.step(state, *dp.shard(_flat(*batch(0))))
   with pytest.raises(ValueError, match="make_params places the parameters of the loss-function form"):
     dp.make_params(init_params())
+
+
+# ------------------------------------------------- compositions: what works, what is refused, how
+
+
+def _sparseloco(inner=None):
+  return jaxcomp.sparseloco(inner or optax.adamw(0.05), sync_every=3, k=2, chunk=8)
+
+
+def _dp_steps(tx, steps, poison_step=None):
+  """``steps`` data_parallel steps; a NaN in device 0's shard of the batch at ``poison_step``.
+  Returns the stacked parameters after every step (numpy) and the last state."""
+  dp = jaxcomp.data_parallel(loss_fn, _mesh(), tx=tx)
+  params, state = dp.make_params(init_params()), dp.make_state(init_params())
+  history = []
+  for t in range(steps):
+    x, y = _flat(*batch(t))
+    if t == poison_step:
+      x = x.copy()
+      x[0, 0] = np.nan
+    params, state, loss = dp.step(params, state, *dp.shard((x, y)))
+    jax.block_until_ready(loss)
+    history.append(jax.tree.map(np.asarray, params))
+  return history, state
+
+
+def test_skip_if_nonfinite_around_a_local_step_optimizer_skips_on_every_device_together():
+  # Its skipped step leaves the parameters as they are (Assign of them, not a zero update).
+  history, state = _dp_steps(jaxcomp.skip_if_nonfinite(_sparseloco(), 3), 4, poison_step=1)
+  chex.assert_trees_all_equal(history[1], history[0])  # every device kept its parameters
+  assert int(np.asarray(state.total_notfinite).ravel()[0]) == 1
+  assert not np.array_equal(history[2]["w"], history[1]["w"])
+  chex.assert_tree_all_finite(history[-1])
+  # The skipped step kept the count too: the synchronization after the third step taken is step 3.
+  assert not np.array_equal(history[2]["w"][0], history[2]["w"][1])
+  assert_identical_across_devices(history[3])
+
+
+def test_accumulate_around_a_local_step_optimizer_steps_on_the_mean_of_k_micro_batches():
+  k = 2
+  acc = jaxcomp.data_parallel(loss_fn, _mesh(), tx=jaxcomp.accumulate(_sparseloco(), k))
+  plain = jaxcomp.data_parallel(loss_fn, _mesh(), tx=_sparseloco())
+  pa, sa = acc.make_params(init_params()), acc.make_state(init_params())
+  pp, sp = plain.make_params(init_params()), plain.make_state(init_params())
+  for t in range(3):  # one period of H = 3 local steps, each on k micro-batches
+    micro = [batch(k * t + j) for j in range(k)]
+    held = jax.tree.map(np.asarray, pa)
+    pa, sa, _ = acc.step(pa, sa, *acc.shard(_flat(*micro[0])))
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, pa), held)  # accumulated, not applied
+    pa, sa, loss = acc.step(pa, sa, *acc.shard(_flat(*micro[1])))
+    whole = tuple(np.concatenate(parts, axis=1) for parts in zip(*micro))  # each device's k shards
+    pp, sp, plain_loss = plain.step(pp, sp, *plain.shard(_flat(*whole)))
+    jax.block_until_ready((loss, plain_loss))
+    # The mean of k gradients against the gradient of the k-times-larger shard: two programs.
+    chex.assert_trees_all_close(pa, pp, **rounding_tol(64))
+  assert_identical_across_devices(jax.tree.map(np.asarray, pa))
+
+
+@pytest.mark.parametrize("after", [lambda: optax.adamw(1e-3),
+                                   lambda: optax.apply_if_finite(optax.identity(), 3)])
+def test_anything_after_a_local_step_optimizer_in_a_chain_is_refused_in_one_line(after):
+  # A guard's zero update would set the parameters to zero: nothing may follow.
+  with pytest.raises(ValueError, match=r"^jaxcomp.sparseloco is followed in an optax.chain by .*"
+                                       r"sets the parameters.*into its inner optimizer"):
+    _dp_steps(optax.chain(_sparseloco(), after()), 1)
+
+
+@pytest.mark.parametrize("compressor, got", [
+    (lambda: optax.adam(1e-3), r"an optax transformation that is not a jaxcomp compressor"),
+    (lambda: jaxcomp.diloco(optax.sgd(0.1), sync_every=2),
+     r"jaxcomp.diloco, a whole optimizer that sets the parameters"),
+])
+@pytest.mark.parametrize("factory", [jaxcomp.diloco,
+                                     functools.partial(jaxcomp.streaming_diloco, fragments=1)])
+def test_a_compressor_that_is_not_a_jaxcomp_mean_is_refused_at_construction(factory, compressor,
+                                                                             got):
+  with pytest.raises(TypeError, match=r"compressor must be a jaxcomp compressor, the cross-device "
+                                      r"mean .*got " + got):
+    factory(optax.sgd(0.1), sync_every=2, compressor=compressor())
+
+
+def test_a_compressor_over_another_axis_is_refused_naming_both():
+  with pytest.raises(ValueError, match=r"diloco: its compressor averages over 'batch', but diloco "
+                                       r"synchronizes over 'slow': pass axis_name='slow'"):
+    jaxcomp.diloco(optax.sgd(0.1), sync_every=2, axis_name="slow",
+                   compressor=jaxcomp.fp16_compress())
+
+
+@pytest.mark.parametrize("inner", [
+    lambda: optax.chain(jaxcomp.allreduce(), optax.adamw(1e-2)),
+    lambda: jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adamw(1e-2)),
+])
+def test_an_inner_optimizer_that_communicates_over_the_same_axis_is_refused(inner):
+  # It would send on every local step (4 KiB per step in the report), silently.
+  with pytest.raises(ValueError, match=r"sparseloco: its inner optimizer communicates over 'batch' "
+                                       r"on every local step \(.*\), so the steps would not be local"):
+    _dp_steps(_sparseloco(inner()), 1)

@@ -6,6 +6,7 @@ statistics, RNG counters) by the ``buffers`` policy, as a one-device reference d
 ``TrainState`` keeps working."""
 
 import functools
+import warnings
 
 import chex
 import jax
@@ -242,6 +243,34 @@ def test_nnx_loss_form_keeps_what_the_forward_pass_writes(buffers, one_device_re
   x, y = norm_drop_data()[0]
   same = dp.shard((np.tile(x[:4], (W, 1)), np.tile(y[:4], (W, 1))))
   assert len(set(np.asarray(dp.step(model, optimizer, *same)[2]).tolist())) == W
+
+
+def test_per_device_step_form_warns_when_the_forward_pass_writes_went_to_a_copy():
+  mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
+  tx = optax.chain(jaxcomp.allreduce(), optax.sgd(0.1))
+
+  def copied(state, x, y):  # the documented per-device step: the gradient of a pcast copy
+    model, optimizer = state
+    loss, grads = nnx.value_and_grad(loss_fn)(lax.pcast(model, "batch", to="varying"), x, y)
+    optimizer.update(model, grads)
+    return (model, optimizer), loss
+
+  model = NormDropNet(nnx.Rngs(0, dropout=1))
+  dp = jaxcomp.data_parallel(copied, mesh)
+  state = dp.make_state((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+  x, y = norm_drop_data()[0]
+  with pytest.warns(UserWarning, match=r"state\[0\]\.drop\.rngs\.count, state\[0\]\.norm\.mean.* "
+                                       r"came back unchanged from the per-device step.*went to "
+                                       r"the copy.*Use the loss form"):
+    state, loss = dp.step(state, *dp.shard((x, y)))
+  np.testing.assert_array_equal(state[0].norm.mean[...], 0)  # lost, as the warning says
+  # A model whose forward pass writes nothing (the MLP) steps without a warning.
+  plain = MLP(nnx.Rngs(0))
+  dp = jaxcomp.data_parallel(copied, mesh)
+  state = dp.make_state((plain, nnx.Optimizer(plain, tx, wrt=nnx.Param)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.block_until_ready(dp.step(state, *dp.shard((x, y))))
 
 
 class Counted(nnx.Module):

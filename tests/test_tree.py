@@ -66,3 +66,13 @@ def test_gradients_with_a_device_axis_too_many_or_too_few_are_named_with_the_fix
   with pytest.raises(ValueError, match=r"\(one leading axis too few: init was given parameters "
                                        r"with a leading device axis.*jax.pmap\(tx.init\)"):
     tx.update(one_device, tx.init(stacked))
+
+
+def test_a_float0_gradient_of_an_integer_parameter_is_named_with_the_fix():
+  params = {"w": np.ones(3, np.float32), "n": np.int32(2)}
+  grads = jax.grad(lambda p: (p["w"] * p["n"]).sum(), allow_int=True)(params)
+  tx = jaxcomp.allreduce(axis_name=None)
+  with pytest.raises(TypeError, match=r"updates: leaf \['n'\] is float0, the gradient of the "
+                                      r"int32\[\] parameter from jax.grad\(..., allow_int=True\).*"
+                                      r"keep integer leaves out of the tree given to jax.grad"):
+    tx.update(grads, tx.init(params))

@@ -93,6 +93,28 @@ def test_exact_exchanges_train_as_the_unsharded_chain_with_1_over_w_of_the_state
                                ref_leaf, **tol)
 
 
+@pytest.mark.parametrize("optimizer", [lambda: optax.adam(0.05), lambda: optax.adamw(0.05),
+                                       lambda: optax.sgd(0.1, momentum=0.9),
+                                       lambda: optax.lion(0.01)])
+def test_a_0d_parameter_trains_as_the_unsharded_chain_with_adaptive_optimizers(optimizer):
+  # Device 0 owns the 0-d leaf's value; every other device's shard of it is padding.
+  params = {"w": np.linspace(-1, 1, 24, dtype=np.float32).reshape(3, 8), "s": np.float32(0.5)}
+  loss = lambda p, x, y: jnp.mean(((x[:, :3] @ p["w"])[:, :3] * p["s"] - y) ** 2)  # noqa: E731
+  data = batches()
+  mesh = mesh_1d(8)
+  runs = []
+  for tx in (optax.chain(jaxcomp.allreduce(), optimizer()),
+             jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optimizer())):
+    dp = jaxcomp.data_parallel(loss, mesh, tx=tx)
+    p, state = params, dp.make_state(params)
+    for batch in data:
+      p, state, value = dp.step(p, state, *dp.shard(batch))
+      jax.block_until_ready(value)
+    runs.append(p)
+  assert not np.allclose(runs[1]["s"], params["s"])  # it trained
+  chex.assert_trees_all_close(runs[1], runs[0], **rounding_tol(16, 1.0))
+
+
 def test_shards_split_and_join_with_padding_in_both_layouts():
   x = jnp.arange(35.0).reshape(5, 7)
   flat, by_leaf = shards.Layout(8), shards.Layout(4, by_leaf=True)

@@ -99,9 +99,10 @@ def local_update(inner: optax.GradientTransformation, grads, inner_state, params
     sent = jaxprs.collectives_over(
         jax.make_jaxpr(inner.update)(grads, inner_state, params).jaxpr, axes)
     if sent:
+      kinds = sorted({found.split(" at ")[0] for found in sent})
       raise ValueError(
           f"{name}: its inner optimizer communicates over {axis_name!r} on every local step "
-          f"({sent[0]}{' and more' if len(sent) > 1 else ''}), so the steps would not be local "
+          f"({', '.join(kinds)}), so the steps would not be local "
           f"and the synchronization would average what is already averaged. Pass the optimizer "
           "alone as inner (optax.adamw(1e-3)); the exchange of the synchronization is "
           f"{name}'s own (diloco's compressor=); an all-reduce over a faster axis names that axis "

@@ -163,7 +163,7 @@ def _written_by_forward(state) -> list:
                                   for k in path)
   found = jax.tree_util.tree_leaves_with_path(
       state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return [(jax.tree_util.keystr(path), v.get_value()) for path, v in found
+  return [("state" + jax.tree_util.keystr(path), v.get_value()) for path, v in found
           if isinstance(v, kinds) and not in_optimizer(path)]
 
 
@@ -176,7 +176,7 @@ def warn_if_lost(step, state, *batch):
   after = dict(_written_by_forward(new_state))
   if before and all(after.get(path) is value for path, value in before):
     axis.warn_once_per_trace("nnx.written", (
-        f"jaxcomp.data_parallel: the model's {', '.join(path for path, _ in before[:3])}"
+        f"jaxcomp.data_parallel: {', '.join(path for path, _ in before[:3])}"
         f"{' and more' if len(before) > 3 else ''} came back unchanged from the per-device step. "
         "If its forward pass writes them (BatchNorm in training mode, Dropout), the writes went to "
         "the copy the gradient was taken of (lax.pcast) and are lost. Use the loss form, "

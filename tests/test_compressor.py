@@ -1,0 +1,280 @@
+"""The compressor adapter itself: what it derives from an algorithm's config, init and step, for both
+families (a cross-device mean; an optimizer that owns the parameters), on toy algorithms whose
+results are known exactly, and that every public factory is built by it."""
+
+import dataclasses
+import inspect
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from compressors import COMPRESSORS
+from helpers import assert_identical_across_devices, replicate
+from jaxcomp._src import axis, compressor, finite, local_steps, phases, validate
+from jaxcomp._src import tree as tree_lib
+from jaxcomp.train.registry import REGISTRY
+
+W = 4
+
+
+# --- a toy mean: ÷W then sum, after a warm-up of one step that sends 2× the mean (to tell the
+# phases apart); its state counts the finite steps it saw and keeps the last mean.
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+  scale: float = 1.0
+  warmup: int = 1
+
+  def __post_init__(self):
+    object.__setattr__(self, "scale", validate.traceable(
+        self.scale, lambda v: validate.number(v, "scale", 0, low_open=True)))
+    object.__setattr__(self, "warmup", validate.integer(self.warmup, "warmup", 0,
+                                                        static="fixes the phases"))
+
+
+class ToyState(NamedTuple):
+  count: jax.Array
+  last: tuple
+  config: ToyConfig
+  signature: tree_lib.TreeSignature
+
+  PER_DEVICE_FIELDS = ()
+
+
+WARMUP, STEADY = phases.Phase("warmup", 0.0), phases.Phase("steady", 1.0)
+
+
+def toy_init(config, signature):
+  return ToyState(jnp.zeros([], jnp.int32),
+                  tuple(jnp.zeros(s.shape, s.dtype) for s in signature.reduced_structs()),
+                  config, signature)
+
+
+def toy_step(config, state, leaves, axis_name, phase):
+  factor = 2.0 if phase.name == "warmup" else 1.0
+  means = [factor * config.scale * axis.mean(g, axis_name) for g in leaves]
+  return means, state._replace(last=tuple(means))
+
+
+def toy_own_step(config, state, leaves, axis_name, phase):
+  """The same, the finiteness flag taken from the means it reduced, the state kept itself."""
+  means, new_state = toy_step(config, state, leaves, axis_name, phase)
+  ok = finite.reduced_finite(means)
+  return means, finite.keep_if_finite(ok, new_state, state), ok
+
+
+def toy(nonfinite="skip", step=toy_step):
+  return compressor.Algorithm(
+      "toy", ToyState, ToyConfig, toy_init, step,
+      phases=lambda c: ((WARMUP,) if c.warmup else ()) + (STEADY,),
+      phase_of=lambda c, count: (count >= c.warmup).astype(jnp.int32),
+      traceable=("scale",), nonfinite=nonfinite)
+
+
+def grads(seed=0, nan_on=None):
+  g = {"w": np.random.default_rng(seed).normal(size=(W, 3, 2)).astype(np.float32),
+       "n": np.zeros((W,), np.int32)}
+  if nan_on is not None:
+    g["w"][nan_on, 0, 0] = np.nan
+  return g
+
+
+def run(tx, steps):
+  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
+  state = replicate(tx.init(jax.tree.map(lambda x: x[0], steps[0])), W)
+  outs = []
+  for g in steps:
+    out, state = jax.block_until_ready(step(g, state))
+    outs.append(out)
+  return outs, state
+
+
+# ------------------------------------------------------------------------------------------ means
+
+
+def test_a_mean_is_a_declared_transformation_with_its_scatter():
+  tx = compressor.transformation(toy(), "batch")
+  assert isinstance(tx, jaxcomp.Transformation) and isinstance(tx, optax.GradientTransformation)
+  assert (tx.name, tx.axis_name, tx.owns_params) == ("toy", "batch", False)
+  g = grads()
+  (out,), _ = run(tx, [g])
+  shard = jax.pmap(tx.scatter, axis_name="batch", devices=jax.devices()[:W])(
+      g, replicate(tx.init({"w": g["w"][0], "n": g["n"][0]}), W))[0]["w"]
+  # The whole mean, this device's shard of it kept (flat layout: the raveled leaf cut in W).
+  whole = np.asarray(out["w"][0]).ravel()
+  padded = np.pad(whole, (0, -whole.size % W)).reshape(W, -1)
+  np.testing.assert_array_equal(np.asarray(shard).reshape(W, -1), padded)
+
+
+def test_phases_count_and_labels():
+  tx = compressor.transformation(toy(), "batch")
+  outs, state = run(tx, [grads(0), grads(1)])
+  mean = lambda s: grads(s)["w"].mean(0)  # noqa: E731
+  np.testing.assert_allclose(outs[0]["w"][0], 2 * mean(0), rtol=1e-6)  # the warm-up phase
+  np.testing.assert_allclose(outs[1]["w"][0], mean(1), rtol=1e-6)
+  np.testing.assert_array_equal(outs[1]["n"], grads(1)["n"])  # integer leaves pass through
+  assert np.asarray(state.count).tolist() == [2] * W
+  assert_identical_across_devices(outs[1])
+  # The adapter qualifies the algorithm's phase names with its public name.
+  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
+  report = jaxcomp.comm_report(step, grads(), replicate(tx.init(jax.tree.map(lambda x: x[0],
+                                                                            grads())), W))
+  assert set(report.phase_names) == {"toy.warmup", "toy.steady"}
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "select", "own"])
+def test_each_way_of_the_nonfinite_policy_keeps_the_state_and_returns_nan_everywhere(nonfinite):
+  tx = compressor.transformation(toy(nonfinite, toy_own_step if nonfinite == "own" else toy_step),
+                                 "batch", warmup=0)
+  outs, state = run(tx, [grads(0), grads(1, nan_on=2), grads(2)])
+  assert np.isnan(np.asarray(outs[1]["w"])).all()  # every device, every element
+  assert np.asarray(state.count).tolist() == [2] * W  # the non-finite step was not counted
+  np.testing.assert_allclose(state.last[0][0], grads(2)["w"].mean(0), rtol=1e-6)
+  _, kept = run(tx, [grads(0), grads(1, nan_on=2)])
+  np.testing.assert_array_equal(kept.last[0], run(tx, [grads(0)])[1].last[0])
+
+
+def test_traceable_settings_are_arrays_and_static_ones_are_refused_with_every_static_name():
+  tx = optax.inject_hyperparams(
+      lambda scale, warmup: compressor.transformation(toy(), "batch", scale=scale, warmup=warmup),
+      static_args=("warmup",))(scale=3.0, warmup=0)
+  (out,), _ = run(tx, [grads()])
+  np.testing.assert_allclose(out["w"][0], 3 * grads()["w"].mean(0), rtol=1e-6)
+  with pytest.raises(TypeError, match=r"^toy: warmup is static .*not an array. Under "
+                                      r"optax.inject_hyperparams pass static_args=\('warmup',\); "
+                                      r"only scale may be scheduled$"):
+    compressor.transformation(toy(), "batch", warmup=jnp.asarray(1))
+  with pytest.raises(TypeError, match=r"toy: no setting named 'rank'"):
+    compressor.transformation(toy(), "batch", rank=2)
+
+
+def test_the_hook_runs_the_same_step_on_a_bucket():
+  algorithm = toy()
+
+  def hook(state, bucket):
+    return compressor.run_hook(algorithm, state, bucket)
+
+  tx = jaxcomp.comm_hook(hook, compressor.hook_state(algorithm, {"warmup": 0}))
+  plain = compressor.transformation(algorithm, "batch", warmup=0)
+  g = {"w": grads()["w"]}
+  np.testing.assert_allclose(run(tx, [g])[0][0]["w"], run(plain, [g])[0][0]["w"], rtol=1e-6)
+  with pytest.raises(TypeError, match=r"toy_hook needs the per-bucket state made by "
+                                      r"jaxcomp.hooks.toy_state"):
+    run(jaxcomp.comm_hook(hook, optax.EmptyState()), [g])
+  with pytest.raises(ValueError, match="bucket_cap_mb cannot be used here: needs the whole tree"):
+    compressor.transformation(dataclasses.replace(algorithm, unbucketable=lambda c: "needs the "
+                                                  "whole tree"), "batch", bucket_cap_mb=1.0)
+
+
+# --------------------------------------------------------------- an optimizer that owns the params
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class MoveConfig:
+  step_size: float = 0.5
+
+
+class MoveState(NamedTuple):
+  count: jax.Array
+  config: MoveConfig
+  signature: tree_lib.TreeSignature
+
+  PER_DEVICE_FIELDS = ()
+  PARAMS_PER_DEVICE = True
+
+
+def move_step(config, state, grads_, params, axis_name):
+  """Each device moves its own parameters; every 2nd step they are set to their mean."""
+  moved = jax.tree.map(lambda p, g: p - config.step_size * g, params, grads_)
+  averaged = phases.when(state.count % 2 == 1, phases.Phase("sync", 0.5),
+                         lambda t: local_steps.varying_like(local_steps.mean_reduced(t, axis_name),
+                                                            t), moved)
+  return averaged, state
+
+
+MOVE = compressor.Algorithm("move", MoveState, MoveConfig,
+                            lambda c, s, p: MoveState(jnp.zeros([], jnp.int32), c, s), move_step,
+                            owns_params=True)
+
+
+def test_an_optimizer_that_owns_the_parameters_returns_assign_and_needs_them():
+  tx = compressor.transformation(MOVE, "batch")
+  assert tx.owns_params and tx.scatter is None
+  params = {"w": np.ones((3,), np.float32)}
+  g = [{"w": np.arange(W * 3, dtype=np.float32).reshape(W, 3) * s} for s in (1, 2)]
+
+  def step(p, s, g):
+    updates, s = tx.update(g, s, p)
+    assert all(isinstance(u, jaxcomp.Assign) for u in jax.tree.leaves(
+        updates, is_leaf=lambda x: isinstance(x, jaxcomp.Assign)))
+    return optax.apply_updates(p, updates), s
+
+  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  p, s = replicate(params, W), replicate(tx.init(params), W)
+  p, s = jax.block_until_ready(pstep(p, s, g[0]))
+  np.testing.assert_array_equal(p["w"], 1 - 0.5 * g[0]["w"])  # apart
+  p, s = jax.block_until_ready(pstep(p, s, g[1]))
+  expected = (1 - 0.5 * g[0]["w"] - 0.5 * g[1]["w"]).mean(0)
+  np.testing.assert_allclose(p["w"], np.broadcast_to(expected, (W, 3)), rtol=1e-6)  # averaged
+  assert_identical_across_devices(p)
+  assert np.asarray(s.count).tolist() == [2] * W
+  with pytest.raises(ValueError, match=r"move sets the parameters, so its update needs them"):
+    tx.update({"w": jnp.ones(3)}, tx.init(params))
+  with pytest.raises(TypeError, match=r"move: update needs the state move's init made, a "
+                                      r"MoveState; got EmptyState"):
+    tx.update({"w": jnp.ones(3)}, optax.EmptyState(), params)
+
+
+# -------------------------------------------------------------------- every factory, every hook
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_every_registry_entry_is_built_by_the_adapter(name):
+  tx = COMPRESSORS[name]()
+  entry = REGISTRY[name]
+  if entry.wraps_optimizer:  # the optimizer itself
+    assert isinstance(tx, jaxcomp.Transformation) and tx.owns_params, tx
+  elif not entry.is_optimizer:  # the compressor first in the chain: a declared mean
+    first = entry.make(steps=30)
+    assert isinstance(first, jaxcomp.Transformation) and not first.owns_params
+    assert callable(first.scatter) and first.axis_name == "batch"
+
+
+def test_every_built_in_hook_is_a_module_level_function_with_a_docstring():
+  for name in jaxcomp.hooks.__all__:
+    hook = getattr(jaxcomp.hooks, name)
+    if name.endswith("_hook"):
+      assert inspect.isfunction(hook) and hook.__qualname__ == name, name
+      assert hook.__doc__ and len(hook.__doc__) > 40, name
+      assert list(inspect.signature(hook).parameters) == ["state", "bucket"], name
+
+
+def test_the_optax_wrapper_check_runs_once_per_update_trace_not_in_collectives():
+  # jaxcomp.axis' collectives no longer look at the Python stack: a user's own transformation
+  # that calls them inside optax.apply_if_finite is the user's to guard.
+  def user_update(updates, state, params=None):
+    return jax.tree.map(lambda g: jaxcomp.axis.mean(g, "batch"), updates), state
+
+  user = optax.GradientTransformation(lambda p: optax.EmptyState(), user_update)
+  guarded = optax.apply_if_finite(user, 3)
+  g = {"w": grads()["w"]}
+  out, _ = run(guarded, [g])
+  np.testing.assert_allclose(out[0]["w"][0], g["w"].mean(0), rtol=1e-6)
+  with pytest.raises(ValueError, match=r"optax.apply_if_finite wraps jaxcomp.toy, which "
+                                       r"communicates over axis 'batch'"):
+    run(optax.apply_if_finite(compressor.transformation(toy(), "batch"), 3), [g])
+
+
+def test_a_chain_holding_jaxcomp_transformations_keeps_their_declarations_out_of_the_state():
+  # The declaration lives on the transformation; its state is what it always was.
+  tx = jaxcomp.powersgd(1)
+  state = tx.init({"w": jnp.ones((4, 4))})
+  assert type(state).__name__ == "PowerSGDState"
+  chex.assert_trees_all_equal_structs(state, jax.eval_shape(tx.init, {"w": jnp.ones((4, 4))}))
