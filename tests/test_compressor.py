@@ -102,7 +102,7 @@ def run(tx, steps):
 def test_a_mean_is_a_declared_transformation_with_its_scatter():
   tx = compressor.transformation(toy(), "batch")
   assert isinstance(tx, jaxcomp.Transformation) and isinstance(tx, optax.GradientTransformation)
-  assert (tx.name, tx.axis_name, tx.owns_params) == ("toy", "batch", False)
+  assert (tx.name, tx.axis_name, tx.output, tx.owns_params) == ("toy", "batch", "gradient", False)
   g = grads()
   (out,), _ = run(tx, [g])
   shard = jax.pmap(tx.scatter, axis_name="batch", devices=jax.devices()[:W])(
@@ -201,7 +201,7 @@ def move_step(config, state, grads_, params, axis_name):
 
 MOVE = compressor.Algorithm("move", MoveState, MoveConfig,
                             lambda c, s, p: MoveState(jnp.zeros([], jnp.int32), c, s), move_step,
-                            owns_params=True)
+                            output="assign")
 
 
 def test_an_optimizer_that_owns_the_parameters_returns_assign_and_needs_them():
@@ -239,11 +239,15 @@ def test_an_optimizer_that_owns_the_parameters_returns_assign_and_needs_them():
 def test_every_registry_entry_is_built_by_the_adapter(name):
   tx = COMPRESSORS[name]()
   entry = REGISTRY[name]
-  if entry.wraps_optimizer:  # the optimizer itself
-    assert isinstance(tx, jaxcomp.Transformation) and tx.owns_params, tx
-  elif not entry.is_optimizer:  # the compressor first in the chain: a declared mean
+  if entry.wraps_optimizer:  # the optimizer itself, which sets the parameters
+    assert isinstance(tx, jaxcomp.Transformation) and tx.output == "assign" and tx.owns_params
+    assert tx.scatter is None
+  elif entry.is_optimizer:  # a whole optimizer whose output is the update
+    assert isinstance(tx, jaxcomp.Transformation) and tx.output == "update", tx
+    assert tx.scatter is None and not tx.owns_params
+  else:  # the compressor first in the chain: a declared mean with its reduce-scatter
     first = entry.make(steps=30)
-    assert isinstance(first, jaxcomp.Transformation) and not first.owns_params
+    assert isinstance(first, jaxcomp.Transformation) and first.output == "gradient"
     assert callable(first.scatter) and first.axis_name == "batch"
 
 

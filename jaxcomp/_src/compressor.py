@@ -19,8 +19,11 @@ Two families share the protocol:
   the same on every device; ``phase`` is the ``phases.Phase`` this step is in (warm-up or steady),
   static. With ``Algorithm.nonfinite="own"`` it returns ``(means, new_state, finite)``: the
   all-device finiteness flag taken from values it already reduced (``finite.reduced_finite``), at
-  no extra pass over the gradient;
-* **an optimizer that owns the parameters** (``Algorithm.owns_params``: local SGD, DiLoCo,
+  no extra pass over the gradient. A whole optimizer whose output is the update
+  (``Algorithm.output="update"``: 1-bit Adam) has the same step with a last argument ``params``,
+  the reduced leaves of the parameters (None when ``update`` was not given them), for its weight
+  decay;
+* **an optimizer that owns the parameters** (``Algorithm.output="assign"``: local SGD, DiLoCo,
   Streaming DiLoCo, SparseLoCo): ``init(config, signature, params)``; ``step(config, state, grads,
   params, axis_name) -> (new_params, new_state)`` on whole pytrees. Its phases (``"sync"``, a
   fragment's pieces) are ``phases.when`` branches inside the step, and it applies the local-step
@@ -28,16 +31,18 @@ Two families share the protocol:
 
 ``Algorithm`` bundles them. From it the adapter derives, for every algorithm alike:
 
-1. ``transformation``: an ``interface.Transformation``, the optax ``GradientTransformation`` that declares what
-   it is — the state and signature checks, the refusal of a gradient that autodiff already summed
-   over the devices, the phase labels (``phases.owned_by`` the algorithm's public name, read by
-   ``comm_report``), ``count``, the refusal of the optax wrappers a step must not run inside
-   (``optax_wrappers.check``, once per trace), and the non-finite policy of ``finite.py``. A mean
-   is gated: by a ``lax.cond`` on ``finite.all_finite`` (``"skip"``: no collective but the flag's
-   4 bytes on such a step), by replacing its results (``"select"``), or by its own flag
-   (``"own"``). An optimizer that owns the parameters needs them (``update(grads, state, params)``),
-   returns ``local_steps.Assign`` updates, refuses anything after it in an ``optax.chain``, and its
-   inner optimizer may not communicate over its axis (``local_steps.local_update``);
+1. ``transformation``: an ``interface.Transformation``, the optax ``GradientTransformation``
+   that declares what it is — the state and signature checks, the refusal of a gradient that
+   autodiff already summed over the devices, the phase labels (``phases.owned_by`` the
+   algorithm's public name, read by ``comm_report``), ``count``, the refusal of the optax wrappers
+   a step must not run inside (``optax_wrappers.check``, once per trace), and the non-finite
+   policy of ``finite.py``. A mean is gated: by a ``lax.cond`` on ``finite.all_finite``
+   (``"skip"``: no collective but the flag's 4 bytes on such a step), by replacing its results
+   (``"select"``), or by its own flag (``"own"``). A whole optimizer whose output is the update
+   (``output="update"``) refuses an optimizer after it in an ``optax.chain``; one that owns the
+   parameters needs them (``update(grads, state, params)``), returns ``local_steps.Assign``
+   updates, refuses anything after it, and its inner optimizer may not communicate over its axis
+   (``local_steps.local_update``);
 2. with ``bucket_cap_mb``, the same on DDP's buckets: one state and one set of collectives per bucket
    (``buckets.comm_hook`` with the algorithm's hook), so that each bucket's collectives depend on its
    own gradients only;
@@ -48,8 +53,8 @@ Two families share the protocol:
    that names every setting ``optax.inject_hyperparams`` must leave static, and hands the
    traceable ones to the step as arrays;
 5. the reduce-scatter for sharded optimizer state (``jaxcomp.sharded_optimizer``):
-   ``interface.Transformation.scatter(updates, state) -> (shards, state)`` gives this device its shard
-   (``shards.py``'s layout) of each leaf's mean, with 1–4 as for ``update``: the algorithm's own
+   ``interface.Transformation.scatter(updates, state) -> (shards, state)`` gives this device its
+   shard (``shards.py``'s layout) of each leaf's mean, with 1–4 as for ``update``: the algorithm's own
    ``scatter`` where it has one (the dense means' ``psum_scatter``), else the whole mean with this
    device's shard kept.
 """
@@ -57,6 +62,7 @@ Two families share the protocol:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -117,7 +123,10 @@ class Algorithm:
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.
-    owns_params: a whole optimizer that sets the parameters (the local-step family).
+    output: what the transformation returns (``interface.OUTPUTS``): ``"gradient"``, the mean
+      (or a direction from it, for an optimizer to follow); ``"update"``, a whole optimizer's
+      update (the step scales its direction by the learning rate; nothing but guards may follow
+      it); ``"assign"``, for the family that owns the parameters (its own init and step).
   """
   name: str
   state: type
@@ -131,10 +140,16 @@ class Algorithm:
   unbucketable: Callable = _anywhere
   nonfinite: str = "skip"
   scatter: Optional[Callable] = None
-  owns_params: bool = False
+  output: str = "gradient"
 
   def __post_init__(self):
     validate.choice(self.nonfinite, "nonfinite", NONFINITE)
+    validate.choice(self.output, "output", interface.OUTPUTS)
+
+  @property
+  def owns_params(self) -> bool:
+    """The family that owns the parameters (``output="assign"``)."""
+    return self.output == "assign"
 
 
 def configure(algorithm: Algorithm, settings: dict) -> tuple:
@@ -230,8 +245,9 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
     **settings: the configuration's settings (``algorithm.configure``'s arguments).
 
   Returns:
-    An ``interface.Transformation``: the cross-device mean, identical on every device, or (``owns_params``)
-    the optimizer's ``Assign`` updates.
+    An ``interface.Transformation``: the cross-device mean (or what ``algorithm.output`` says),
+    identical on every device, or the ``Assign`` updates of an optimizer that owns the
+    parameters.
   """
   axis_name = axis.check_axis_name(axis_name)
   config, traced = configure(algorithm, settings)
@@ -245,19 +261,21 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
       raise ValueError(f"{algorithm.name}: bucket_cap_mb cannot be used here: {reason}")
     bucketed = buckets.comm_hook(_bucket_hook(algorithm, traced), bucket_state(algorithm, config),
                                  axis_name=axis_name, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
-    return interface.Transformation(bucketed.init, bucketed.update, name=algorithm.name,
-                          axis_name=axis_name, scatter=bucketed.scatter)
+    return _declared(algorithm, axis_name, bucketed.init, bucketed.update, bucketed.scatter)
 
   def init_fn(params):
     return algorithm.init(config, tree_lib.TreeSignature.of(params))
 
-  def apply(updates, state, step: Optional[Callable], shape_of: Callable):
+  def apply(updates, state, params, step: Optional[Callable], shape_of: Callable):
     """1 (and 5 with ``step=algorithm.scatter``): ``(outputs, new_state)``."""
     optax_wrappers.check(algorithm.name, axis_name)
     tree_lib.check_state(state, init_fn, algorithm.name)
     leaves = state.signature.check(updates)
     reduced = [leaves[i] for i in state.signature.reduced]
     axis.refuse_summed_gradient(reduced, axis_name, algorithm.name)
+    if algorithm.output == "update":  # a whole optimizer's step sees the parameters (or None)
+      picked = None if params is None else state.signature.pick(tree_lib.unwrap(params))
+      step = functools.partial(step or algorithm.step, params=picked)
     means, new_state = _mean(algorithm, _live(state.config, traced), state, reduced, axis_name,
                              step, shape_of)
     for i, mean in zip(state.signature.reduced, means):
@@ -265,20 +283,38 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
     return tree_lib.like(updates, leaves), new_state
 
   def update_fn(updates, state, params=None):
-    del params
     with kernels.part("update"):
-      return apply(updates, state, None, lambda x: x.shape)
+      return apply(updates, state, params, None, lambda x: x.shape)
 
   def scatter_fn(updates, state):
     cut = shards.layout(axis_name)
     with kernels.part("update"):
-      return apply(updates, state, algorithm.scatter, lambda x: cut.shape(x.shape))
+      return apply(updates, state, None, algorithm.scatter, lambda x: cut.shape(x.shape))
 
-  return interface.Transformation(init_fn, update_fn, name=algorithm.name, axis_name=axis_name,
-                        scatter=scatter_fn if algorithm.scatter else interface.own_shard_of(update_fn, axis_name))
+  return _declared(algorithm, axis_name, init_fn, update_fn, scatter_fn if algorithm.scatter
+                   else interface.own_shard_of(update_fn, axis_name))
 
 
-def _owning_params(algorithm: Algorithm, config, axis_name: axis.AxisName) -> interface.Transformation:
+def _declared(algorithm: Algorithm, axis_name: axis.AxisName, init_fn: Callable,
+              update_fn: Callable, scatter: Callable) -> interface.Transformation:
+  """The ``interface.Transformation`` of a mean's ``init_fn`` and ``update_fn``: with its scatter
+  for a ``"gradient"``; for an ``"update"`` (a whole optimizer) refusing an optimizer after it in an
+  ``optax.chain``, which would take its update for a gradient."""
+  if algorithm.output == "gradient":
+    return interface.Transformation(init_fn, update_fn, name=algorithm.name, axis_name=axis_name,
+                                    scatter=scatter)
+
+  def last_in_chain(updates, state, params=None):
+    optax_wrappers.check_last_in_chain(f"jaxcomp.{algorithm.name}",
+                                       alternative=f"jaxcomp.scale_by_{algorithm.name}")
+    return update_fn(updates, state, params)
+
+  return interface.Transformation(init_fn, last_in_chain, name=algorithm.name,
+                                  axis_name=axis_name, output=algorithm.output)
+
+
+def _owning_params(algorithm: Algorithm, config,
+                   axis_name: axis.AxisName) -> interface.Transformation:
   """1 for an optimizer that owns the parameters."""
   name = algorithm.name
 
@@ -304,7 +340,8 @@ def _owning_params(algorithm: Algorithm, config, axis_name: axis.AxisName) -> in
     new_state = new_state._replace(count=state.count + 1)
     return local_steps.assign(new_params), new_state
 
-  return interface.Transformation(init_fn, update_fn, name=name, axis_name=axis_name, owns_params=True)
+  return interface.Transformation(init_fn, update_fn, name=name, axis_name=axis_name,
+                                  output="assign")
 
 
 def run_hook(algorithm: Algorithm, state, bucket: buckets.GradBucket, traced: Optional[dict] = None,

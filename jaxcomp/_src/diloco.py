@@ -204,7 +204,7 @@ def step(config: DiLoCoConfig, state: DiLoCoState, grads, params,
       inner_state=local_steps.to_device(inner_state))
 
 
-DILOCO = adapter.Algorithm("diloco", DiLoCoState, DiLoCoConfig, init, step, owns_params=True)
+DILOCO = adapter.Algorithm("diloco", DiLoCoState, DiLoCoConfig, init, step, output="assign")
 
 
 def same_axis(compressor: Optional[interface.Transformation], axis_name: axis.AxisName,

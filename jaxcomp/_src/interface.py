@@ -28,20 +28,28 @@ class Transformation(optax.GradientTransformation):
     update: ``update(updates, state, params=None) -> (updates, state)``.
     name: the public name (``"powersgd"``).
     axis_name: the mapped axis it averages over.
-    owns_params: a whole optimizer that sets the parameters (``local_sgd``, ``diloco``,
-      ``streaming_diloco``, ``sparseloco``): its update needs them and returns ``jaxcomp.Assign``
-      updates; nothing may follow it in an ``optax.chain``. Otherwise it is the cross-device mean
-      of the gradient.
-    scatter: for a mean, ``scatter(updates, state) -> (shards, state)``: this device's shard of
-      each leaf's mean (the reduce-scatter of ``jaxcomp.sharded_optimizer``); None for an optimizer
-      that owns the parameters.
+    output: what its update returns (``OUTPUTS``): ``"gradient"``, the cross-device mean of the
+      gradient (a compressor), or a direction computed from it (``scale_by_onebit_adam``), the
+      same on every device, for an optimizer chained after it; ``"update"``, the parameter update
+      of a whole optimizer that averages the gradient itself (``onebit_adam``): only guards may
+      follow it in an ``optax.chain``; ``"assign"``, ``jaxcomp.Assign`` updates that set the
+      parameters (``local_sgd``, ``diloco``, ``streaming_diloco``, ``sparseloco``), whose update
+      needs them: nothing may follow it.
+    scatter: for a ``"gradient"``, ``scatter(updates, state) -> (shards, state)``: this device's
+      shard of each leaf's mean (the reduce-scatter of ``jaxcomp.sharded_optimizer``); None for
+      the others.
   """
 
   def __new__(cls, init: Callable, update: Callable, *, name: str, axis_name: axis.AxisName,
-              owns_params: bool = False, scatter: Optional[Callable] = None):
+              output: str = "gradient", scatter: Optional[Callable] = None):
     self = super().__new__(cls, init, update)
-    self.__dict__.update(name=name, axis_name=axis_name, owns_params=owns_params, scatter=scatter)
+    self.__dict__.update(name=name, axis_name=axis_name, output=output, scatter=scatter)
     return self
+
+  @property
+  def owns_params(self) -> bool:
+    """Whether its updates set the parameters (``output == "assign"``)."""
+    return self.output == "assign"
 
   def __repr__(self) -> str:
     return f"jaxcomp.Transformation({self.name}, axis_name={self.axis_name!r})"
@@ -56,9 +64,13 @@ def own_shard_of(update: Callable, axis_name: axis.AxisName) -> Callable:
   return scatter
 
 
+OUTPUTS = ("gradient", "update", "assign")
+
+
 def is_mean(value) -> bool:
-  """Whether ``value`` is a jaxcomp transformation whose output is the cross-device mean."""
-  return isinstance(value, Transformation) and not value.owns_params
+  """Whether ``value`` is a jaxcomp transformation whose output is the cross-device mean of the
+  gradient (or a direction computed from it), for an optimizer to follow."""
+  return isinstance(value, Transformation) and value.output == "gradient"
 
 
 def mean(value, name: str, example: str) -> Transformation:
@@ -72,7 +84,9 @@ def mean(value, name: str, example: str) -> Transformation:
     return value
   if isinstance(value, Transformation):
     got = (f"jaxcomp.{value.name}, a whole optimizer that sets the parameters (its update is "
-           "jaxcomp.Assign, not a mean)")
+           "jaxcomp.Assign, not a mean)" if value.owns_params else
+           f"jaxcomp.{value.name}, a whole optimizer whose output is the parameter update, not a "
+           "mean")
   elif isinstance(value, optax.GradientTransformation):
     got = (f"an optax transformation that is not a jaxcomp compressor ({_describe(value)}): an "
            "optimizer belongs in inner, or after the compressor in optax.chain")

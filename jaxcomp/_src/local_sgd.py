@@ -151,7 +151,7 @@ def step(config: LocalSGDConfig, state: LocalSGDState, grads, params,
 
 
 LOCAL_SGD = compressor.Algorithm("local_sgd", LocalSGDState, LocalSGDConfig, init, step,
-                                 owns_params=True)
+                                 output="assign")
 
 
 def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_iter: int = 0,

@@ -5,7 +5,7 @@ variance settles early in training. 1-bit Adam therefore runs plain Adam on the 
 for ``freeze_steps`` steps (the warm-up), then freezes the variance and exchanges only the momentum,
 1-bit compressed with error feedback on the worker and on the server — momentum SGD preconditioned by
 the frozen variance, which is linear in the gradient again. ``scale_by_onebit_adam`` returns the
-direction (as ``optax.scale_by_adam``); ``onebit_adam`` chains it with the learning rate, the whole
+direction (as ``optax.scale_by_adam``); ``onebit_adam`` scales it by the learning rate, the whole
 optimizer (nothing is chained after it); ``jaxcomp.hooks.onebit_adam_hook`` is the same step on a
 ``comm_hook`` bucket, returning the direction for a momentum-free ``optax.sgd``.
 
@@ -33,7 +33,8 @@ The steps, per device, W devices, at step t = 0, 1, ... (the ``# n:`` comments b
    b2^min(t+1, freeze_steps))`` (Adam's bias correction, the variance's frozen with it); with
    ``bias_correction=False`` ``m̂ = m``, ``v̂ = v``, DeepSpeed's formula. ``freeze_steps=0`` has no
    variance: the direction is ``m̂`` (1-bit compressed momentum SGD).
-5. ``onebit_adam`` returns ``−learning_rate(t) · direction`` (``optax.scale_by_learning_rate``).
+5. ``onebit_adam`` returns ``−learning_rate(t) · direction``, t the steps taken (a schedule is
+   called with it, as ``optax.scale_by_learning_rate`` calls one with its count).
 
 Bytes per device in the compression stage (payload, ``comm_report``): 2·W·S/8 for the signs (W rows
 of S ≥ L/W values, S a multiple of 8), 2·4·W for the scales, and the 4-byte check that the gradient
@@ -71,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor, exchange, optax_wrappers, sign, validate
+from jaxcomp._src import axis, compressor, exchange, sign, validate
 from jaxcomp._src import phases as phases_lib
 from jaxcomp._src import tree as tree_lib
 
@@ -82,6 +83,14 @@ _COMPRESSED = phases_lib.Phase("compressed", 1.0)
 def _decay(name: str) -> Callable:
   """The check of a decay rate in [0, 1)."""
   return lambda value: validate.number(value, name, 0, 1, high_open=True)
+
+
+def _learning_rate(value) -> Union[None, float, Callable, jax.Array]:
+  """None (no learning rate), a schedule, ``TRACED`` or an array as it is; a number, checked."""
+  if value is None or callable(value) or value is validate.TRACED:
+    return value
+  return validate.traceable(value, lambda v: validate.number(v, "learning_rate", 0,
+                                                             low_open=True))
 
 
 @jax.tree_util.register_static
@@ -100,12 +109,16 @@ class OneBitAdamConfig:
     eps: added to √v̂; keeps the step bounded where the frozen variance is tiny.
     bias_correction: Adam's bias correction of m and v (the variance's frozen at ``freeze_steps``);
       off is DeepSpeed's update, which is larger early on and after a short warm-up.
+    learning_rate: ``onebit_adam``'s: a positive number, an optax schedule of the step count, or an
+      array (``optax.inject_hyperparams``); None for ``scale_by_onebit_adam``, which returns the
+      direction.
   """
   freeze_steps: int
   b1: Any = 0.9
   b2: Any = 0.999
   eps: Any = 1e-8
   bias_correction: bool = True
+  learning_rate: Any = None
 
   def __post_init__(self):
     for name, value in dict(
@@ -114,7 +127,8 @@ class OneBitAdamConfig:
         b1=validate.traceable(self.b1, _decay("b1")),
         b2=validate.traceable(self.b2, _decay("b2")),
         eps=validate.traceable(self.eps, lambda value: validate.number(value, "eps", 0)),
-        bias_correction=validate.boolean(self.bias_correction, "bias_correction")).items():
+        bias_correction=validate.boolean(self.bias_correction, "bias_correction"),
+        learning_rate=_learning_rate(self.learning_rate)).items():
       object.__setattr__(self, name, value)
 
 
@@ -179,8 +193,10 @@ def _one_minus_power(b, t: jax.Array) -> jax.Array:
 
 
 def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_name,
-         phase: phases_lib.Phase) -> tuple:
-  """Steps 1–4 on the reduced leaves: returns ``(directions, new state)``."""
+         phase: phases_lib.Phase, params: Optional[list] = None) -> tuple:
+  """Steps 1–4 (and 5 with a learning rate) on the reduced leaves: ``(directions, new state)``;
+  ``params`` is not used (1-bit Adam has no weight decay)."""
+  del params
   signature = state.signature
   mu, root = signature.pick(state.mu), signature.pick(state.nu_root)
   errors = signature.pick(state.worker_error), signature.pick(state.server_error)
@@ -206,6 +222,10 @@ def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_na
     correction = (_one_minus_power(config.b2, jnp.minimum(t, config.freeze_steps))
                   if config.bias_correction else 1.0)
     directions = [m / (r / jnp.sqrt(correction) + config.eps) for m, r in zip(directions, root)]
+  if config.learning_rate is not None:  # 5: the update, −learning_rate(t) · direction
+    rate = config.learning_rate
+    rate = rate(state.count) if callable(rate) else rate
+    directions = [-jnp.asarray(rate, jnp.float32) * d for d in directions]
   new_state = state._replace(mu=signature.place(mu), nu_root=signature.place(root),
                              worker_error=signature.place(errors[0]),
                              server_error=signature.place(errors[1]))
@@ -216,6 +236,8 @@ SCALE_BY_ONEBIT_ADAM = compressor.Algorithm(
     "scale_by_onebit_adam", OneBitAdamState, OneBitAdamConfig, init, step, phases=phases,
     phase_of=phase_of, traceable=("b1", "b2", "eps"),
     nonfinite="select")  # the exchange compiles worse inside the cond (compressor.py)
+ONEBIT_ADAM = dataclasses.replace(SCALE_BY_ONEBIT_ADAM, name="onebit_adam", output="update",
+                                  traceable=("b1", "b2", "eps", "learning_rate"))
 
 
 def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch",
@@ -262,21 +284,14 @@ def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch
       eps=eps, bias_correction=bias_correction)
 
 
-def _learning_rate(value) -> Union[float, Callable, jax.Array]:
-  """A schedule, or an array (``optax.inject_hyperparams``), as it is; a number, checked."""
-  if callable(value) or validate.is_array(value):
-    return value
-  return validate.number(value, "learning_rate", 0, low_open=True)
-
-
 def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = "batch",
                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 bias_correction: bool = True,
                 bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
   """DeepSpeed's 1-bit Adam as an optax optimizer: it averages the gradient itself.
 
-  ``scale_by_onebit_adam`` chained with the learning rate, as ``optax.adam`` is ``scale_by_adam``
-  chained with it. Use it in place of ``optax.chain(jaxcomp.allreduce(), optax.adam(lr))``, with
+  ``scale_by_onebit_adam``'s direction scaled by the learning rate, as ``optax.adam`` is
+  ``scale_by_adam`` chained with it (step 5). Use it in place of ``optax.chain(jaxcomp.allreduce(), optax.adam(lr))``, with
   nothing chained after it but a guard::
 
     tx = optax.chain(jaxcomp.onebit_adam(1e-3, freeze_steps=2000),
@@ -295,8 +310,9 @@ def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = 
     True
 
   Args:
-    learning_rate: a positive number or an optax schedule of the step count (called with the count
-      of updates, as ``optax.scale_by_schedule`` does).
+    learning_rate: a positive number or an optax schedule of the step count (called with the
+      steps taken, as ``optax.scale_by_schedule`` calls one with its count; a non-finite step is
+      not counted); an array under ``optax.inject_hyperparams``.
     freeze_steps: steps of dense Adam before compression (DeepSpeed's ``freeze_step``; 15–25% of the
       run is its advice); 0 compresses from the first step without a variance (momentum SGD).
     axis_name: the mapped axis to average over (see ``jaxcomp.axis``).
@@ -305,25 +321,13 @@ def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = 
     bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one exchange per bucket.
 
   Returns:
-    A ``GradientTransformation`` whose updates are ``−learning_rate · m̂ / (√v̂ + eps)``,
-    identical on every device, in the gradients' dtypes; its state is ``(OneBitAdamState, the
-    learning rate's optax.MaskedState)``.
+    A ``jaxcomp.Transformation`` whose updates are ``−learning_rate · m̂ / (√v̂ + eps)``,
+    identical on every device, in the gradients' dtypes; its state is a ``OneBitAdamState``.
 
   References:
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
     Speed", ICML 2021, Algorithm 1; DeepSpeed ``OnebitAdam`` / ``compressed_allreduce``.
   """
-  # 5: −learning_rate(t) · direction, at the reduced leaves (integer leaves pass through).
-  rate = optax.masked(optax.scale_by_learning_rate(_learning_rate(learning_rate)),
-                      lambda updates: jax.tree.map(tree_lib.is_reduced, updates))
-  inner = optax.chain(
-      scale_by_onebit_adam(freeze_steps=freeze_steps, axis_name=axis_name, b1=b1, b2=b2, eps=eps,
-                           bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb), rate)
-
-  def update_fn(updates, state, params=None):
-    # Its output is the update: an optimizer after it would take that for a gradient.
-    optax_wrappers.check_last_in_chain("jaxcomp.onebit_adam",
-                                       alternative="jaxcomp.scale_by_onebit_adam")
-    return inner.update(updates, state, params)
-
-  return optax.GradientTransformation(inner.init, update_fn)
+  return compressor.transformation(
+      ONEBIT_ADAM, axis_name, bucket_cap_mb, freeze_steps=freeze_steps, b1=b1, b2=b2, eps=eps,
+      bias_correction=bias_correction, learning_rate=learning_rate)

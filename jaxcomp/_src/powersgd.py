@@ -45,7 +45,7 @@ from jaxcomp._src import axis, compressor, kernels, phases, validate
 from jaxcomp._src import tree as tree_lib
 
 WARMUP, COMPRESSED = phases.Phase("warmup", 0.0), phases.Phase("compressed", 1.0)
-# alternating: the halves inside "compressed" (labelled by the step, so named in full)
+# alternating: the halves inside "compressed" (a switch inside the step)
 EVEN, ODD = phases.Phase("even", 0.5), phases.Phase("odd", 0.5)
 _Q, _P = 0, 1  # the factor a random draw is for
 _LAYERWISE_ONLY = ("epsilon", "min_compression_rate", "matrix_view", "alternating", "compress")

@@ -369,7 +369,7 @@ def step(config: StreamingDiLoCoConfig, state: StreamingDiLoCoState, grads, para
 
 
 STREAMING_DILOCO = adapter.Algorithm("streaming_diloco", StreamingDiLoCoState,
-                                     StreamingDiLoCoConfig, init, step, owns_params=True)
+                                     StreamingDiLoCoConfig, init, step, output="assign")
 
 
 def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fragments: int,
