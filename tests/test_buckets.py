@@ -1,4 +1,4 @@
-"""DDP's bucket layout, GradBucket, comm_hook, the default hooks and the compress wrappers."""
+"""DDP's bucket layout, GradBucket and comm_hook (the hooks themselves: ``test_hooks.py``)."""
 
 import json
 import pathlib
@@ -6,7 +6,6 @@ import pathlib
 import chex
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -15,8 +14,7 @@ import jaxcomp
 from jaxcomp import axis, hooks
 from jaxcomp import TreeSignature
 from jaxcomp._src.buckets import bucket_assignment
-from helpers import (assert_identical_across_devices, dyadic, per_device_grads, pmap_update,
-                     rounding_tol)
+from helpers import dyadic, per_device_grads, pmap_update
 
 pytestmark = pytest.mark.numeric
 W = 8
@@ -71,84 +69,6 @@ def reference_mean(stacked):
 
 PARAMS = {"conv": jnp.zeros((3, 3, 4, 8)), "bias": jnp.zeros(8), "head": jnp.zeros((8, 10)),
           "step": jnp.zeros((), jnp.int32)}
-
-
-@pytest.mark.parametrize("hook, exact", [
-    (hooks.allreduce_hook, True),
-    (hooks.fp16_compress_hook, False),
-    (hooks.bf16_compress_hook, False),
-])
-def test_default_hooks_equal_the_dense_transformations(hook, exact):
-  grads = per_device_grads(np.random.default_rng(1), PARAMS, W,
-                           make=lambda r, s: r.normal(size=s).astype(np.float32))
-  dense = {hooks.allreduce_hook: jaxcomp.allreduce, hooks.fp16_compress_hook: jaxcomp.fp16_compress,
-           hooks.bf16_compress_hook: jaxcomp.bf16_compress}[hook]()
-  out, _ = pmap_update(jaxcomp.comm_hook(hook, bucket_cap_mb=0.001), grads)
-  expected, _ = pmap_update(dense, grads)
-  assert_identical_across_devices(out)
-  # Two programs (buckets, or leaf by leaf) for the same mean of W unit-scale terms: float32 rounding
-  # of the W terms, or, through the wire dtype, a wire rounding or two of the unit-scale mean.
-  wire = {hooks.fp16_compress_hook: np.float16, hooks.bf16_compress_hook: ml_dtypes.bfloat16}
-  tol = rounding_tol(W) if exact else rounding_tol(2, dtype=wire[hook])
-  chex.assert_trees_all_close(out, expected, **tol)
-  if exact:  # against NumPy's float32 mean
-    chex.assert_trees_all_close(out["conv"][0], grads["conv"].mean(0), **rounding_tol(W))
-  np.testing.assert_array_equal(out["step"], grads["step"])
-
-
-def test_noop_hook_returns_local_gradients():
-  grads = per_device_grads(np.random.default_rng(2), PARAMS, W)
-  out, _ = pmap_update(jaxcomp.comm_hook(hooks.noop_hook), grads)
-  chex.assert_trees_all_equal(out, grads)
-
-
-def int8_hook(state, bucket):
-  """The README's worked user hook: int8 values with a shared per-bucket scale."""
-  scale = jaxcomp.axis.pmax(jnp.abs(bucket.buffer).max(), bucket.axis_name) / 127
-  q = jnp.round(bucket.buffer / jnp.maximum(scale, 1e-30)).astype(jnp.int32)
-  total = jaxcomp.axis.psum(q, bucket.axis_name)
-  n = jaxcomp.axis.axis_size(bucket.axis_name)
-  return (total * scale / n).astype(bucket.buffer.dtype), state
-
-
-def test_documented_user_hook_works_and_is_in_the_docs():
-  assert "def int8_hook(state, bucket):" in hooks.__doc__
-  grads = per_device_grads(np.random.default_rng(3), PARAMS, W,
-                           make=lambda r, s: r.normal(size=s).astype(np.float32))
-  out, _ = pmap_update(jaxcomp.comm_hook(int8_hook), grads)
-  assert_identical_across_devices(out)
-  scale = max(np.abs(g).max() for g in jax.tree.leaves(grads) if g.dtype == np.float32) / 127
-  np.testing.assert_allclose(out["conv"][0], grads["conv"].mean(0), atol=scale)
-
-
-@pytest.mark.parametrize("wrapper, wire", [(jaxcomp.fp16_compress_wrapper, np.float16),
-                                           (jaxcomp.bf16_compress_wrapper, ml_dtypes.bfloat16)])
-@pytest.mark.parametrize("inner", [hooks.allreduce_hook, int8_hook, hooks.noop_hook])
-def test_wrappers_compose_with_any_hook(wrapper, wire, inner):
-  grads = per_device_grads(np.random.default_rng(4), PARAMS, W,
-                           make=lambda r, s: r.normal(size=s).astype(np.float32))
-  seen_dtypes = []
-
-  def spy(state, bucket):
-    seen_dtypes.append(bucket.buffer.dtype)
-    return inner(state, bucket)
-
-  out, _ = pmap_update(jaxcomp.comm_hook(wrapper(spy)), grads)
-  assert set(seen_dtypes) == {jnp.dtype(wire)}
-  assert out["conv"].dtype == jnp.float32
-  # The inner hook ran on the wire-dtype bucket: same as running it on pre-rounded gradients.
-  rounded = jax.tree.map(lambda g: g.astype(wire).astype(g.dtype)
-                         if g.dtype == np.float32 else g, grads)
-  expected, _ = pmap_update(jaxcomp.comm_hook(wrapper(inner)), rounded)
-  # The same program on inputs that the wrapper's cast maps to the same wire values: bitwise.
-  chex.assert_trees_all_equal(out, expected)
-  if inner is hooks.allreduce_hook:
-    plain, _ = pmap_update(jaxcomp.comm_hook(
-        {np.float16: hooks.fp16_compress_hook,
-         ml_dtypes.bfloat16: hooks.bf16_compress_hook}[wire]), grads)
-    # Another program (cast, then allreduce_hook's sum and ÷W; or cast, ÷W, sum): the same mean of
-    # W wire-dtype terms, to a wire rounding or two of the unit-scale result.
-    chex.assert_trees_all_close(out, plain, **rounding_tol(2, dtype=wire))
 
 
 def counting_hook(state, bucket):

@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 from jaxcomp import hooks
 from jaxcomp._src import dgc as dgc_module
-from jaxcomp._src import kernels
 from jaxcomp._src import topk
 from jaxcomp._src import validate
 
@@ -236,28 +235,6 @@ def test_sampled_selection_matches_reference_and_stays_in_band(dist):
     assert np.all(indices[len(sent):] == n)  # empty slots hold the out-of-range sentinel
 
 
-@pytest.mark.parametrize("n, density, capacity", [(1000, 0.3, 64), (1000, 0.3, 1000),
-                                                  (4099, 0.01, 90), (100_003, 0.05, 2_000),
-                                                  (37, 0.0, 8)])
-def test_first_at_least_is_nonzero_of_the_threshold(n, density, capacity):
-  # The compaction found slot by slot: the first `capacity` candidates in index order, whether
-  # there are fewer (empty slots: n and -1) or more; sizes that leave the last block short.
-  rng = np.random.default_rng(n)
-  x = np.where(rng.random(n) < density, rng.standard_normal(n) + 5,
-               rng.standard_normal(n)).astype(np.float32)
-  threshold = np.float32(4.0)
-  select = jax.jit(lambda x: kernels.first_at_least(x, kernels.bits_at_least(x, threshold),
-                                                    capacity))
-  indices, magnitudes = map(np.asarray, select(x))
-  expected = np.flatnonzero(np.abs(x) >= threshold)[:capacity]
-  np.testing.assert_array_equal(indices[:len(expected)], expected)
-  np.testing.assert_array_equal(indices[len(expected):], n)
-  np.testing.assert_array_equal(magnitudes[:len(expected)], np.abs(x[expected]))
-  np.testing.assert_array_equal(magnitudes[len(expected):], -1)
-  counts = jax.lax.population_count(kernels.bits_at_least(x, threshold)).sum()
-  assert int(counts) == int(np.sum(np.abs(x) >= threshold))
-
-
 def test_sampled_selection_resamples_and_handles_ties():
   n, density = 100_000, 0.001
   k = math.ceil(n * density)
@@ -415,43 +392,6 @@ def test_world_size_one_under_plain_jit():
   assert float(out["w1"][3, 4]) == pytest.approx(-0.9)
   assert np.count_nonzero(out["w1"]) == math.ceil(512 * 0.05)
   np.testing.assert_allclose(out["b1"], -0.05)
-
-
-def test_dgc_hook_matches_dgc_in_exact_mode():
-  params = make_params()
-  direct = jaxcomp.dgc(0.05, selection="exact")
-  hooked = jaxcomp.comm_hook(hooks.dgc_hook, hooks.dgc_state(0.05, selection="exact"),
-                              bucket_cap_mb=0.001)
-  rng = np.random.default_rng(7)
-  states = [replicate(direct.init(params), W), replicate(hooked.init(params), W)]
-  updates = [pmapped_update(direct, W), pmapped_update(hooked, W)]
-  for _ in range(4):
-    grads = device_grads(rng, params, W)
-    (a, states[0]), (b, states[1]) = [jax.block_until_ready(f(grads, s))
-                                      for f, s in zip(updates, states)]
-    # Two programs (buckets, or leaf by leaf): per step the momentum, v and the sum over W round.
-    chex.assert_trees_all_close(a, b, **rounding_tol(4 * (W + 3)))
-  assert len(states[1].hook_states) > 1
-
-
-def test_dgc_hook_composes_with_fp16_compress_wrapper():
-  params = make_params()
-  wrapped = jaxcomp.comm_hook(jaxcomp.fp16_compress_wrapper(hooks.dgc_hook),
-                              hooks.dgc_state(0.05, selection="exact"), bucket_cap_mb=0.001)
-  # The same as DGC with float16 on the wire, run on the gradients rounded to float16.
-  direct = jaxcomp.dgc(0.05, selection="exact", value_dtype=jnp.float16)
-  rng = np.random.default_rng(9)
-  states = [replicate(direct.init(params), W), replicate(wrapped.init(params), W)]
-  updates = [pmapped_update(direct, W), pmapped_update(wrapped, W)]
-  for _ in range(3):
-    grads = jax.tree.map(lambda g: g.astype(np.float16).astype(g.dtype),
-                         device_grads(rng, params, W))
-    (a, states[0]), (b, states[1]) = [jax.block_until_ready(f(grads, s))
-                                      for f, s in zip(updates, states)]
-    # Two programs with float16 on the wire: a float16 rounding or two of values up to ~4.
-    chex.assert_trees_all_close(a, b, **rounding_tol(2, scale=4, dtype=np.float16))
-  report = jaxcomp.comm_report(updates[1], grads, states[1])
-  assert {d for c in report.collectives if c.op == "all-gather" for d in c.dtypes} == {"f16", "s32"}
 
 
 def test_shard_map_matches_pmap():

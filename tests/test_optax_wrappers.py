@@ -5,7 +5,6 @@ import warnings
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -62,40 +61,6 @@ def test_apply_if_finite_after_the_compressor_is_safe():
   out, state = run(tx, [grads(1), grads(2, nan_on=2)])
   np.testing.assert_array_equal(out["w"], 0)
   np.testing.assert_array_equal(state[1].notfinite_count, 1)
-
-
-def test_skip_if_nonfinite_skips_on_every_device_together_and_keeps_the_inner_state():
-  tx = jaxcomp.skip_if_nonfinite(powersgd_chain(), 3)
-  _, before = run(tx, [grads(1)])
-  out, after = run(tx, [grads(2, nan_on=2)], state=before)
-  np.testing.assert_array_equal(out["w"], 0)  # the update is zero everywhere
-  np.testing.assert_array_equal(out["b"], 0)
-  np.testing.assert_array_equal(after.notfinite_count, 1)
-  np.testing.assert_array_equal(after.last_finite, False)
-  chex.assert_trees_all_equal(after.inner_state, before.inner_state)  # error, Q, momentum kept
-  out, again = run(tx, [grads(3)], state=after)  # a finite step applies and resets the count
-  assert np.isfinite(np.asarray(out["w"])).all() and np.abs(np.asarray(out["w"])).max() > 0
-  assert_identical_across_devices(out)
-  np.testing.assert_array_equal(again.notfinite_count, 0)
-  np.testing.assert_array_equal(again.total_notfinite, 1)
-
-
-def test_skip_if_nonfinite_counts_like_apply_if_finite():
-  # At world size 1 the two decide alike: same updates and counters over a run of NaN steps that
-  # exceeds max_consecutive_errors.
-  inner = lambda: optax.sgd(0.1, momentum=0.9)
-  ours = jaxcomp.skip_if_nonfinite(inner(), 2, axis_name=None)
-  theirs = optax.apply_if_finite(inner(), 2)
-  p = {"w": jnp.ones(3)}
-  ours_state, theirs_state = ours.init(p), theirs.init(p)
-  for value in [1.0, np.nan, np.nan, np.nan, 2.0, np.inf, 3.0]:
-    g = {"w": jnp.full(3, value)}
-    ours_out, ours_state = ours.update(g, ours_state)
-    theirs_out, theirs_state = theirs.update(g, theirs_state)
-    chex.assert_trees_all_equal(ours_out, theirs_out)
-    for field in ("notfinite_count", "last_finite", "total_notfinite"):
-      np.testing.assert_array_equal(getattr(ours_state, field), getattr(theirs_state, field))
-    chex.assert_trees_all_equal(ours_state.inner_state, theirs_state.inner_state)
 
 
 def test_masked_around_a_compressor_is_refused_naming_the_left_out_leaves():
