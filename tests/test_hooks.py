@@ -163,6 +163,14 @@ def test_dgc_hook_composes_with_fp16_compress_wrapper():
   assert {d for c in report.collectives if c.op == "all-gather" for d in c.dtypes} == {"f16", "s32"}
 
 
+def test_a_hook_state_given_an_array_names_the_state_factory():
+  for make, name in [(lambda: hooks.onebit_adam_state(b1=jnp.asarray(0.9)), "onebit_adam_state"),
+                     (lambda: hooks.sign_state(error_feedback=jnp.asarray(True)), "sign_state")]:
+    with pytest.raises(TypeError, match=rf"^{name}: .* must be Python values: a hook's state is "
+                                        r"made once"):
+      make()
+
+
 def test_a_hook_without_its_state_says_which_state_to_pass():
   for hook, maker in ((hooks.quantized_hook, "quantized_state"), (hooks.sign_hook, "sign_state"),
                       (hooks.onebit_adam_hook, "onebit_adam_state")):
@@ -242,6 +250,9 @@ def test_batched_powersgd_hook_is_batched_powersgd_on_a_bucket_of_one_leaf():
     (hooks.sign_hook, hooks.quantized_state, "sign_state"),
     (hooks.onebit_adam_hook, hooks.dgc_state, "onebit_adam_state"),
     (hooks.chunked_topk_hook, hooks.powersgd_state, "chunked_topk_state"),
+    # One state type, two algorithms: each refuses the other's configuration.
+    (hooks.powersgd_hook, hooks.batched_powersgd_state, "powersgd_state"),
+    (hooks.batched_powersgd_hook, hooks.powersgd_state, "batched_powersgd_state"),
 ], ids=lambda v: getattr(v, "__name__", v) if callable(v) else None)
 def test_a_hook_given_another_algorithms_state_names_the_state_it_needs(hook, other_state, needed):
   tx = jaxcomp.comm_hook(hook, other_state())

@@ -109,7 +109,7 @@ def test_the_jobs_step_is_data_parallel_and_sends_only_the_compressors_collectiv
   step = _step(digits, name)
   params, opt_state = step.start(digits.init(0))
   text = step.lower(params, opt_state, *digits.batch(0, 0, 8 * W)).compile().as_text()
-  assert text.startswith("HloModule jit__global_step"), text[:80]  # data_parallel's global step
+  assert text.startswith("HloModule jit_global_step"), text[:80]  # data_parallel's global step
   report = parse_hlo(text, W)
   dense = 4 * sum(np.size(x) for x in jax.tree.leaves(digits.init(0)))
   every_step = [c for c in report.collectives if not c.in_conditional]

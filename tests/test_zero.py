@@ -115,23 +115,6 @@ def test_a_0d_parameter_trains_as_the_unsharded_chain_with_adaptive_optimizers(o
   chex.assert_trees_all_close(runs[1], runs[0], **rounding_tol(16, 1.0))
 
 
-def test_shards_split_and_join_with_padding_in_both_layouts():
-  x = jnp.arange(35.0).reshape(5, 7)
-  flat, by_leaf = shards.Layout(8), shards.Layout(4, by_leaf=True)
-  rows = flat.split(x)
-  assert rows.shape == (8, 1, 5) and flat.shape((5, 7)) == (1, 5)
-  np.testing.assert_array_equal(rows[7, 0], [0.0] * 5)  # 40 − 35 values of padding, at the end
-  np.testing.assert_array_equal(flat.join(rows, (5, 7)), x)
-  rows = by_leaf.split(x)  # the last axis dealt round-robin: column j to device j mod 4
-  assert rows.shape == (4, 5, 2) and by_leaf.shape((5, 7)) == (5, 2)
-  np.testing.assert_array_equal(rows[1], x[:, [1, 5]])
-  np.testing.assert_array_equal(rows[3, :, 1], [0.0] * 5)  # column 7 is padding
-  np.testing.assert_array_equal(by_leaf.join(rows, (5, 7)), x)
-  for cut in (flat, by_leaf):  # 0-d: device 0 owns the value
-    assert cut.shape(()) == ()
-    assert cut.split(jnp.float32(2.0)).tolist() == [2.0] + [0.0] * (cut.world - 1)
-
-
 def test_comm_report_shows_a_reduce_scatter_and_an_all_gather_in_the_wire_dtypes():
   mesh, (batch,) = mesh_1d(8), batches(1)
   params = init_params()

@@ -91,6 +91,11 @@ def _anywhere(config) -> Optional[str]:
   return None
 
 
+def _any(config) -> bool:
+  del config
+  return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
   """An algorithm, as the adapter sees it.
@@ -120,6 +125,9 @@ class Algorithm:
       updates need more temporaries and time under the cond); ``"own"``, the step returns the
       all-device flag from values it reduces anyway and keeps its state itself where the flag is
       false (no extra pass over the gradient), and the adapter sets the outputs to NaN.
+    is_own_config: ``is_own_config(config) -> bool``: whether a state of type ``state`` holding
+      ``config`` is this algorithm's, for two algorithms with one state type (PowerSGD and batched
+      PowerSGD): a hook given the other's state is refused. Any, by default.
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.
@@ -139,6 +147,7 @@ class Algorithm:
   traceable: tuple = ()
   unbucketable: Callable = _anywhere
   nonfinite: str = "skip"
+  is_own_config: Callable = _any
   scatter: Optional[Callable] = None
   output: str = "gradient"
 
@@ -354,7 +363,7 @@ def run_hook(algorithm: Algorithm, state, bucket: buckets.GradBucket, traced: Op
   hook and its state factory in ``jaxcomp.hooks`` (default the algorithm's name).
   """
   name = name or algorithm.name
-  if not isinstance(state, algorithm.state):
+  if not isinstance(state, algorithm.state) or not algorithm.is_own_config(state.config):
     raise TypeError(f"{name}_hook needs the per-bucket state made by jaxcomp.hooks.{name}_state"
                     f"(...), as in comm_hook(jaxcomp.hooks.{name}_hook, "
                     f"jaxcomp.hooks.{name}_state()); got {type(state).__name__}")
@@ -383,14 +392,19 @@ def bucket_state(algorithm: Algorithm, config) -> Callable[[buckets.GradBucket],
       config, tree_lib.TreeSignature.of(bucket.gradients(), paths=bucket.paths))
 
 
-def hook_state(algorithm: Algorithm, settings: dict) -> Callable[[buckets.GradBucket], Any]:
-  """``bucket_state`` from the public factory's settings (``jaxcomp.hooks.*_state``)."""
-  config, traced = configure(algorithm, settings)
-  if traced:
-    raise TypeError(f"{algorithm.name}_state: {', '.join(traced)} must be Python values: a hook's "
-                    "state is made once, outside any step; schedule them with the transformation, "
-                    f"jaxcomp.{algorithm.name}(..., bucket_cap_mb=...), under optax.inject_hyperparams")
+def hook_state(algorithm: Algorithm, settings: dict,
+               name: Optional[str] = None) -> Callable[[buckets.GradBucket], Any]:
+  """``bucket_state`` from the public factory's settings (``jaxcomp.hooks.<name>_state``; ``name``
+  defaults to the algorithm's)."""
+  name = name or algorithm.name
+  arrays = [key for key, value in settings.items() if validate.is_array(value)]
+  if arrays:
+    raise TypeError(f"{name}_state: {', '.join(arrays)} must be Python values: a hook's state is "
+                    "made once, outside any step; schedule them with the transformation, "
+                    f"jaxcomp.{algorithm.name}(..., bucket_cap_mb=...), under "
+                    "optax.inject_hyperparams")
+  config, _ = configure(algorithm, settings)
   reason = algorithm.unbucketable(config)
   if reason:
-    raise ValueError(f"{algorithm.name}_state: {reason}")
+    raise ValueError(f"{name}_state: {reason}")
   return bucket_state(algorithm, config)

@@ -191,7 +191,7 @@ def sign_state(**settings):
   Returns:
     A function ``bucket -> jaxcomp.SignState``.
   """
-  return compressor.hook_state(sign.SIGN, settings)
+  return compressor.hook_state(sign.SIGN, settings, name="sign")
 
 
 def onebit_adam_state(**settings):
@@ -208,7 +208,7 @@ def onebit_adam_state(**settings):
   Returns:
     A function ``bucket -> jaxcomp.OneBitAdamState``.
   """
-  return compressor.hook_state(onebit_adam.SCALE_BY_ONEBIT_ADAM, settings)
+  return compressor.hook_state(onebit_adam.SCALE_BY_ONEBIT_ADAM, settings, name="onebit_adam")
 
 
 # ------------------------------------------------------------------------------------ chunked top-k

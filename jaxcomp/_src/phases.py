@@ -68,7 +68,7 @@ def qualified(phase: Phase) -> str:
 
 def label(phase: Phase) -> str:
   """The name scope that marks ``phase``'s instructions."""
-  return f"jaxcomp_phase[{qualified(phase)}|{phase.share!r}]"
+  return f"jaxcomp_phase[{qualified(phase)}|{float(phase.share)!r}]"
 
 
 def parse(op_name: str) -> tuple:
@@ -110,7 +110,7 @@ def when(predicate, phase: Optional[Phase], branch: Callable, *operands):
   collective is held twice; a loop carries its operands in place. DiLoCo's update of ResNet-18's
   gradient (W = 8, donated): temporaries 4.54 → 2.27 times the gradient, Streaming DiLoCo's (P = 2)
   2.84 → 1.85 (``PYTHONPATH=. python benchmarks/memory.py --compressors diloco_h20,
-  streaming_diloco_h20_p2``; ``tests/test_report.py`` checks a small case).
+  streaming_diloco_h20_p2``; ``tests/test_phases.py`` checks a small case).
 
   XLA moves the instructions of a loop's body that read only values the loop does not change
   before the loop (loop-invariant code motion), collectives included, where they run on every

@@ -362,9 +362,11 @@ def powersgd_stats(tree) -> tuple:
 
 POWERSGD = compressor.Algorithm("powersgd", PowerSGDState, PowerSGDConfig, init, step,
                                 phases=step_phases, phase_of=phase_of, traceable=("epsilon",),
-                                nonfinite="select")  # a cond copied ResNet-18's error (memory.py)
+                                nonfinite="select",  # a cond copied ResNet-18's error (memory.py)
+                                is_own_config=lambda config: not config.batched)
 BATCHED_POWERSGD = dataclasses.replace(POWERSGD, name="batched_powersgd", traceable=(),
-                                       configure=functools.partial(PowerSGDConfig, batched=True))
+                                       configure=functools.partial(PowerSGDConfig, batched=True),
+                                       is_own_config=lambda config: config.batched)
 
 
 def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: int = 1000,
