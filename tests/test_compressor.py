@@ -64,10 +64,10 @@ def toy_step(config, state, leaves, axis_name, phase):
 
 
 def toy_own_step(config, state, leaves, axis_name, phase):
-  """The same, the finiteness flag taken from the means it reduced, the state kept itself."""
+  """The same, the finiteness flag taken from the means it reduced, the policy applied itself."""
   means, new_state = toy_step(config, state, leaves, axis_name, phase)
   ok = finite.reduced_finite(means)
-  return means, finite.keep_if_finite(ok, new_state, state), ok
+  return finite.nan_unless_finite(ok, means), finite.keep_if_finite(ok, new_state, state), ok
 
 
 def toy(nonfinite="skip", step=toy_step):

@@ -367,25 +367,23 @@ def test_collectives_and_bytes():
   report = jaxcomp.comm_report(pmapped(tx, n_dev), grads, state)
   compressed = 4 * rank * ((36 + 16) + (64 + 32))
   dense = 4 * (32 + 9)
-  finite_flag = 4
   assert all(c.op == "all-reduce" and c.group_size == n_dev for c in report.collectives)
-  assert report.payload_bytes == compressed + dense + finite_flag
-  # The flag, then the uncompressed leaves packed with the Ps (one collective), then the Qs.
+  assert report.payload_bytes == compressed + dense  # no finiteness flag: it reads P and Q's sums
+  # The uncompressed leaves packed with the Ps (one collective), then the Qs.
   p_bytes, q_bytes = 4 * rank * (36 + 64), 4 * rank * (16 + 32)
-  assert sorted(c.payload_bytes for c in report.collectives) == sorted(
-      [finite_flag, dense + p_bytes, q_bytes])
+  assert sorted(c.payload_bytes for c in report.collectives) == sorted([dense + p_bytes, q_bytes])
   full = 4 * sum(x.size for x in params.values())
   ar_report = jaxcomp.comm_report(pmapped(jaxcomp.allreduce(), n_dev), grads,
                                   replicate(jaxcomp.allreduce().init(params), n_dev))
   assert ar_report.payload_bytes == full
   assert full / report.payload_bytes > 7.8  # 10,660 B dense against 1,352 B
   # With a warm-up, the report's totals are still the steady (compressed) step's; the warm-up
-  # phase sends the dense mean (and the flag).
+  # phase sends the dense mean.
   tx = jaxcomp.powersgd(rank, start_iter=10)
   warm = jaxcomp.comm_report(pmapped(tx, n_dev), grads, replicate(tx.init(params), n_dev))
   assert warm.phase_names == ("powersgd.warmup", "powersgd.compressed")
   assert warm.payload_bytes == report.payload_bytes
-  assert warm.phase("powersgd.warmup").payload_bytes == full + finite_flag
+  assert warm.phase("powersgd.warmup").payload_bytes == full
   assert warm.phase("powersgd.compressed").payload_bytes == report.payload_bytes
 
 
@@ -441,9 +439,9 @@ def test_readme_loop_reports_its_compression():
   baseline = jaxcomp.data_parallel(loss_fn, mesh, tx=baseline_tx)
   dense = jaxcomp.comm_report(baseline.step, params, baseline.make_state(params), x, y)
   assert dense.payload_bytes == 4 * 808  # the float32 gradient
-  assert report.phase("powersgd.warmup").payload_bytes == dense.payload_bytes + 4  # + the flag
-  # Rank 2: P and Q of both kernels, the biases dense, the flag.
-  assert report.payload_bytes == 4 * 2 * ((16 + 32) + (32 + 8)) + 4 * (32 + 8) + 4
+  assert report.phase("powersgd.warmup").payload_bytes == dense.payload_bytes
+  # Rank 2: P and Q of both kernels, the biases dense.
+  assert report.payload_bytes == 4 * 2 * ((16 + 32) + (32 + 8)) + 4 * (32 + 8)
   assert report.payload_bytes < dense.payload_bytes / 3.7
   for t in range(1002):
     params, opt_state, loss = dp.step(params, opt_state, x, y)
@@ -576,7 +574,7 @@ def powersgd_ratio(state):
 
 
 def test_alternating_sends_one_all_reduce_per_step():
-  """comm_report: besides the 4-byte flag, one all-reduce per step: the uncompressed leaves with the
+  """comm_report: one all-reduce per step: the uncompressed leaves with the
   Qs (phase "even" of the compressed steps) or with the Ps ("odd"); the steady state averages the
   two."""
   params = {"conv": np.zeros((3, 3, 4, 16), np.float32), "dense": np.zeros((64, 32), np.float32),
@@ -589,18 +587,18 @@ def test_alternating_sends_one_all_reduce_per_step():
   assert all(c.op == "all-reduce" for c in report.collectives)
   assert report.phase_names == ("powersgd.compressed", "powersgd.compressed/powersgd.even",
                                 "powersgd.compressed/powersgd.odd")
-  # The 4-byte finiteness flag of the adapter, on every step.
-  assert [c.payload_bytes for c in report.collectives if c.phase == ""] == [4]
+  # No finiteness flag: the step reads it from the sums it sends.
+  assert [c.payload_bytes for c in report.collectives if c.phase == ""] == []
   even, odd = report.phase("powersgd.even"), report.phase("powersgd.odd")
-  assert sorted(c.payload_bytes for c in even.collectives) == [4, dense + qs]
-  assert sorted(c.payload_bytes for c in odd.collectives) == [4, dense + ps]
-  assert report.payload_bytes == 4 + dense + (qs + ps) / 2
+  assert sorted(c.payload_bytes for c in even.collectives) == [dense + qs]
+  assert sorted(c.payload_bytes for c in odd.collectives) == [dense + ps]
+  assert report.payload_bytes == dense + (qs + ps) / 2
   # torch's variant sends the same factors in one step, in two sequential all-reduces.
   torch_tx = jaxcomp.powersgd(rank, start_iter=0)
   torch_report = jaxcomp.comm_report(pmapped(torch_tx, n_dev), grads,
                                      replicate(torch_tx.init(params), n_dev))
-  assert torch_report.payload_bytes == 4 + dense + qs + ps
-  assert len(torch_report.collectives) == 3
+  assert torch_report.payload_bytes == dense + qs + ps
+  assert len(torch_report.collectives) == 2
 
 
 def test_alternating_needs_warm_start_and_layerwise():
@@ -630,7 +628,7 @@ def test_compress_predicate_averages_the_other_leaves_densely():
                              atol=1e-6)
   assert_identical_across_devices(out)
   report = jaxcomp.comm_report(pmapped(only_conv), grads, replicate(state, W))
-  assert report.payload_bytes == 4 + 4 * (64 * 32 + 32) + 4 * (36 + 16)
+  assert report.payload_bytes == 4 * (64 * 32 + 32) + 4 * (36 + 16)
   with pytest.raises(TypeError, match=r"compress must be callable as compress\(path, leaf\)"):
     jaxcomp.powersgd(compress="kernel")
 
@@ -649,7 +647,8 @@ def test_bucketed_collectives_give_the_same_step(alternating):
   # Four buckets (DDP's rule cuts [l2.kernel], [l2.bias, l1.kernel], ...): the same bytes, in
   # more collectives. tests/test_overlap.py checks what each of them depends on.
   assert len(reports[1].collectives) > 2 * len(reports[0].collectives)
-  assert reports[1].payload_bytes == reports[0].payload_bytes
+  # And comm_hook's 4-byte flag: a NaN in one bucket keeps every bucket's state.
+  assert reports[1].payload_bytes == reports[0].payload_bytes + 4
   # Each leaf draws its factors from its path: the same whole and in its bucket.
   assert len(states[1].hook_states) == 4
   chex.assert_trees_all_equal(per_leaf(states[1]), per_leaf(states[0]))

@@ -17,9 +17,10 @@ Two families share the protocol:
   leaves, axis_name, phase) -> (means, new_state)`` on the reduced leaves (floating point,
   non-empty, in the signature's order; any float dtype), returning the cross-device mean of each,
   the same on every device; ``phase`` is the ``phases.Phase`` this step is in (warm-up or steady),
-  static. With ``Algorithm.nonfinite="own"`` it returns ``(means, new_state, finite)``: the
-  all-device finiteness flag taken from values it already reduced (``finite.reduced_finite``), at
-  no extra pass over the gradient. A whole optimizer whose output is the update
+  static. With ``Algorithm.nonfinite="own"`` it applies the non-finite policy itself, from values it
+  already reduced (``finite.reduced_finite``) and where it costs least (the old state kept in the
+  pass that writes the new one, NaN through a small factor), and returns ``(means, new_state,
+  finite)``: no extra pass over the gradient, no flag sent. A whole optimizer whose output is the update
   (``Algorithm.output="update"``: 1-bit Adam) has the same step with a last argument ``params``,
   the reduced leaves of the parameters (None when ``update`` was not given them), for its weight
   decay;
@@ -123,8 +124,9 @@ class Algorithm:
       for steps XLA:CPU compiles worse inside a conditional branch (it leaves their
       concatenations unfused and copies the state in and out: quantized's and 1-bit Adam's
       updates need more temporaries and time under the cond); ``"own"``, the step returns the
-      all-device flag from values it reduces anyway and keeps its state itself where the flag is
-      false (no extra pass over the gradient), and the adapter sets the outputs to NaN.
+      all-device flag from values it reduces anyway, keeps its state and makes its outputs NaN
+      itself where the flag is false (no extra pass over the gradient); the adapter counts only
+      the finite steps.
     is_own_config: ``is_own_config(config) -> bool``: whether a state of type ``state`` holding
       ``config`` is this algorithm's, for two algorithms with one state type (PowerSGD and batched
       PowerSGD): a hook given the other's state is refused. Any, by default.
@@ -233,10 +235,8 @@ def _mean(algorithm: Algorithm, config, state, leaves: list, axis_name,
   is the shape of its output (a shard's with ``step=algorithm.scatter``)."""
   if not algorithm.stateful or not leaves:
     return run_step(algorithm, config, state, leaves, axis_name, step)[:2]
-  if algorithm.nonfinite == "own":
-    means, new_state, ok = run_step(algorithm, config, state, leaves, axis_name, step)
-    with kernels.part("nonfinite"):
-      return finite.nan_unless_finite(ok, means), new_state
+  if algorithm.nonfinite == "own":  # the step applies the policy itself
+    return run_step(algorithm, config, state, leaves, axis_name, step)[:2]
   with kernels.part("nonfinite"):
     ok = finite.all_finite(leaves, axis_name)
   run = lambda s, g: run_step(algorithm, config, s, g, axis_name, step)[:2]  # noqa: E731
@@ -369,10 +369,8 @@ def run_hook(algorithm: Algorithm, state, bucket: buckets.GradBucket, traced: Op
                     f"jaxcomp.hooks.{name}_state()); got {type(state).__name__}")
   leaves = state.signature.check(bucket.gradients(), "bucket", dtypes=False)
   reduced = [leaves[i] for i in state.signature.reduced]
-  means, state, ok = run_step(algorithm, _live(state.config, traced or {}), state, reduced,
-                              bucket.axis_name)
-  if ok is not None:
-    means = finite.nan_unless_finite(ok, means)
+  means, state, _ = run_step(algorithm, _live(state.config, traced or {}), state, reduced,
+                             bucket.axis_name)
   for i, mean in zip(state.signature.reduced, means):
     leaves[i] = mean
   return tree_lib.flatten(leaves), state

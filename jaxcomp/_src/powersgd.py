@@ -16,6 +16,12 @@ per device, W devices ("torch n": ``powerSGD_hook``'s docstring; "Alg. n": the p
 7. Output ``P̂·Qᵀ``, cut back to the leaves (torch 3.7; Alg. 1 line 11).
 8. ``e ← M − P̂·Qᵀ``; "local minus mean" for the uncompressed blocks (Alg. 2 line 9).
 9. The next Q: this one with warm start (an all-zero column keeps its old value), else a fresh draw.
+10. Non-finite gradients (the policy of ``jaxcomp._src.finite``), from what was all-reduced anyway:
+    a NaN or an infinity in any device's M reaches the sum of its P (an entry times anything,
+    zero included, is not finite) and so every device's copy of it, and the dense blocks' sums;
+    where a sum is not finite, the error and the factors keep their old values (in the same
+    pass that writes the new ones) and the output is NaN (by its Q, the small factor): no pass
+    over g and e and no all-reduce of a flag beyond the step's own.
 
 Alternating (epfml's ``BasicPowerSGD``), in place of 5–6, phases "even" and "odd" within
 "compressed": even steps send ``Q = Mᵀ·orth(P)``, odd ones ``P = M·orth(Q)``, in one all-reduce with
@@ -41,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import axis, compressor, kernels, phases, validate
+from jaxcomp._src import axis, compressor, finite, kernels, phases, validate
 from jaxcomp._src import tree as tree_lib
 
 WARMUP, COMPRESSED = phases.Phase("warmup", 0.0), phases.Phase("compressed", 1.0)
@@ -220,12 +226,13 @@ def _matrix(block: _Block, leaves: list, error) -> tuple:
   return (g,) if error is None else (g, error.reshape(g.shape).astype(g.dtype))
 
 
-def _new_error(terms: tuple, x: jax.Array, error: jax.Array) -> jax.Array:
-  """8: ``e ← M − x`` for ``M = sum(terms)`` (``_matrix``: g and e), in e's shape and dtype, over
-  the old error's block (``kernels.in_place``)."""
+def _new_error(terms: tuple, x: jax.Array, error: jax.Array, ok: jax.Array) -> jax.Array:
+  """8, 10: ``e ← M − x`` for ``M = sum(terms)`` (``_matrix``: g and e), in e's shape and dtype,
+  over the old error's block (``kernels.in_place``); the old error where ``ok`` is false."""
   g = terms[0].reshape(error.shape)
-  return kernels.in_place(lambda e, g, x: (g + e.astype(g.dtype) - x).astype(e.dtype),
-                          error, g, x.reshape(error.shape))
+  return kernels.in_place(
+      lambda e, g, x, ok: jnp.where(ok, (g + e.astype(g.dtype) - x).astype(e.dtype), e),
+      error, g, x.reshape(error.shape), ok)
 
 
 def _leaves(blocks: list, values: list, count: int) -> list:
@@ -260,7 +267,8 @@ def _power_iteration(config, operands: tuple, axis_name) -> tuple:
   p_hats = [orthogonalize(p, config.epsilon) for p in sums[len(dense):]]  # 5: P̂ = orth(P)
   # 6: Q = Mᵀ·P̂ locally; all Qs in one all-reduce SUM, then ÷W.
   new = _mean_of_sums([kernels.transposed_product(m, p) for m, p in zip(mats, p_hats)], axis_name)
-  return means, list(zip(p_hats, new)), list(zip(p_hats, new)), _kept(new, qs), ps
+  ok = finite.reduced_finite((sums, new))  # 10
+  return means, list(zip(p_hats, new)), list(zip(p_hats, new)), _kept(new, qs), ps, ok
 
 
 def _half_iteration(config, parity, operands: tuple, axis_name) -> tuple:
@@ -278,27 +286,31 @@ def _half_iteration(config, parity, operands: tuple, axis_name) -> tuple:
 
   def send(local):  # one all-reduce SUM of the dense blocks and the factors sent, then ÷W
     means = _mean_of_sums(dense + local, axis_name)
-    return means[:len(dense)], means[len(dense):]
+    return means[:len(dense)], means[len(dense):], finite.reduced_finite(means)  # 10
 
   def even():
-    return (*send(local_qs), ps)  # (dense means, Q means, the Ps unchanged)
+    means, q_means, ok = send(local_qs)
+    return means, q_means, ps, ok  # (dense means, Q means, the Ps unchanged)
 
   def odd():
-    means, p_means = send(local_ps)
-    return means, qs, p_means
+    means, p_means, ok = send(local_ps)
+    return means, qs, p_means, ok
 
-  means, q_means, p_means = phases.switch(parity, (EVEN, ODD), [even, odd])
+  means, q_means, p_means, ok = phases.switch(parity, (EVEN, ODD), [even, odd])
   pick = lambda xs, ys: [jnp.where(parity == 0, x, y) for x, y in zip(xs, ys)]  # noqa: E731
   outputs = list(zip(pick(p_hats, p_means), pick(q_means, q_hats)))
   residuals = list(zip(pick(p_hats, local_ps), pick(local_qs, q_hats)))
-  return means, outputs, residuals, pick(_kept(q_means, qs), qs), pick(ps, _kept(p_means, ps))
+  return (means, outputs, residuals, pick(_kept(q_means, qs), qs), pick(ps, _kept(p_means, ps)),
+          ok)
 
 
 def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
          phase: phases.Phase) -> tuple:
-  """One step on the reduced ``leaves`` (the module docstring's steps)."""
+  """One step on the reduced ``leaves`` (the module docstring's steps): ``(outputs, new state,
+  finite)``."""
   if phase == WARMUP:  # 1: ÷W, then one all-reduce SUM
-    return axis.mean_many(leaves, axis_name), state
+    means = axis.mean_many(leaves, axis_name)
+    return means, state, finite.reduced_finite(means)  # 10: the state is unchanged
   blocks = _blocks(config, state.signature)
   errors, qs, ps = (list(f) if config.batched else state.signature.pick(f) for f in state[1:4])
   ms = [_matrix(b, leaves, e if config.error_feedback else None) for b, e in zip(blocks, errors)]
@@ -307,24 +319,29 @@ def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
   operands = ([ms[k] for k in packed], [qs[k] for k in packed], [ps[k] for k in packed],
               [ms[k] for k in dense])
   if config.alternating:
-    means, outputs, residuals, new_qs, new_ps = _half_iteration(
+    means, outputs, residuals, new_qs, new_ps, ok = _half_iteration(
         config, (state.count - config.start_iter) % 2, operands, axis_name)
   else:
-    means, outputs, residuals, new_qs, new_ps = _power_iteration(config, operands, axis_name)
-  for k, q, p in zip(packed, new_qs, new_ps):  # 9
-    qs[k] = q if config.warm_start else _draw(config, state.count + 1, blocks[k], _Q, q.dtype)
-    ps[k] = p
+    means, outputs, residuals, new_qs, new_ps, ok = _power_iteration(config, operands, axis_name)
+  kept = lambda new, old: (old if isinstance(old, optax.MaskedNode)  # noqa: E731 (no P)
+                           else jnp.where(ok, new, old))
+  for k, q, p in zip(packed, new_qs, new_ps):  # 9, 10: kept where not finite
+    fresh = q if config.warm_start else _draw(config, state.count + 1, blocks[k], _Q, q.dtype)
+    qs[k], ps[k] = kept(fresh, qs[k]), kept(p, ps[k])
 
   def per_block(factors):  # the dense means, and P·Qᵀ of the compressed blocks
     values = {**dict(zip(dense, means)),
               **{k: kernels.low_rank_product(p, q) for k, (p, q) in zip(packed, factors)}}
     return [values[k] for k in range(len(blocks))]
 
-  if config.error_feedback:  # 8: e ← M − P̂·Qᵀ, M − mean for the dense blocks
-    errors = [_new_error(m, r, e) for m, r, e in zip(ms, per_block(residuals), errors)]
+  if config.error_feedback:  # 8: e ← M − P̂·Qᵀ, M − mean for the dense blocks; 10: kept
+    errors = [_new_error(m, r, e, ok) for m, r, e in zip(ms, per_block(residuals), errors)]
   new_state = {f: _field(config, state.signature, v) for f, v in zip(("error", "q", "p"),
                                                                      (errors, qs, ps))}
-  return _leaves(blocks, per_block(outputs), len(leaves)), state._replace(**new_state)
+  # 10: NaN outputs where not finite, through the small factors and the dense means.
+  outputs = [(p, finite.nan_unless_finite(ok, q)) for p, q in outputs]
+  means = finite.nan_unless_finite(ok, means)
+  return _leaves(blocks, per_block(outputs), len(leaves)), state._replace(**new_state), ok
 
 
 def powersgd_stats(tree) -> tuple:
@@ -362,7 +379,7 @@ def powersgd_stats(tree) -> tuple:
 
 POWERSGD = compressor.Algorithm("powersgd", PowerSGDState, PowerSGDConfig, init, step,
                                 phases=step_phases, phase_of=phase_of, traceable=("epsilon",),
-                                nonfinite="select",  # a cond copied ResNet-18's error (memory.py)
+                                nonfinite="own",  # 10: from P, Q and the dense sums
                                 is_own_config=lambda config: not config.batched)
 BATCHED_POWERSGD = dataclasses.replace(POWERSGD, name="batched_powersgd", traceable=(),
                                        configure=functools.partial(PowerSGDConfig, batched=True),
