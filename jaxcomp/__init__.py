@@ -23,6 +23,9 @@ from jaxcomp._src.dense import DenseState
 from jaxcomp._src.dense import allreduce
 from jaxcomp._src.dense import bf16_compress
 from jaxcomp._src.dense import fp16_compress
+from jaxcomp._src.demo import DeMoConfig
+from jaxcomp._src.demo import DeMoState
+from jaxcomp._src.demo import demo
 from jaxcomp._src.dgc import PAPER_WARMUP
 from jaxcomp._src.dgc import ChunkExchange
 from jaxcomp._src.dgc import DGCConfig
@@ -33,6 +36,10 @@ from jaxcomp._src.dgc import dgc
 from jaxcomp._src.diloco import DiLoCoConfig
 from jaxcomp._src.diloco import DiLoCoState
 from jaxcomp._src.diloco import diloco
+from jaxcomp._src.dion import DionConfig
+from jaxcomp._src.dion import DionState
+from jaxcomp._src.dion import dion
+from jaxcomp._src.dion import dion_fan_in
 from jaxcomp._src.distributed import ReplicaMismatchError
 from jaxcomp._src.distributed import all_have_data
 from jaxcomp._src.distributed import broadcast_replicated
@@ -92,9 +99,13 @@ __all__ = (
     "DGCConfig",
     "DGCState",
     "DataParallel",
+    "DeMoConfig",
+    "DeMoState",
     "DenseState",
     "DiLoCoConfig",
     "DiLoCoState",
+    "DionConfig",
+    "DionState",
     "GradBucket",
     "LocalSGDConfig",
     "LocalSGDState",
@@ -131,8 +142,11 @@ __all__ = (
     "comm_hook",
     "comm_report",
     "data_parallel",
+    "demo",
     "dgc",
     "diloco",
+    "dion",
+    "dion_fan_in",
     "fp16_compress",
     "fp16_compress_wrapper",
     "fragment_layout",
