@@ -27,6 +27,10 @@ minimum is computed here from the algorithm's definition, independently of jaxco
   (leaves cut into ceil(numel/4096) near-equal chunks) keeping k_c = ceil(64·c/4096), a row of
   ceil((k_c·l + k_c + ((c − 1) >> l) + 2·k_c) / 8) bytes (Elias–Fano positions, l = floor(log2(c /
   k_c)), and 2-bit codes) plus 4 bytes of bfloat16 centroids, all-gathered (W rows);
+* Dion (``dion_r8``, ``dion_r4``): 4·r·(a + b) per matrix (a, b) whose factors are smaller than it,
+  4 bytes per value of the rest (``_dion_min``); DeMo: W·k·(4 + 2) per tile (``_demo_min``); their
+  baselines (``allreduce_muon``, ``allreduce_adamw``) the f32 mean, 4 bytes per value. None of the
+  four sends a finiteness flag;
 * stateful compressors add the 4-byte int32 all-reduce that checks that the gradient is finite on
   every device (their state must not absorb a NaN step);
 * local SGD and DiLoCo (``registry.PERIODIC``) send once every H steps: the parameters (local SGD) or
@@ -145,6 +149,40 @@ def _chunked_topk_min(tree, k=64, chunk=4096, bits=2):
   return W * total + FLAG
 
 
+def _dion_min(tree, rank):
+  """Dion: per matrix (a, b), fan-in × fan-out, r = min(a, b, rank), 4·r·(a + b) for P and R if
+  that is less than 4·a·b, else its mean gradient; 4 bytes per value of the other leaves (vectors,
+  Flax's embeddings); no finiteness flag (it is read from the factors). A matrix is a leaf of two or
+  more dimensions viewed as (prod(shape[:-1]), shape[-1]), Flax attention's 3-D query, key and value
+  kernels as (in, heads·head_dim)."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    name, shape = jax.tree_util.keystr(path), tuple(leaf.shape)
+    if len(shape) < 2 or name.endswith("['embedding']"):
+      total += 4 * math.prod(shape)
+      continue
+    cut = 1 if len(shape) == 3 and any(k in name for k in ("['query']", "['key']", "['value']")) \
+        else len(shape) - 1
+    a, b = math.prod(shape[:cut]), math.prod(shape[cut:])
+    r = min(a, b, rank)
+    total += 4 * r * (a + b) if r * (a + b) < a * b else 4 * a * b
+  return total
+
+
+def _demo_min(tree, chunk=64, k=32):
+  """DeMo: per leaf as (a, b) = (prod(shape[:-1]), shape[-1]) (a vector (1, n)), tiles of h × w, h
+  and w the largest divisors of a and b that are at most 64; from every device, min(32, h·w)
+  float32 values and int16 positions per tile, all-gathered: W·tiles·k·(4 + 2)."""
+  def divisor(n):
+    return max(d for d in range(1, min(n, chunk) + 1) if n % d == 0)
+  total = 0
+  for shape in _sizes(tree):
+    a, b = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+    h, w = divisor(a), divisor(b)
+    total += (a // h) * (b // w) * min(k, h * w) * (4 + 2)
+  return W * total
+
+
 def _streaming_quantized_min(tree, fragments, pieces):
   """Streaming DiLoCo's pieces through ``quantized`` int8, each padded on its own: fragments strided
   over the leaves of two or more dimensions (each other leaf with the next such leaf), every leaf
@@ -192,6 +230,11 @@ def minimum(name: str, tree) -> float:
       "sparseloco_h30": lambda: _chunked_topk_min(tree) / 30,
       "streaming_diloco_h20_p2": lambda: 4 * numel / 20,
       "streaming_diloco_h100_p4_int8": lambda: _streaming_quantized_min(tree, 4, 2) / 100,
+      "allreduce_muon": lambda: 4 * numel,
+      "dion_r8": lambda: _dion_min(tree, 8),
+      "dion_r4": lambda: _dion_min(tree, 4),
+      "allreduce_adamw": lambda: 4 * numel,
+      "demo": lambda: _demo_min(tree),
   }[name]()
 
 

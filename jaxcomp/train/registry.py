@@ -19,10 +19,12 @@ SparseLoCo's papers do: in the main job's default run (``python -m jaxcomp.train
 Streaming DiLoCo H=20 P=2's held-out loss from 2.391 (SGD with momentum inside) to 2.217, reaching
 allreduce's in 1.46x its steps (``benchmarks/quality.py`` measures every entry as registered).
 
-Not every entry is a gradient compressor: ``onebit_adam`` is a whole optimizer (``is_optimizer``),
-and local SGD and DiLoCo wrap the whole optimizer (``wraps_optimizer``). ``entry.optimizer(inner)``
-builds any of the three kinds around an inner optimizer: the compressor chained before it, the
-wrapper around it, or the optimizer alone.
+Not every entry is a gradient compressor: ``onebit_adam``, ``dion_r8``, ``dion_r4`` and ``demo``
+are whole optimizers (``is_optimizer``), and local SGD and DiLoCo wrap the whole optimizer
+(``wraps_optimizer``). ``allreduce_muon`` and ``allreduce_adamw`` are the baselines of Dion and
+DeMo (``baseline``): optax's Muon and AdamW after ``jaxcomp.allreduce``, whole optimizers too.
+``entry.optimizer(inner)`` builds any of the three kinds around an inner optimizer: the compressor
+chained before it, the wrapper around it, or the optimizer alone.
 
 A recipe also names its phases — which steps behave like which steady-state program — so that the
 bytes and the wall-clock of a whole run can be added up phase by phase (``entry.phases(steps)``)::
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+import jax
 import optax
 
 import jaxcomp
@@ -66,6 +69,9 @@ class Compressor:
     error_feedback: torch-style error feedback: output + new error = gradient + old error.
     is_optimizer: the entry is a whole optimizer that averages the gradient itself (1-bit Adam):
       its output is the parameter update, so nothing is chained after it.
+    baseline: the entry is not a jaxcomp algorithm but the baseline a whole optimizer is measured
+      against beside it: an optax optimizer after ``jaxcomp.allreduce`` (Muon for Dion, AdamW for
+      DeMo). The registry-wide tests leave it out: their properties are jaxcomp's, not optax's.
     inner: the optimizer that follows it in the main job (``tasks.Task.optimizer``): ``"sgd"``,
       with ``sgd_momentum``, or ``"adamw"`` (the inner optimizer of DiLoCo's paper).
     wraps_optimizer: the factory wraps the whole optimizer, ``factory(inner, axis_name=...,
@@ -85,6 +91,7 @@ class Compressor:
   is_mean: bool = False
   error_feedback: bool = False
   is_optimizer: bool = False
+  baseline: bool = False
   inner: str = "sgd"
   wraps_optimizer: bool = False
 
@@ -267,6 +274,55 @@ _ENTRIES = (
     Compressor("onebit_adam", "1-bit Adam (an optimizer, lr 1e-3): dense Adam for 20% of the steps, "
                "then sign bits of the momentum", jaxcomp.onebit_adam,
                {"learning_rate": 1e-3, "freeze_steps": 0}, _freeze, wire_dtype="uint8",
+               is_optimizer=True),
+)
+
+
+def _muon_dimensions(params):
+  """``optax.contrib.muon``'s dimension numbers for the leaves ``jaxcomp.dion`` takes for matrices
+  (``jaxcomp.dion_fan_in``), None (its Adam) for the others: both optimizers split alike."""
+  def numbers(path, leaf):
+    fan_in = jaxcomp.dion_fan_in(jax.tree_util.keystr(path), leaf)
+    return None if fan_in is None else optax.contrib.MuonDimensionNumbers(
+        tuple(range(fan_in)), tuple(range(fan_in, leaf.ndim)))
+  return jax.tree_util.tree_map_with_path(numbers, params)
+
+
+def _after_allreduce(optimizer: Callable) -> Callable[..., optax.GradientTransformation]:
+  """A baseline: ``optax.chain(jaxcomp.allreduce(), optimizer(**settings))``."""
+
+  def factory(axis_name, **settings):
+    return optax.chain(jaxcomp.allreduce(axis_name=axis_name), optimizer(**settings))
+
+  return factory
+
+
+def _muon(learning_rate, adam_learning_rate, weight_decay):
+  return optax.contrib.muon(learning_rate, weight_decay=weight_decay, adam_b2=0.95,
+                            adam_learning_rate=adam_learning_rate,
+                            muon_weight_dimension_numbers=_muon_dimensions)
+
+
+# Whole optimizers of the Muon era that communicate less, and the baselines they are measured
+# against: Dion against Muon (both with AdamW for the embeddings and vectors), DeMo against AdamW.
+_ENTRIES += (
+    Compressor("allreduce_muon", "optax.contrib.muon (lr 0.02, AdamW 3e-3 for the rest) after the "
+               "f32 mean: Dion's baseline", _after_allreduce(_muon),
+               {"learning_rate": 0.02, "adam_learning_rate": 3e-3, "weight_decay": 0.01},
+               is_optimizer=True, baseline=True),
+    Compressor("dion_r8", "Dion (an optimizer, lr 0.02, AdamW 3e-3 for the rest): rank-8 factors of "
+               "each matrix, r(m + n) values", jaxcomp.dion,
+               {"learning_rate": 0.02, "rank": 8, "scalar_learning_rate": 3e-3},
+               is_optimizer=True),
+    Compressor("dion_r4", "Dion as dion_r8, rank 4", jaxcomp.dion,
+               {"learning_rate": 0.02, "rank": 4, "scalar_learning_rate": 3e-3},
+               is_optimizer=True),
+    Compressor("allreduce_adamw", "optax.adamw (lr 3e-3, b2 0.95, weight decay 0.1) after the f32 "
+               "mean: DeMo's baseline", _after_allreduce(optax.adamw),
+               {"learning_rate": 3e-3, "b2": 0.95, "weight_decay": 0.1}, is_optimizer=True,
+               baseline=True),
+    Compressor("demo", "DeMo (an optimizer, lr 1e-3): top 32 of each 64 x 64 tile's DCT of the "
+               "momentum, int16 positions, all-gathered", jaxcomp.demo, {"learning_rate": 1e-3},
                is_optimizer=True),
 )
 
