@@ -263,3 +263,89 @@ def test_step_profile():
     total, wall = float(rows["sum of the phases"][column]), float(rows["step (wall clock)"][column])
     assert sum(phases) == pytest.approx(total, rel=0.01), out  # rounding of each cell only
     assert 0 < total <= 1.1 * wall, out  # a device's ops fit in its step: nothing counted twice
+
+
+def test_gpu_sh_dry_run(tmp_path):
+  # The lent-GPU run's own code (benchmarks/gpu.sh) on this CPU: tiny models, a 34 s budget, so
+  # that it fits the fast tier's per-test limit (a section the budget leaves out says so).
+  env = dict(os.environ, PYTHON=sys.executable)
+  for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
+    env.pop(name, None)
+  before = _read(common.BENCHMARKS_MD)
+  out = tmp_path / "out"
+  result = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh"), str(out),
+                           "--dry-run", "--budget", "34"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert _read(common.BENCHMARKS_MD) == before
+  assert sorted(os.listdir(out)) == ["gpu_log.txt", "gpu_report.md", "gpu_results.json"]
+  report = (out / "gpu_report.md").read_text()
+  for heading in ("## 1. Environment", "## 2. Step time and memory", "## 3. Are the collectives",
+                  "## 4. Kernels", "## 5. Quality"):
+    assert heading in report, report
+  assert "DRY RUN" in report and "STOP" not in report, report
+  assert "every public JAX API jaxcomp uses is there" in report
+  lanes = __import__("json").loads((out / "gpu_results.json").read_text())["status"]
+  states = {s["id"]: s["status"] for lane in lanes.values() for s in lane["sections"]}
+  # The first sections of each lane run whatever the machine's load; none may fail.
+  for first in ("env", "st_gpu_mlp", "mem_gpu", "st_cpu_mlp"):
+    assert states[first] == "ok", (first, states, (out / "gpu_log.txt").read_text()[-3000:])
+  assert all(s in ("ok", "skipped", "running") for s in states.values()), states
+  rows = table_rows(report.split("### MLP")[1])
+  assert [r[0] for r in rows] == ["allreduce", "powersgd_r1"]
+  assert rows[0][2] == "1.00" and rows[0][3] == "1.00", rows  # step / allreduce, GPU and CPU×8
+  assert "`PYTHONPATH=. python benchmarks/step_time.py --quick --platform cpu --devices 1" in report
+
+
+def test_gpu_schedule_reads_async_collectives():
+  from benchmarks import gpu_schedule
+  hlo = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%async_computation (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %all-to-all.1 = f32[8]{0} all-to-all(%p), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %f1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, metadata={op_name="jit(s)/transpose(jvp())/mul"}
+  %ars = f32[8]{0} all-reduce-start(%f1), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %f2 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, metadata={op_name="jit(s)/transpose(jvp())/dot"}
+  %f3 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, metadata={op_name="jit(s)/jaxcomp.update/mul"}
+  %ard = f32[8]{0} all-reduce-done(%ars)
+  %as = ((f32[8]{0}), f32[8]{0}) async-start(%ard), calls=%async_computation, backend_config={"is_sync":true}
+  %ad = f32[8]{0} async-done(%as)
+  %ag = f32[16]{0} all-gather(%ad), channel_id=3, replica_groups={{0,1}}, dimensions={0}
+  %f4 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, metadata={op_name="jit(s)/transpose(jvp())/mul"}
+  ROOT %r = f32[8]{0} add(%f4, %f2)
+}
+"""
+  result = gpu_schedule.analyse(hlo, 2)
+  by_name = {c["name"]: c for c in result["collectives"]}
+  assert result["count"] == {"all-reduce": 1, "all-to-all": 1, "all-gather": 1}
+  assert result["async"] == 2 and result["marked_sync"] == 1 and result["backward"] == 3
+  assert by_name["ars"]["window"] == 2 and by_name["ars"]["backward_in_window"] == 1
+  assert by_name["ars"]["backward_after_start"] == 2  # f2 and f4 come after the start
+  assert by_name["as"]["op"] == "all-to-all" and by_name["as"]["payload_bytes"] == 32
+  assert not by_name["ag"]["async"] and by_name["ag"]["window"] == 0
+  assert by_name["ag"]["backward_after_start"] == 1
+  assert result["bytes_overlapping_backward"] == 32  # the all-reduce's only
+  row, = gpu_schedule.rows([dict(result, entry="x")])
+  assert row[2] == "2 of 3 (1 marked sync)" and row[-1] == "AR 2/1, A2A sync, AG sync"
+
+
+def test_gpu_env_names_what_is_missing(monkeypatch):
+  import jax
+
+  from benchmarks import gpu_env
+  assert gpu_env.check_apis()[0] == []  # every API the package uses is in this JAX
+  monkeypatch.setattr(gpu_env, "APIS", (("jax.set_mesh_v2", ()), ("jax.lax.pcast", ("into",))))
+  stops, _ = gpu_env.check_apis()
+  assert stops[0] == f"jax {jax.__version__} lacks API jax.set_mesh_v2: used in the benchmarks"
+  assert stops[1].startswith(f"jax {jax.__version__} lacks API jax.lax.pcast(into=): its signature")

@@ -83,7 +83,8 @@ def test_an_exact_codec_gives_the_mean_and_leaves_no_error():
   def mean_of(x, worker, server):
     return exchange.compressed_mean(exact_codec(4), list(x), list(worker), list(server), "batch")
 
-  mean, worker, server = fetched(pmapped(mean_of)(x, zeros, zeros))
+  mean, worker, server, ok = fetched(pmapped(mean_of)(x, zeros, zeros))
+  assert np.asarray(ok).all()
   assert_identical_across_devices(mean)
   for a, m in zip(x, mean):
     np.testing.assert_allclose(m[0], a.mean(0), **rounding_tol(W, 4))
@@ -103,7 +104,7 @@ def test_the_int8_codec_gives_the_mean_within_its_rounding_and_the_errors_hold_t
   def mean_of(x, worker, server):
     return exchange.compressed_mean(codec, list(x), list(worker), list(server), "batch")
 
-  mean, worker, server = fetched(pmapped(mean_of)(x, zeros, zeros))
+  mean, worker, server, _ = fetched(pmapped(mean_of)(x, zeros, zeros))
   assert_identical_across_devices(mean)
   biggest = max(np.abs(a).max() for a in x)
   for a, m, w, s in zip(x, mean, worker, server):
@@ -132,10 +133,11 @@ def test_scatter_mean_and_gather_rows_in_the_rows_of_sharded_state():
   def halves(*x):
     rows_of = exchange.shard_layout(SHAPES, W)
     owner = jax.lax.axis_index("batch")
-    rows, worker = exchange.scatter_mean(exact_codec(1), rows_of, list(x), None, "batch")
+    rows, worker, _ = exchange.scatter_mean(exact_codec(1), rows_of, list(x), None, "batch")
     owned = exchange.owned_shards(rows, SHAPES, W)
     again = exchange.shard_rows(owned)
-    whole, _ = exchange.gather_rows(exact_codec(1), rows_of, again, rows_of.count(owner), "batch")
+    whole, _, _ = exchange.gather_rows(exact_codec(1), rows_of, again, rows_of.count(owner),
+                                       "batch")
     return rows, owned, again, whole, worker
 
   rows, owned, again, whole, worker = fetched(pmapped(halves)(*x))

@@ -85,7 +85,7 @@ def recorded_exchange(config):
       sent.append(payload)
       return payload, decoded
 
-    (mean,), (worker,), (server,) = exchange.compressed_mean(
+    (mean,), (worker,), (server,), _ = exchange.compressed_mean(
         codec._replace(encode=encode), [x], [worker], [server], "batch")
     return mean, worker, server, sent
 
@@ -294,10 +294,10 @@ def test_comm_report_shows_8_bit_collectives_and_the_minimum_bytes(bits, wire):
   codes = [c for c in report.collectives if c.dtypes[0] == wire]
   assert sorted(c.op for c in codes) == ["all-gather", "all-to-all"]
   assert all(c.payload_bytes == padded for c in codes)
-  for c in report.collectives:  # the rest: the scales and the 4-byte finiteness flag
-    assert c in codes or c.payload_bytes in (4 * padded // block, 4), c
+  for c in report.collectives:  # the rest: the scales
+    assert c in codes or c.payload_bytes == 4 * padded // block, c
     assert not (c.op == "all-reduce" and "f32" in c.dtypes)
-  assert report.payload_bytes == 2 * padded + 2 * 4 * padded // block + 4
+  assert report.payload_bytes == 2 * padded + 2 * 4 * padded // block  # no flag: the scales tell
   assert report.ring_bytes < 0.3 * 2 * (W - 1) / W * 4 * length  # about a quarter of f32's
 
 

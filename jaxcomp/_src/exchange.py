@@ -12,7 +12,12 @@ float32 arrays ``x`` (L values in all), laid out in W rows, one per owner (``lay
 4. the owner decodes the W encodings of its row and averages them in float32 (each ÷W, then
    summed in device order), adds its server error ``s`` and zeroes the padding;
 5. the owner encodes that mean once more, ``s ← mean − decode(encoding)`` (the server error);
-6. ``all_gather`` of every owner's encoding: each device decodes the whole mean, identically.
+6. ``all_gather`` of every owner's encoding: each device decodes the whole mean, identically;
+7. non-finite values (the policy of ``jaxcomp._src.finite``), from the scales every device now
+   holds: a codec's scale is not finite where the values it encodes are not (``kernels.max_abs``,
+   a sum of magnitudes), so a NaN or an infinity in any device's ``x`` makes its owner's mean and
+   that mean's scales non-finite. Where one is, every scale becomes NaN (so does every output) and
+   both errors keep their old values: no pass over ``x`` and no flag of its own on the wire.
 
 Each device sends (W−1)/W of its encoding twice: 2·(W−1)/W·L codes plus the scales, against
 2·(W−1)/W·L float32 values for a ring all-reduce. With both errors kept, nothing is lost, only
@@ -56,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp._src import axis, kernels, shards
+from jaxcomp._src import axis, finite, kernels, shards
 from jaxcomp._src import tree as tree_lib
 
 
@@ -220,8 +225,9 @@ def scatter_mean(codec: Codec, rows_of: Layout, x: list, worker_error: Optional[
     x, worker_error, axis_name, key: as for ``compressed_mean``.
 
   Returns:
-    ``(mean, new worker error)``: the float32 mean of this device's row of each piece, of shape
-    (1, …), its padding zeroed; the worker error as given (None stays None).
+    ``(mean, new worker error, finite)``: the float32 mean of this device's row of each piece, of
+    shape (1, …), its padding zeroed; the worker error as given (None stays None); whether the
+    scales this device received are finite (7, for its own row only).
   """
   world = axis.axis_size(axis_name)
   me = axis.axis_index(axis_name)
@@ -241,7 +247,8 @@ def scatter_mean(codec: Codec, rows_of: Layout, x: list, worker_error: Optional[
   # 4: the owner's mean of its row; the padding is zeroed.
   with kernels.part("decode"):
     mean = _owner_mean(codec, received, [r.shape[1:] for r in rows], world)
-    return [jnp.where(v, m, 0.0) for v, m in zip(rows_of.valid(me), mean)], worker_error
+    return ([jnp.where(v, m, 0.0) for v, m in zip(rows_of.valid(me), mean)], worker_error,
+            finite.reduced_finite(received))
 
 
 def gather_rows(codec: Codec, rows_of: Layout, rows: list, count, axis_name: axis.AxisName,
@@ -257,18 +264,21 @@ def gather_rows(codec: Codec, rows_of: Layout, rows: list, count, axis_name: axi
     axis_name, key: as for ``compressed_mean``.
 
   Returns:
-    ``(arrays, decoded)``: the whole arrays, identical on every device; this device's rows as the
-    others decode them.
+    ``(arrays, decoded, finite)``: the whole arrays, identical on every device, NaN everywhere
+    where a scale was not (7); this device's rows as the others decode them; whether every scale
+    gathered was finite, the same on every device.
   """
   me = axis.axis_index(axis_name)
   key = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 1), me)
   # 5: encode this device's rows.
   with kernels.part("encode"):
     payload, decoded = codec.encode(rows, count, key)
-  # 6: every device's encoding to every device; decode the whole arrays.
+  # 6: every device's encoding to every device; 7: NaN scales where one is not finite.
   gathered = [g[:, 0] for g in kernels.all_gather(payload, axis_name)]
+  ok = finite.reduced_finite(gathered)
+  gathered = finite.nan_unless_finite(ok, gathered)
   with kernels.part("decode"):
-    return rows_of.join(codec.decode(gathered, [r.shape[1:] for r in rows])), decoded
+    return rows_of.join(codec.decode(gathered, [r.shape[1:] for r in rows])), decoded, ok
 
 
 def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
@@ -288,24 +298,30 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
       its own index), or None for deterministic rounding.
 
   Returns:
-    ``(mean, new worker error, new server error)``: the mean of each array, identical on every
-    device; the errors as given (None stays None).
+    ``(mean, new worker error, new server error, finite)``: the mean of each array, identical on
+    every device (NaN where ``finite`` is false); the errors as given (None stays None), kept
+    where ``finite`` is false; whether every device's ``x`` was finite (7).
   """
   world = axis.axis_size(axis_name)
   rows_of = layout([a.shape for a in x], world, codec.granule)
   me = axis.axis_index(axis_name)
   # 1–4: the owner's mean of its row (padding zeroed), plus its server error (zero at the padding).
-  mean, worker_error = scatter_mean(codec, rows_of, x, worker_error, axis_name, key)
+  old_errors = worker_error, server_error
+  mean, worker_error, _ = scatter_mean(codec, rows_of, x, worker_error, axis_name, key)
   if server_error is not None:
     with kernels.part("error_feedback"):
       mean = [m + s for m, s in zip(mean, _owner_rows(rows_of, server_error, me, world, mean))]
-  # 5–6: re-encode and gather; s ← mean − decode(encoding), at this device's row.
-  whole, decoded = gather_rows(codec, rows_of, mean, rows_of.count(me), axis_name, key)
+  # 5–7: re-encode and gather; s ← mean − decode(encoding), at this device's row.
+  whole, decoded, ok = gather_rows(codec, rows_of, mean, rows_of.count(me), axis_name, key)
   if server_error is not None:
     with kernels.part("error_feedback"):
       rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
       server_error = _own_rows(rows_of, rows, me, world, [a.shape for a in x])
-  return whole, worker_error, server_error
+  with kernels.part("error_feedback"):  # 7: both errors kept where not finite
+    worker_error, server_error = (
+        None if new is None else [jnp.where(ok, n, o) for n, o in zip(new, old)]
+        for new, old in zip((worker_error, server_error), old_errors))
+  return whole, worker_error, server_error, ok
 
 
 def _owner_rows(rows_of: Layout, arrays: list, owner, world: int, like: list) -> list:

@@ -35,10 +35,13 @@ The steps, per device, W devices, at step t = 0, 1, ... (the ``# n:`` comments b
    variance: the direction is ``m̂`` (1-bit compressed momentum SGD).
 5. ``onebit_adam`` returns ``−learning_rate(t) · direction``, t the steps taken (a schedule is
    called with it, as ``optax.scale_by_learning_rate`` calls one with its count).
+6. Non-finite gradients (the policy of ``jaxcomp._src.finite``), from what the step all-reduced or
+   gathered anyway: the warm-up's dense mean, or the exchange's scales (exchange 7). Where they
+   are not finite, m, √v and both errors keep their old values and every direction is NaN.
 
 Bytes per device in the compression stage (payload, ``comm_report``): 2·W·S/8 for the signs (W rows
-of S ≥ L/W values, S a multiple of 8), 2·4·W for the scales, and the 4-byte check that the gradient
-is finite — about 1/32 of a float32 all-reduce's ring bytes. The warm-up sends the dense float32 mean.
+of S ≥ L/W values, S a multiple of 8) and 2·4·W for the scales, no flag (6) — about 1/32 of a float32
+all-reduce's ring bytes. The warm-up sends the dense float32 mean.
 
 Differences from DeepSpeed's ``OnebitAdam``. The scale of a sign vector is its mean magnitude
 ``‖p‖₁/L`` (EF-SignSGD's), not DeepSpeed's ``‖p‖₂/√L``: with the mean magnitude
@@ -72,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor, exchange, sign, validate
+from jaxcomp._src import axis, compressor, exchange, finite, sign, validate
 from jaxcomp._src import phases as phases_lib
 from jaxcomp._src import tree as tree_lib
 
@@ -194,25 +197,29 @@ def _one_minus_power(b, t: jax.Array) -> jax.Array:
 
 def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_name,
          phase: phases_lib.Phase, params: Optional[list] = None) -> tuple:
-  """Steps 1–4 (and 5 with a learning rate) on the reduced leaves: ``(directions, new state)``;
-  ``params`` is not used (1-bit Adam has no weight decay)."""
+  """Steps 1–6 (5 with a learning rate) on the reduced leaves: ``(directions, new state,
+  finite)``; ``params`` is not used (1-bit Adam has no weight decay)."""
   del params
   signature = state.signature
-  mu, root = signature.pick(state.mu), signature.pick(state.nu_root)
+  old_mu, old_root = signature.pick(state.mu), signature.pick(state.nu_root)
   errors = signature.pick(state.worker_error), signature.pick(state.server_error)
   grads = [g.astype(jnp.float32) for g in leaves]
   if not grads:
-    return [], state
+    return [], state, jnp.array(True)
+  root = old_root
   if phase.name == _WARMUP.name:
     mean = [axis.mean(g, axis_name) for g in grads]  # 1: plain Adam on the dense mean
-    mu = [config.b1 * m + (1 - config.b1) * g for m, g in zip(mu, mean)]
-    root = [_root_mean_square_update(config.b2, r, g) for r, g in zip(root, mean)]
+    ok = finite.reduced_finite(mean)  # 6
+    mu = [config.b1 * m + (1 - config.b1) * g for m, g in zip(old_mu, mean)]
+    root = [jnp.where(ok, _root_mean_square_update(config.b2, r, g), r)
+            for r, g in zip(old_root, mean)]
   else:
-    # 2: the local momentum; 3: exchanged 1-bit with worker and server error.
-    local = [config.b1 * m + (1 - config.b1) * g for m, g in zip(mu, grads)]
-    mu, *errors = exchange.compressed_mean(sign.sign_codec(), local, *errors, axis_name)
+    # 2: the local momentum; 3: exchanged 1-bit with worker and server error (6: kept).
+    local = [config.b1 * m + (1 - config.b1) * g for m, g in zip(old_mu, grads)]
+    mu, *errors, ok = exchange.compressed_mean(sign.sign_codec(), local, *errors, axis_name)
     if config.freeze_steps:  # 3: no momentum where the frozen variance is 0
       mu = [jnp.where(r > 0, m, 0.0) for m, r in zip(mu, root)]
+  mu = [jnp.where(ok, m, o) for m, o in zip(mu, old_mu)]  # 6: kept where not finite
   # 4: the direction m̂ / (√v̂ + eps), v̂ frozen with v.
   t = (state.count + 1).astype(jnp.float32)
   directions = mu
@@ -229,13 +236,14 @@ def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_na
   new_state = state._replace(mu=signature.place(mu), nu_root=signature.place(root),
                              worker_error=signature.place(errors[0]),
                              server_error=signature.place(errors[1]))
-  return [d.astype(g.dtype) for d, g in zip(directions, leaves)], new_state
+  directions = finite.nan_unless_finite(ok, directions)  # 6: NaN everywhere where not finite
+  return [d.astype(g.dtype) for d, g in zip(directions, leaves)], new_state, ok
 
 
 SCALE_BY_ONEBIT_ADAM = compressor.Algorithm(
     "scale_by_onebit_adam", OneBitAdamState, OneBitAdamConfig, init, step, phases=phases,
     phase_of=phase_of, traceable=("b1", "b2", "eps"),
-    nonfinite="select")  # the exchange compiles worse inside the cond (compressor.py)
+    nonfinite="own")  # 6: from the exchange's scales, or the warm-up's dense mean
 ONEBIT_ADAM = dataclasses.replace(SCALE_BY_ONEBIT_ADAM, name="onebit_adam", output="update",
                                   traceable=("b1", "b2", "eps", "learning_rate"))
 
@@ -261,7 +269,7 @@ def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch
     >>> state = jax.pmap(tx.init, axis_name="batch")(grads)
     >>> report = jaxcomp.comm_report(jax.pmap(tx.update, axis_name="batch"), grads, state)
     >>> report.phase("scale_by_onebit_adam.warmup").payload_bytes, report.payload_bytes
-    (4100, 324)
+    (4096, 320)
 
   Args:
     freeze_steps: steps of dense Adam before compression (DeepSpeed's ``freeze_step``; 15–25% of the

@@ -29,16 +29,19 @@ numbered list of ``jaxcomp._src.exchange``):
    (exchange 4–5).
 6. ``all_gather`` of codes and scales; every device dequantizes the whole mean and casts each leaf
    back to its dtype (exchange 6).
+7. Non-finite gradients, from the gathered scales (exchange 7: a block's scale is infinite where
+   its values hold a NaN or an infinity, ``kernels.max_abs``): the errors kept, the output NaN.
 
 For sharded optimizer state (``jaxcomp.sharded_optimizer``, ZeRO++'s qgZ) the exchange stops after
 5's average: the rows are each leaf's shards (``exchange.shard_layout``), and the owner's float32
 mean of its row is its shard of the mean gradient, which its optimizer takes as it is — nothing is
 re-quantized, so the server error stays zero. Each device sends the codes once: (W−1)/W·W·S bytes
-plus the scales, an eighth of a float32 all-reduce's ring bytes, about half of its own two phases.
+plus the scales, an eighth of a float32 all-reduce's ring bytes, about half of its own two phases,
+and a 4-byte flag (each device sees the scales of its own row only).
 
 Bytes per device (payload, ``comm_report``): the codes twice (all-to-all, all-gather), 2·W·S bytes,
 plus the scales twice, 2·4·W·S/``block_size`` — about a quarter of a float32 all-reduce's ring bytes
-(2·(W−1)/W of each), plus the 4-byte check that the gradient is finite. XLA:CPU keeps s8 collectives
+(2·(W−1)/W of each); no check of its own that the gradient is finite (7). XLA:CPU keeps s8 collectives
 narrow but widens float8 ones to f16; float8 codes therefore travel as their bits, in uint8.
 
 Stochastic rounding draws from ``seed``, the step and the device's index: reproducible from run to
@@ -65,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor, exchange, kernels, validate
+from jaxcomp._src import axis, compressor, exchange, finite, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
 # The codes' dtype (float8_e4m3fn's as its bits: kernels.to_float8_e4m3fn), the largest level Q.
@@ -216,7 +219,7 @@ def block_codec(config: QuantizedConfig) -> exchange.Codec:
     payload = []
     for x, k in zip(rows, keys):
       blocks = _blocks(x, _tile(x.shape, size))
-      scales = jnp.max(jnp.abs(blocks), axis=(-3, -1)) * jnp.float32(1 / levels)  # 3: max|p|·(1/Q)
+      scales = kernels.max_abs(blocks, (-3, -1)) * jnp.float32(1 / levels)  # 3: max|p|·(1/Q)
       wide = scales[..., None, :, None]
       y = jnp.where(wide > 0, jnp.clip(blocks / jnp.where(wide > 0, wide, 1.0), -levels, levels),
                     0.0)
@@ -234,29 +237,31 @@ def init(config: QuantizedConfig, signature: tree_lib.TreeSignature) -> Quantize
 
 
 def step(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_name, phase) -> tuple:
-  """Steps 1–6 on the reduced leaves; returns ``(means, new state)``."""
+  """Steps 1–7 on the reduced leaves: ``(means, new state, finite)``."""
   del phase
   if not leaves:
-    return [], state
+    return [], state, jnp.array(True)
   signature = state.signature
   errors = ((signature.pick(state.worker_error), signature.pick(state.server_error))
             if config.error_feedback else (None, None))
   key = None
   if config.stochastic_rounding:
     key = jax.random.fold_in(jax.random.key(config.seed), state.count + 1)
-  # 1–6: the two-phase exchange of the float32 leaves with the block codec.
-  means, worker_error, server_error = exchange.compressed_mean(
+  # 1–7: the two-phase exchange of the float32 leaves with the block codec.
+  means, worker_error, server_error, ok = exchange.compressed_mean(
       block_codec(config), [g.astype(jnp.float32) for g in leaves], *errors, axis_name, key)
   if config.error_feedback:
     state = state._replace(worker_error=signature.place(worker_error),
                            server_error=signature.place(server_error))
-  return [m.astype(g.dtype) for m, g in zip(means, leaves)], state
+  return [m.astype(g.dtype) for m, g in zip(means, leaves)], state, ok
 
 
 def scatter(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_name,
             phase) -> tuple:
   """Steps 1–5's average as a reduce-scatter (qgZ): this device's shard of each leaf's mean; the
-  worker error kept, the server error untouched (nothing is re-quantized)."""
+  worker error kept, the server error untouched (nothing is re-quantized). ``(shards, new state,
+  finite)``: each device sees the scales of its own row only, so the flag is one 4-byte all-reduce
+  of theirs (7)."""
   del phase
   signature = state.signature
   worker_error = signature.pick(state.worker_error) if config.error_feedback else None
@@ -266,18 +271,21 @@ def scatter(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_n
   # 1–5: the rows are each leaf's shards; the owner's float32 mean of its row is its shard.
   world = axis.axis_size(axis_name)
   rows_of = exchange.shard_layout([g.shape for g in leaves], world)
-  mean, worker_error = exchange.scatter_mean(
+  mean, new_error, mine = exchange.scatter_mean(
       block_codec(config), rows_of, [g.astype(jnp.float32) for g in leaves], worker_error,
       axis_name, key)
+  ok = axis.psum((~mine).astype(jnp.int32), axis_name) == 0  # 7: every row's scales finite
   if config.error_feedback:
-    state = state._replace(worker_error=signature.place(worker_error))
-  owned = exchange.owned_shards(mean, [g.shape for g in leaves], world)
-  return [o.astype(g.dtype) for o, g in zip(owned, leaves)], state
+    state = state._replace(worker_error=signature.place(
+        [jnp.where(ok, n, o) for n, o in zip(new_error, worker_error)]))
+  owned = exchange.owned_shards(finite.nan_unless_finite(ok, mean), [g.shape for g in leaves],
+                                world)
+  return [o.astype(g.dtype) for o, g in zip(owned, leaves)], state, ok
 
 
-# "select": XLA:CPU compiles the exchange's concatenations worse inside the cond (compressor.py).
+# "own": 7, the flag from the scales the exchange sends anyway.
 QUANTIZED = compressor.Algorithm("quantized", QuantizedState, QuantizedConfig, init, step,
-                                 nonfinite="select", scatter=scatter)
+                                 nonfinite="own", scatter=scatter)
 
 
 def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",

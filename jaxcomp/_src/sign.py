@@ -15,12 +15,16 @@ EF-SGD in Karimireddy et al.):
 3. The signs of each leaf, 1 for ``p ≥ 0`` and 0 for ``p < 0`` (a zero is sent as +, as DeepSpeed
    does: one bit has no zero), packed 8 per byte: the leaf raveled, or along its last axis where
    the mesh may shard the leaves over other axes (``kernels.keeps_leaves``).
-4. ``e ← p − scale · sign(p)`` (Alg. 1 line 6; without error feedback ``e`` stays zero).
-5. ``all_gather`` of the packed signs (uint8) and of the scales (float32).
-6. Output: the mean over devices of ``scale · sign``, each leaf cast back to its dtype.
+4. ``all_gather`` of the packed signs (uint8) and of the scales (float32).
+5. Non-finite gradients (the policy of ``jaxcomp._src.finite``), from the gathered scales: a NaN or
+   an infinity anywhere in a device's leaf makes that leaf's scale non-finite (a sum of every
+   ``|p|``), and every device holds every scale; where one is not finite, the scales become NaN
+   (so is every output) and the error keeps its old value.
+6. ``e ← p − scale · sign(p)`` (Alg. 1 line 6; without error feedback ``e`` stays zero).
+7. Output: the mean over devices of ``scale · sign``, each leaf cast back to its dtype.
 
 Bytes per device (payload, ``comm_report``): W·⌈d/8⌉ per leaf of d values for the signs and 4·W per
-leaf for the scales, plus the 4-byte check that the gradient is finite.
+leaf for the scales; no separate check that the gradient is finite.
 
 References:
   Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other Gradient Compression
@@ -39,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor, exchange, kernels, validate
+from jaxcomp._src import axis, compressor, exchange, finite, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
 
@@ -139,10 +143,10 @@ def init(config: SignConfig, signature: tree_lib.TreeSignature) -> SignState:
 
 
 def step(config: SignConfig, state: SignState, leaves: list, axis_name, phase) -> tuple:
-  """Steps 1–6 on the reduced leaves; returns ``(means, new state)``."""
+  """Steps 1–7 on the reduced leaves: ``(means, new state, finite)``."""
   del phase
   if not leaves:
-    return [], state
+    return [], state, jnp.array(True)
   # 1: p = g + e, in float32.
   ps = [g.astype(jnp.float32) for g in leaves]
   if config.error_feedback:
@@ -151,22 +155,26 @@ def step(config: SignConfig, state: SignState, leaves: list, axis_name, phase) -
   scales = jnp.stack([mean_abs([p], p.size) for p in ps])
   rows = [_row(p) for p in ps]
   bits = [pack_signs(r) for r in rows]
-  if config.error_feedback:  # 4: e ← p − scale·sign(p)
-    errors = [p - scale * jnp.where(p >= 0, 1.0, -1.0) for p, scale in zip(ps, scales)]
-    state = state._replace(error=state.signature.place(errors))
-  # 5: every device's signs and scales.
+  # 4: every device's signs and scales.
   *all_bits, all_scales = kernels.all_gather(bits + [scales], axis_name)
+  # 5: finite everywhere, from the scales; else NaN scales.
+  ok = finite.reduced_finite(all_scales)
+  all_scales = finite.nan_unless_finite(ok, all_scales)
+  if config.error_feedback:  # 6: e ← p − scale·sign(p), kept where not finite
+    errors = [jnp.where(ok, p - scale * jnp.where(p >= 0, 1.0, -1.0), e)
+              for p, scale, e in zip(ps, scales, state.signature.pick(state.error))]
+    state = state._replace(error=state.signature.place(errors))
 
-  def scaled_signs(w):  # 6: device w's scaled signs, leaf by leaf
+  def scaled_signs(w):  # 7: device w's scaled signs, leaf by leaf
     return [scale * unpack_signs(b[w], r.shape[-1]).reshape(p.shape)
             for scale, b, r, p in zip(all_scales[w], all_bits, rows, ps)]
 
   means = kernels.device_mean(scaled_signs, all_scales.shape[0])
-  return [m.astype(g.dtype) for m, g in zip(means, leaves)], state
+  return [m.astype(g.dtype) for m, g in zip(means, leaves)], state, ok
 
 
-# "select": the packed signs' concatenation compiles worse inside the cond (compressor.py).
-SIGN = compressor.Algorithm("sign_compress", SignState, SignConfig, init, step, nonfinite="select")
+SIGN = compressor.Algorithm("sign_compress", SignState, SignConfig, init, step,
+                            nonfinite="own")  # 5: from the scales it gathers anyway
 
 
 def sign_compress(*, axis_name: axis.AxisName = "batch", error_feedback: bool = True,
@@ -186,7 +194,7 @@ def sign_compress(*, axis_name: axis.AxisName = "batch", error_feedback: bool = 
     >>> state = jax.pmap(tx.init, axis_name="batch")(grads)
     >>> step = jax.pmap(tx.update, axis_name="batch")
     >>> jaxcomp.comm_report(step, grads, state).bytes_by_dtype()  # 128 B of signs per device
-    {'s32': 4, 'u8': 1024, 'f32': 32}
+    {'u8': 1024, 'f32': 32}
     >>> updates, state = step(grads, state)
     >>> bool((updates["w"] == updates["w"][0]).all())  # the same update on every device
     True

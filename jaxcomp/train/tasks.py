@@ -34,6 +34,17 @@ STDLIB_FILES = ("argparse.py", "dataclasses.py", "functools.py", "fractions.py",
                 "textwrap.py", "string.py", "bisect.py")
 
 
+CHARS_SIZES = {
+    "small": dict(context=64, width=64, depth=2, heads=4),
+    "768x2": dict(context=128, width=768, depth=2, heads=12),
+    "768x4": dict(context=128, width=768, depth=4, heads=12),
+}
+"""The chars transformer's sizes (``chars(size=...)``): the main job's (120,704 parameters); and GPT-2
+small's width and heads with 2 or 4 of its 12 blocks and a context of 128 characters (14.5M and
+28.6M parameters), which read the whole standard library's source (``stdlib_text(every=True)``,
+about 11 MB) so that they do not learn 250 kB by heart."""
+
+
 class CharTransformer(nn.Module):
   """A small pre-LayerNorm causal transformer over byte-valued characters."""
   vocab: int = 128
@@ -147,20 +158,37 @@ def learning_rate_schedule(peak: float, steps=None, schedule: str = "constant"):
   return optax.warmup_cosine_decay_schedule(0.0, peak, max(steps // 20, 1), steps, peak / 10)
 
 
-def stdlib_text() -> bytes:
-  """The source text of ``STDLIB_FILES``, from this Python's standard library."""
+def stdlib_text(every: bool = False) -> bytes:
+  """The source text of ``STDLIB_FILES``, from this Python's standard library; ``every``: of every
+  module of it, in sorted order, but its tests, IDLE, lib2to3 and site-packages."""
   folder = sysconfig.get_paths()["stdlib"]
+  names = STDLIB_FILES
+  if every:
+    skip = ("test", "tests", "idlelib", "lib2to3", "site-packages")
+    names = sorted(os.path.relpath(os.path.join(root, f), folder)
+                   for root, dirs, files in os.walk(folder)
+                   if not set(os.path.relpath(root, folder).split(os.sep)) & set(skip)
+                   for f in files if f.endswith(".py"))
   parts = []
-  for name in STDLIB_FILES:
+  for name in names:
     with open(os.path.join(folder, name), "rb") as f:
       parts.append(f.read())
   return b"\n".join(parts)
 
 
-def chars(quick: bool = False) -> Task:
-  """Next-character prediction on standard-library source; non-ASCII bytes become ``?``."""
-  context = 32 if quick else 64
-  tokens = np.frombuffer(stdlib_text(), np.uint8).astype(np.int32)
+def chars(quick: bool = False, size: str = "small") -> Task:
+  """Next-character prediction on standard-library source; non-ASCII bytes become ``?``.
+
+  ``size``: one of ``CHARS_SIZES`` (``quick`` shrinks any of them to one 32-wide block over a
+  context of 32 and the small text)."""
+  if size not in CHARS_SIZES:
+    raise ValueError(f"size must be one of {', '.join(CHARS_SIZES)}; got {size!r}")
+  shape = dict(CHARS_SIZES[size])
+  if quick:
+    shape.update(context=32, width=32, depth=1, heads=4)
+  context = shape["context"]
+  text = stdlib_text(every=size != "small" and not quick)
+  tokens = np.frombuffer(text, np.uint8).astype(np.int32)
   tokens = np.where(tokens < 128, tokens, ord("?"))
   split = len(tokens) * 9 // 10
   train, test = tokens[:split], tokens[split:]
@@ -174,7 +202,7 @@ def chars(quick: bool = False) -> Task:
                                                         dtype=np.int64))
   return Task(
       name="chars",
-      model=CharTransformer(context=context, width=32 if quick else 64, depth=1 if quick else 2),
+      model=CharTransformer(**shape),
       test_inputs=test_inputs, test_targets=test_targets, learning_rate=0.3,
       adamw_learning_rate=3e-3,
       sample=lambda rng, n: windows(train, rng.integers(0, len(train) - context - 1, n)))
