@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -101,6 +102,11 @@ def gpt2_small(vocab: int = 50257, context: int = 1024, width: int = 768, depth:
   return params
 
 
+def mlp(sizes=(784, 1024, 1024, 1024, 10)) -> dict:
+  """``step_time.py``'s MLP (784-1024×3-10, 2,913,290 parameters) as a shape pytree."""
+  return {f"dense{i}": dense(a, b) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+
+
 def tiny() -> dict:
   """A few-thousand-parameter pytree with every kind of leaf the models have (quick mode)."""
   return {"conv": _conv(3, 3, 4, 8), "bn": _norm(8), "embed": {"embedding": _leaf(100, 16)},
@@ -112,6 +118,36 @@ def models(quick: bool) -> dict:
   if quick:
     return {"tiny": tiny()}
   return {"ResNet-18": resnet18(), "ResNet-50": resnet50(), "GPT-2 small": gpt2_small()}
+
+
+def chars_transformer(size: str = "768x2") -> dict:
+  """The parameters of ``jaxcomp.train.tasks``' chars transformer of ``size`` (``CHARS_SIZES``), as
+  a shape pytree (``jax.eval_shape`` of its ``init``)."""
+  from jaxcomp.train import tasks
+  model = tasks.CharTransformer(**tasks.CHARS_SIZES[size])
+  tokens = jax.ShapeDtypeStruct((1, model.context), jnp.int32)
+  return jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+
+
+SHAPE_MODELS = {"mlp": ("MLP 784-1024×3-10", mlp), "resnet18": ("ResNet-18", resnet18),
+                "resnet50": ("ResNet-50", resnet50), "gpt2-small": ("GPT-2 small", gpt2_small),
+                "chars-768x2": ("chars transformer 768 wide, 2 blocks", chars_transformer)}
+"""The shape pytrees a benchmark can be asked for by name (``--models``)."""
+
+
+def shape_models(names, quick: bool) -> dict:
+  """``{label: shape pytree}`` for the comma-separated ``names`` of ``SHAPE_MODELS`` (None: the
+  defaults of ``models``); quick: one small stand-in for each."""
+  if not names:
+    return models(quick)
+  wanted = [n.strip() for n in names.split(",") if n.strip()]
+  unknown = [n for n in wanted if n not in SHAPE_MODELS]
+  if unknown:
+    raise SystemExit(f"--models: unknown {', '.join(unknown)}; choose from "
+                     f"{', '.join(SHAPE_MODELS)}")
+  if quick:
+    return {f"tiny ({n})": mlp((784, 64, 10)) if n == "mlp" else tiny() for n in wanted}
+  return {SHAPE_MODELS[n][0]: SHAPE_MODELS[n][1]() for n in wanted}
 
 
 def num_params(tree) -> int:
@@ -212,21 +248,60 @@ def parser(description: str) -> argparse.ArgumentParser:
   return p
 
 
+def add_device_options(p: argparse.ArgumentParser, default_devices: str = "8") -> None:
+  """``--platform``, ``--devices`` and ``--out``: where a script runs, where it saves its rows."""
+  p.add_argument("--platform", default=None,
+                 help="the devices' platform, e.g. cpu or gpu (default: JAX's default backend)")
+  p.add_argument("--devices", default=default_devices,
+                 help=f"number of data-parallel devices (default {default_devices})")
+  p.add_argument("--out", default=None,
+                 help="also write the table's rows as JSON to this file (rewritten as rows come)")
+
+
+def devices(count: int, platform: Optional[str] = None) -> list:
+  """The first ``count`` devices of ``platform`` (default: JAX's default backend's)."""
+  found = jax.devices(platform) if platform else jax.devices()
+  if not 1 <= count <= len(found):
+    raise SystemExit(f"--devices {count}: {len(found)} {found[0].platform} devices are available")
+  return found[:count]
+
+
+def write_out(path: Optional[str], script: str, header: list, rows: list, complete: bool,
+              **extra) -> None:
+  """Writes a script's rows as JSON to ``path`` (if given), atomically: the command, the machine,
+  the header, the rows so far and whether the run has finished."""
+  if not path:
+    return
+  data = dict(script=script, command=command(script), machine=machine(), header=header,
+              rows=rows, complete=complete, **extra)
+  with open(path + ".tmp", "w") as f:
+    json.dump(data, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
 def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+  global _ARGV
+  _ARGV = None if argv is None else list(argv)
   args = p.parse_args(argv)
   if args.quick and args.write:
     p.error("--quick runs are for CI: they do not write BENCHMARKS.md (drop --write)")
   return args
 
 
+_ARGV = None
+"""The arguments of the script's ``main(argv)`` when it was called from Python (``command``)."""
+
+
 def command(script: str, argv=None) -> str:
-  argv = sys.argv[1:] if argv is None else argv
+  argv = (sys.argv[1:] if _ARGV is None else _ARGV) if argv is None else argv
   return " ".join(["PYTHONPATH=. python", f"benchmarks/{script}"] + [shlex.quote(a) for a in argv])
 
 
 def machine() -> str:
   import jaxlib
-  return (f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs), "
+  accelerators = [d for d in jax.devices() if d.platform != "cpu"]
+  device = (f"{len(accelerators)} × {accelerators[0].device_kind}, " if accelerators else "")
+  return (f"{device}{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs), "
           f"jax {jax.__version__} / jaxlib {jaxlib.__version__}")
 
 

@@ -11,7 +11,12 @@ per-round ratios obvious / kernel, the temporaries of each compiled update per g
 (``memory.py``'s measure), and whether the outputs are bit-identical after the last round. (The DGC
 kernels have their own measurement: ``dgc_selection.py --kernels``.)
 
+``--platform gpu --devices 1`` runs the same rows on one GPU (``gpu.sh``; where a kernel is
+XLA:CPU's alone, ``lax.platform_dependent`` picks the obvious form there, and both columns run the
+same program); ``--out`` writes the rows as JSON.
+
   PYTHONPATH=. python benchmarks/kernels.py [--quick] [--write] [--repeats N] [--compressors ...]
+      [--platform gpu] [--devices 1] [--out rows.json]
 """
 
 from __future__ import annotations
@@ -109,12 +114,13 @@ def _patched(replacements: dict):
 class Update:
   """One compiled update of a compressor, its state carried from call to call."""
 
-  def __init__(self, compressor, grads, replacements: dict):
+  def __init__(self, compressor, grads, replacements: dict, devices=None):
     tx = compressor.make(common.AXIS)
+    devices = devices or jax.devices()[:W]
     with _patched(replacements):
       step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS,
-                      devices=jax.devices()[:W], donate_argnums=(0, 1))
-      self.state = jax.pmap(tx.init, axis_name=common.AXIS, devices=jax.devices()[:W])(grads)
+                      devices=devices, donate_argnums=(0, 1))
+      self.state = jax.pmap(tx.init, axis_name=common.AXIS, devices=devices)(grads)
       self.compiled = step.lower(grads, self.state, grads).compile()
     self.grads, self.out = grads, None
 
@@ -129,24 +135,25 @@ class Update:
     return time.perf_counter() - start
 
 
-def mlp_gradient(quick: bool) -> dict:
-  """``step_time.py``'s MLP (or a tiny pytree) as random float32 gradients stacked over W."""
-  sizes = (784, 64, 10) if quick else (784, 1024, 1024, 1024, 10)
-  tree = {f"dense{i}": common.dense(a, b) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
-  return common.random_like(common.stacked(tree, W))
+def mlp_gradient(quick: bool, world: int = W) -> dict:
+  """``step_time.py``'s MLP (or a tiny pytree) as random float32 gradients stacked over
+  ``world``."""
+  tree = common.mlp((784, 64, 10) if quick else (784, 1024, 1024, 1024, 10))
+  return common.random_like(common.stacked(tree, world))
 
 
-def compare(compressor, grads, replacements: dict, repeats: int) -> list:
+def compare(compressor, grads, replacements: dict, repeats: int, devices=None) -> list:
   """The cells of one row: ms with the kernel and obvious, the ratio, temporaries, identical."""
-  updates = {"kernel": Update(compressor, grads, {}),
-             "obvious": Update(compressor, grads, replacements)}
+  devices = devices or jax.devices()[:W]
+  updates = {"kernel": Update(compressor, grads, {}, devices),
+             "obvious": Update(compressor, grads, replacements, devices)}
   times = {name: [] for name in updates}
   for r in range(repeats + 1):  # the first round warms up
     for name in (list(updates) if r % 2 else list(updates)[::-1]):
       seconds = updates[name]()
       if r:
         times[name].append(seconds)
-  grad = sum(x.size for x in jax.tree.leaves(grads)) // W * 4
+  grad = sum(x.size for x in jax.tree.leaves(grads)) // len(devices) * 4
   same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in
              zip(jax.tree.leaves(updates["kernel"].out), jax.tree.leaves(updates["obvious"].out)))
   return [f"{1e3 * common.median(times['kernel']):.1f}",
@@ -159,25 +166,34 @@ def compare(compressor, grads, replacements: dict, repeats: int) -> list:
 def main(argv=None) -> int:
   p = common.parser(__doc__.split("\n\n")[0])
   p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10, quick 1)")
+  common.add_device_options(p, str(W))
   args = common.parse(p, argv)
   repeats = args.repeats or (1 if args.quick else 10)
+  devices = common.devices(int(args.devices), args.platform)
   wanted = {c.name for c in common.compressors(args.compressors)} if args.compressors else None
-  grads = mlp_gradient(args.quick)
+  grads = mlp_gradient(args.quick, len(devices))
+  header = ["kernel", "update of", "kernel ms", "obvious ms", "obvious / kernel", "temp / grad",
+            "obvious temp / grad", "same output"]
   rows = []
   for label, (replacements, names) in OBVIOUS.items():
     for c in common.compressors(",".join(names)):
       if wanted is None or c.name in wanted:
-        rows.append([label, c.name] + compare(c, grads, replacements, repeats))
+        rows.append([label, c.name] + compare(c, grads, replacements, repeats, devices))
         print(f"  {label} {c.name}: obvious / kernel {rows[-1][4]}", file=sys.stderr, flush=True)
-  table = common.markdown_table(
-      ["kernel", "update of", "kernel ms", "obvious ms", "obvious / kernel", "temp / grad",
-       "obvious temp / grad", "same output"], rows, "llrrrrrl")
+        common.write_out(args.out, "kernels.py", header, rows, False, repeats=repeats,
+                         platform=devices[0].platform)
+  common.write_out(args.out, "kernels.py", header, rows, True, repeats=repeats,
+                   platform=devices[0].platform)
+  table = common.markdown_table(header, rows, "llrrrrrl")
   model = "tiny MLP 784-64-10" if args.quick else "MLP 784-1024×3-10"
+  cpu = devices[0].platform == "cpu"
   body = (f"Each kernel of `jaxcomp._src.kernels` (and `axis.sum_in_rows`, the float16 sum "
           f"over devices) against the obvious form it replaces, in a "
-          f"compressor's update of the {model} gradient (W = {W}, `jax.pmap`, gradient and state "
-          f"donated); median of {repeats} interleaved rounds. The ms columns are for scale only: "
-          "the devices share the machine's cores.\n\n" + table)
+          f"compressor's update of the {model} gradient (W = {len(devices)}"
+          f"{'' if cpu else ' ' + devices[0].device_kind}, `jax.pmap`, gradient and state "
+          f"donated); median of {repeats} interleaved rounds."
+          + (" The ms columns are for scale only: the devices share the machine's cores."
+             if cpu else "") + "\n\n" + table)
   common.emit(args, "kernels", "Kernels against their obvious forms", "kernels.py", body)
   return 0
 

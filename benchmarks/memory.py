@@ -33,7 +33,12 @@ own (8-bit error feedback), and ``ring B vs f32`` the bytes each device sends pe
 float32 all-reduce of the gradient (the requested dtypes, before XLA:CPU widens bfloat16). A lossy gather's float32 master of the device's shard is shown apart (``master``): it is
 the price of keeping the parameters exact while the gathered copy is rounded.
 
+``--models mlp,resnet18`` picks the shape pytrees (``common.SHAPE_MODELS``), ``--platform gpu
+--devices 1`` compiles for one GPU (``gpu.sh``), ``--no-sharded`` leaves out the second table and
+``--out`` writes the first one's rows as JSON.
+
   PYTHONPATH=. python benchmarks/memory.py [--quick] [--write] [--compressors all]
+      [--models mlp,resnet18] [--platform gpu] [--devices 1] [--no-sharded] [--out rows.json]
 """
 
 from __future__ import annotations
@@ -66,15 +71,17 @@ def transformation(compressor):
   return compressor.make(common.AXIS)
 
 
-def measure(compressor, tree) -> tuple:
-  """``(state bytes, temporary bytes)`` per device of one update on W devices, gradient and state
-  donated (the parameters, which the wrappers of the optimizer read, are not)."""
+def measure(compressor, tree, devices=None) -> tuple:
+  """``(state bytes, temporary bytes)`` per device of one update on ``devices`` (default: the first
+  W devices), gradient and state donated (the parameters, which the wrappers of the optimizer read,
+  are not)."""
+  devices = devices or jax.devices()[:W]
   tx = transformation(compressor)
   state = jax.eval_shape(tx.init, tree)
   step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS,
-                  devices=jax.devices()[:W], donate_argnums=(0, 1))
-  params = common.stacked(tree, W)
-  compiled = step.lower(params, common.stacked(state, W), params).compile()
+                  devices=devices, donate_argnums=(0, 1))
+  params = common.stacked(tree, len(devices))
+  compiled = step.lower(params, common.stacked(state, len(devices)), params).compile()
   temporaries = compiled.memory_analysis().temp_size_in_bytes
   del compiled
   release()
@@ -117,7 +124,7 @@ def measure_sharded(exchange, gather, tree) -> tuple:
     tx = jaxcomp.sharded_optimizer(exchange.make(common.AXIS), adamw, gather_dtype=gather or None,
                                    axis_name=common.AXIS)
     parts = lambda s: (s.inner, s.master, s.exchange)  # noqa: E731
-  devices = jax.devices()[:W]
+  devices = jax.devices("cpu")[:W]  # simulated CPU devices, whatever the default backend
   params = common.stacked(tree, W)
   state = jax.eval_shape(jax.pmap(tx.init, axis_name=common.AXIS, devices=devices), params)
   step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS, devices=devices,
@@ -152,30 +159,47 @@ def sharded_table(models: dict) -> str:
 
 
 def main(argv=None) -> int:
-  args = common.parse(common.parser(__doc__.split("\n\n")[0]), argv)
+  p = common.parser(__doc__.split("\n\n")[0])
+  p.add_argument("--models", default=None,
+                 help=f"comma-separated shape pytrees, from {', '.join(common.SHAPE_MODELS)} "
+                      "(default: ResNet-18, ResNet-50, GPT-2 small)")
+  p.add_argument("--no-sharded", action="store_true",
+                 help="leave out the second table (the sharded optimizer's state, W = 8)")
+  common.add_device_options(p, str(W))
+  args = common.parse(p, argv)
+  devices = common.devices(int(args.devices), args.platform)
   compressor_list = common.compressors(args.compressors)
   if compressor_list[0].name != "allreduce":
     compressor_list = common.compressors("allreduce") + compressor_list
-  rows = []
-  for model, tree in common.models(args.quick).items():
+  header = ["model", "compressor", "state", "temporaries", "state / grad", "temp / grad",
+            "extra / grad"]
+  rows, keys = [], []
+  models = common.shape_models(args.models, args.quick)
+  names = args.models.split(",") if args.models else list(models)
+  for key, (model, tree) in zip(names, models.items()):
     grad = nbytes(tree)
     base = None
     for c in compressor_list:
-      state, temp = measure(c, tree)
+      state, temp = measure(c, tree, devices)
       base = temp if base is None else base
       rows.append([model, c.name, common.human(state), common.human(temp),
                    f"{state / grad:.2f}", f"{temp / grad:.2f}",
                    f"{(state + temp - base) / grad:.2f}"])
+      keys.append(key.strip())
       print(f"  {model} {c.name}: extra {rows[-1][-1]}× the gradient", file=sys.stderr, flush=True)
-  table = common.markdown_table(
-      ["model", "compressor", "state", "temporaries", "state / grad", "temp / grad",
-       "extra / grad"], rows, "llrrrrr")
-  body = (f"Per device, W = {W} (`jax.pmap`, gradient and state donated); grad = 4 bytes per "
-          "element. extra = state + temporaries − allreduce's temporaries. Goal: state "
+      common.write_out(args.out, "memory.py", header, rows, False, keys=keys,
+                       platform=devices[0].platform)
+  common.write_out(args.out, "memory.py", header, rows, True, keys=keys,
+                   platform=devices[0].platform)
+  table = common.markdown_table(header, rows, "llrrrrr")
+  where = "" if devices[0].platform == "cpu" else f" {devices[0].device_kind},"
+  body = (f"Per device, W = {len(devices)}{where} (`jax.pmap`, gradient and state donated); "
+          "grad = 4 bytes per element. extra = state + temporaries − allreduce's temporaries. Goal: state "
           "beyond the algorithm's plus temporaries ≤ 1, i.e. temp / grad ≤ 1.\n\n" + table)
-  body += (f"\n\nOptimizer state per device, W = {W}, AdamW (goal: sharded ≤ bound = "
-           "unsharded ÷ W + one padding value per leaf in each moment):\n\n"
-           + sharded_table(common.models(args.quick)))
+  if not args.no_sharded:
+    body += (f"\n\nOptimizer state per device, W = {W}, AdamW (goal: sharded ≤ bound = "
+             "unsharded ÷ W + one padding value per leaf in each moment):\n\n"
+             + sharded_table(common.shape_models(args.models, args.quick)))
   common.emit(args, "memory", "Memory: state and peak temporaries", "memory.py", body)
   return 0
 

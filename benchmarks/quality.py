@@ -18,8 +18,13 @@ of the peak rate. "Does it reach allreduce's loss within F× allreduce's steps?"
 ``--stretch F``: every entry but allreduce trains for F × ``--steps`` steps, its recipe and schedule
 fitted to that length, as a user with F× the budget would train it.
 
+``--size`` picks a larger chars transformer (``tasks.CHARS_SIZES``: ``768x4`` is 28.6M parameters
+on the whole standard library's source), ``--batch-size`` the global batch. On one device (``gpu.sh``
+runs it on one GPU) nothing is sent: the bytes columns are then those of the same steps lowered for
+8 CPU devices (``--bytes-devices``). ``--out`` writes the rows as JSON.
+
   PYTHONPATH=. python benchmarks/quality.py [--quick] [--write] [--compressors a,b] [--steps N]
-      [--stretch F]
+      [--stretch F] [--size 768x4] [--batch-size 64] [--devices 1] [--out rows.json]
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from jaxcomp.train import job, registry, tasks  # noqa: E402
@@ -54,12 +61,36 @@ def row(run, base, target: float) -> list:
           common.human(run.bytes_per_step), f"{fewer:.1f}x"]
 
 
+HEADER = ["entry", "held-out loss", "/ allreduce's", "steps to allreduce's loss (/ its steps)",
+          "sent/step/device", "allreduce's bytes / its"]
+
+
 def table(runs) -> str:
   """The Markdown table of ``runs`` against allreduce (the first run when allreduce is absent)."""
   base, target = job.target_of(runs)
-  return common.markdown_table(
-      ["entry", "held-out loss", "/ allreduce's", "steps to allreduce's loss (/ its steps)",
-       "sent/step/device", "allreduce's bytes / its"], [row(r, base, target) for r in runs])
+  return common.markdown_table(HEADER, [row(r, base, target) for r in runs])
+
+
+def bytes_over_cpu_devices(task, names, world: int) -> dict:
+  """``{entry: bytes each device sends per steady-state step}`` with the same model over ``world``
+  CPU devices, read from the step lowered there (as ``job.train`` reads them on its own devices)."""
+  import jaxcomp  # noqa: PLC0415
+  from jaxcomp.train import training_step  # noqa: PLC0415
+  cpus = jax.devices("cpu")
+  if len(cpus) < world:
+    raise RuntimeError(f"--bytes-devices {world}: only {len(cpus)} CPU devices are available")
+  mesh = training_step.make_mesh(cpus[:world])
+  params0 = task.init(0)
+  x0, y0 = task.batch(0, 0, world)
+  out = {}
+  for name in names:
+    entry = registry.REGISTRY[name]
+    step = training_step.make_step(task, task.optimizer(entry), mesh)
+    lowered = step.lower(*step.start(params0), x0, y0)
+    out[name] = entry.bytes_per_step(jaxcomp.comm_report(lowered, stage="lowered",
+                                                         num_devices=world))
+    del step, lowered
+  return out
 
 
 def main(argv=None) -> int:
@@ -69,7 +100,16 @@ def main(argv=None) -> int:
   p.add_argument("--max-steps", type=int, default=None,
                  help="entries short of allreduce's final held-out loss go on up to this many "
                       "steps (default 1.5 x --steps)")
-  p.add_argument("--devices", type=int, default=8, help="data-parallel simulated CPU devices")
+  p.add_argument("--devices", type=int, default=None,
+                 help="data-parallel devices: simulated CPU devices, or the default backend's "
+                      "when it is not the CPU (default 8, quick 2)")
+  p.add_argument("--size", choices=tasks.CHARS_SIZES, default="small",
+                 help="the chars transformer's size (tasks.CHARS_SIZES; quick: a tiny one)")
+  p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
+  p.add_argument("--bytes-devices", type=int, default=8,
+                 help="on one device, read the bytes columns from the steps lowered for this many "
+                      "CPU devices")
+  p.add_argument("--out", default=None, help="also write the rows as JSON to this file")
   p.add_argument("--schedule", choices=tasks.SCHEDULES, default="cosine",
                  help="every learning rate's schedule (tasks.learning_rate_schedule)")
   p.add_argument("--stretch", type=float, default=1.0,
@@ -85,21 +125,46 @@ def main(argv=None) -> int:
       QUICK if args.quick else registry.REGISTRY))]
   if "allreduce" not in names:
     names.insert(0, "allreduce")
-  devices = job.setup_devices(2 if args.quick else args.devices)
-  task = tasks.chars(quick=args.quick)
+  count = args.devices or (2 if args.quick else 8)
+  if count == 1:  # also args.bytes_devices CPU devices, to read the bytes from
+    try:
+      jax.config.update("jax_num_cpu_devices", args.bytes_devices)
+    except RuntimeError:
+      pass  # JAX has already started: bytes_over_cpu_devices says if it has too few
+    devices = jax.devices()[:1]
+  else:
+    devices = job.setup_devices(count)
+  task = tasks.chars(quick=args.quick, size=args.size)
   start = time.perf_counter()
-  runs = job.train(task, names, steps=steps, devices=devices, batch_size=32, seed=0,
+  runs = job.train(task, names, steps=steps, devices=devices, batch_size=args.batch_size, seed=0,
                    max_steps=max_steps, progress=not args.quick, schedule=args.schedule,
                    stretch=args.stretch)
+  trained = time.perf_counter() - start
+  world = f"{len(devices)} simulated CPU devices"
+  if devices[0].platform != "cpu" or len(devices) == 1:
+    world = f"{len(devices)} {devices[0].platform.upper()} device ({devices[0].device_kind})"
+  if len(devices) == 1:
+    sent = bytes_over_cpu_devices(task, names, args.bytes_devices)
+    for run in runs:
+      run.bytes_per_step = sent[run.name]
+    world += (f"; bytes: the same steps lowered for {args.bytes_devices} CPU devices (one device "
+              "sends nothing)")
   base, target = job.target_of(runs)
   length = (f"{steps} steps with each entry's recipe for {steps}" if own == steps else
             f"allreduce {steps} steps, every other entry {own} ({args.stretch:g}x) with its "
             f"recipe and schedule for {own}")
-  body = (f"The chars transformer ({common.num_params(task.init(0)):,} parameters), {length} "
+  rows = [row(r, base, target) for r in runs]
+  params = common.num_params(jax.eval_shape(task.init, 0))
+  common.write_out(args.out, "quality.py", HEADER, rows, True, steps=steps, max_steps=max_steps,
+                   seconds=round(trained, 1), params=params, target=target, world=world)
+  size = ("" if args.size == "small" else " (quick: a tiny one)" if args.quick else
+          f" of size {args.size} (`tasks.CHARS_SIZES`)")
+  body = (f"The chars transformer{size} ({params:,} parameters), {length} "
           f"(entries short of the target go on up to "
-          f"{max_steps}), {len(devices)} simulated CPU devices, global batch 32, seed 0, learning "
+          f"{max_steps}), {world}, global batch {args.batch_size} × "
+          f"{task.model.context} characters, seed 0, learning "
           f"rates {args.schedule} (`tasks.learning_rate_schedule`); "
-          f"{time.perf_counter() - start:.0f} s on a machine shared with other jobs. "
+          f"{trained:.0f} s training on a machine shared with other jobs. "
           f"Held-out loss: the mean of the last {job.WINDOW} evaluations after the entry's steps; "
           f"target: {base.name}'s, {target:.3f}; bytes: each device's per step in the steady "
           "state (ring algorithm, requested wire dtypes).\n\n" + table(runs))

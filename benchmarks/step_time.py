@@ -25,13 +25,20 @@ On XLA:CPU the W "devices" share the host's cores and a collective is a memory c
 of W threads), so this measures the compute a compressor adds to a step, not what it saves on a
 network (see ``network_model.py``).
 
+``chars-768x2`` is a ResNet-18-sized model with GPT-2 small's layer shapes: the chars transformer
+768 wide with 12 heads (GPT-2 small's width), 2 of its 12 blocks, context 128 (14.5M parameters;
+``tasks.CHARS_SIZES``). ``--platform gpu --devices 1`` times the step on one GPU (``gpu.sh``);
+``--hlo-dir`` saves each step's compiled HLO text there (``gpu_schedule.py`` reads which
+collectives XLA scheduled asynchronously), ``--out`` the rows as JSON after each model.
+
   PYTHONPATH=. python benchmarks/step_time.py [--quick] [--write] [--models mlp] [--devices 1]
-      [--compressors all]
+      [--compressors all] [--platform gpu] [--out rows.json] [--hlo-dir DIR]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -47,7 +54,7 @@ import optax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
-MODELS = ("mlp", "chars", "chars-wide")
+MODELS = ("mlp", "chars", "chars-wide", "chars-768x2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +98,9 @@ def model_tasks(quick: bool, names) -> dict:
       wide = dataclasses.replace(tasks.chars(), model=tasks.CharTransformer(context=64, width=256,
                                                                             depth=4))
       out["chars transformer, width 256, depth 4"] = (wide, lambda w: 64)
+    elif name == "chars-768x2":
+      label = "chars transformer 768 wide, 2 blocks" if not quick else "chars-768x2 (quick)"
+      out[label] = (tasks.chars(quick=quick, size="768x2"), lambda w: 64)
   return out
 
 
@@ -107,12 +117,17 @@ def make_steps(task, compressor_list, devices, wrap_inner=lambda inner: inner) -
   return steps
 
 
-def step_runners(task, compressor_list, batch, devices):
-  """A function per compressor running one blocked training step on ``batch``."""
+def step_runners(task, compressor_list, batch, devices, hlo=None, params=None):
+  """A function per compressor running one blocked training step on ``batch`` from ``params``
+  (default ``task.init(0)``); ``hlo(name, text)``, if given, receives each step's compiled HLO text
+  (compiled ahead of the first call, which reuses the executable)."""
   runners = {}
+  params = task.init(0) if params is None else params  # once: a Flax init runs op by op
   for name, step in make_steps(task, compressor_list, devices).items():
     inputs, targets = step.dp.shard(batch)
-    holder = list(step.start(task.init(0)))
+    holder = list(step.start(params))
+    if hlo is not None:
+      hlo(name, step.run.lower(holder[0], holder[1], inputs, targets).compile().as_text())
 
     def run(step=step, holder=holder, inputs=inputs, targets=targets):
       holder[0], holder[1], loss = step.run(holder[0], holder[1], inputs, targets)
@@ -121,43 +136,66 @@ def step_runners(task, compressor_list, batch, devices):
   return runners
 
 
+def save_hlo(folder: str, model: str, count: int, name: str, text: str) -> None:
+  """Saves a step's compiled HLO text as ``folder/<model>__W<count>__<name>.hlo``, whole (written
+  under another name, then renamed: ``gpu.sh`` reads the folder while it fills)."""
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, f"{model}__W{count}__{name}.hlo")
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+
+
 def main(argv=None) -> int:
   p = common.parser(__doc__.split("\n\n")[0])
   p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 40, quick 2)")
-  p.add_argument("--models", default=",".join(MODELS),
-                 help=f"comma-separated models, from {', '.join(MODELS)} (quick: the first only)")
-  p.add_argument("--devices", default=str(MAX_DEVICES),
-                 help=f"comma-separated numbers of data-parallel devices, 1 to {MAX_DEVICES}")
+  p.add_argument("--models", default=None,
+                 help=f"comma-separated models, from {', '.join(MODELS)} (default: all; quick: "
+                      "the first only)")
+  common.add_device_options(p, str(MAX_DEVICES))
+  p.add_argument("--hlo-dir", default=None,
+                 help="save each step's compiled HLO text in this folder (<model>__<entry>.hlo)")
   args = common.parse(p, argv)
   repeats = args.repeats or (2 if args.quick else 40)
-  models = [m.strip() for m in args.models.split(",") if m.strip()]
+  models = [m.strip() for m in (args.models or ",".join(MODELS)).split(",") if m.strip()]
+  if args.quick and not args.models:
+    models = models[:1]
   counts = [int(d) for d in args.devices.split(",")]
   if set(models) - set(MODELS) or not all(1 <= d <= MAX_DEVICES for d in counts):
     p.error(f"--models takes {', '.join(MODELS)}; --devices 1 to {MAX_DEVICES}")
   compressor_list = common.compressors(args.compressors)
   if compressor_list[0].name != "allreduce":
     compressor_list = common.compressors("allreduce") + compressor_list
-  rows = []
+  header = ["model", "compressor", "settings", "step ms", "step / allreduce", "W", "global batch"]
+  rows, keys = [], []
   for count in counts:
-    devices = jax.devices()[:count]
-    for model, (task, batch_size) in model_tasks(args.quick, models[:1] if args.quick
-                                                 else models).items():
-      n = sum(x.size for x in jax.tree.leaves(task.init(0)))
+    devices = common.devices(count, args.platform)
+    for key, (model, (task, batch_size)) in [(m, t) for m in models
+                                             for t in model_tasks(args.quick, [m]).items()]:
+      params = task.init(0)
+      n = sum(np.size(x) for x in jax.tree.leaves(params))
       size = batch_size(count)
-      runners = step_runners(task, compressor_list, task.batch(0, 0, size), devices)
+      hlo = functools.partial(save_hlo, args.hlo_dir, key, count) if args.hlo_dir else None
+      runners = step_runners(task, compressor_list, task.batch(0, 0, size), devices, hlo, params)
       times = common.interleaved(runners, repeats, warmup=2)
       for c in compressor_list:
         rows.append([f"{model} ({n:,} params)", c.name, c.about,
                      f"{1e3 * common.median(times[c.name]):.1f}",
                      f"{common.ratio(times, c.name, 'allreduce'):.2f}", f"{count}", f"{size}"])
+        keys.append(key)
         print(f"  {model} W={count} {c.name}: {rows[-1][4]}", file=sys.stderr, flush=True)
       del runners
-  table = common.markdown_table(
-      ["model", "compressor", "settings", "step ms", "step / allreduce", "W", "global batch"], rows,
-      "lllrrrr")
-  body = (f"W simulated devices (`jaxcomp.data_parallel`, as the main job runs it: on CPU devices "
+      common.write_out(args.out, "step_time.py", header, rows, False, keys=keys, repeats=repeats,
+                       platform=devices[0].platform)
+  common.write_out(args.out, "step_time.py", header, rows, True, keys=keys, repeats=repeats,
+                   platform=devices[0].platform)
+  table = common.markdown_table(header, rows, "lllrrrr")
+  where = ("W simulated devices" if devices[0].platform == "cpu" else
+           f"W {devices[0].platform.upper()} devices ({devices[0].device_kind})")
+  body = (f"{where} (`jaxcomp.data_parallel`, as the main job runs it: on CPU devices "
           f"without donation); median of {repeats} interleaved per-round ratios. "
-          "The ms column is for scale only: the devices share the machine's cores."
+          + ("The ms column is for scale only: the devices share the machine's cores."
+             if devices[0].platform == "cpu" else "")
           + (" Local SGD and DiLoCo communicate once every H steps: their figure is the median "
              "step, a local one." if any(c.wraps_optimizer for c in compressor_list) else "")
           + "\n\n" + table)
