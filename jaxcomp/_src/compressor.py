@@ -137,6 +137,9 @@ class Algorithm:
       (or a direction from it, for an optimizer to follow); ``"update"``, a whole optimizer's
       update (the step scales its direction by the learning rate; nothing but guards may follow
       it); ``"assign"``, for the family that owns the parameters (its own init and step).
+    direction: for an ``"update"``, the public name of the transformation that computes the same
+      direction without the learning rate (``"scale_by_onebit_adam"``), which the refusal of an
+      optimizer after it offers; None if there is none.
   """
   name: str
   state: type
@@ -152,6 +155,7 @@ class Algorithm:
   is_own_config: Callable = _any
   scatter: Optional[Callable] = None
   output: str = "gradient"
+  direction: Optional[str] = None
 
   def __post_init__(self):
     validate.choice(self.nonfinite, "nonfinite", NONFINITE)
@@ -233,9 +237,7 @@ def _mean(algorithm: Algorithm, config, state, leaves: list, axis_name,
           step: Optional[Callable], shape_of: Callable) -> tuple:
   """``run_step`` under the non-finite policy (``Algorithm.nonfinite`` says how); ``shape_of(leaf)``
   is the shape of its output (a shard's with ``step=algorithm.scatter``)."""
-  if not algorithm.stateful or not leaves:
-    return run_step(algorithm, config, state, leaves, axis_name, step)[:2]
-  if algorithm.nonfinite == "own":  # the step applies the policy itself
+  if not algorithm.stateful or not leaves or algorithm.nonfinite == "own":  # "own": its step's
     return run_step(algorithm, config, state, leaves, axis_name, step)[:2]
   with kernels.part("nonfinite"):
     ok = finite.all_finite(leaves, axis_name)
@@ -314,8 +316,9 @@ def _declared(algorithm: Algorithm, axis_name: axis.AxisName, init_fn: Callable,
                                     scatter=scatter)
 
   def last_in_chain(updates, state, params=None):
-    optax_wrappers.check_last_in_chain(f"jaxcomp.{algorithm.name}",
-                                       alternative=f"jaxcomp.scale_by_{algorithm.name}")
+    optax_wrappers.check_last_in_chain(
+        f"jaxcomp.{algorithm.name}",
+        alternative=algorithm.direction and f"jaxcomp.{algorithm.direction}")
     return update_fn(updates, state, params)
 
   return interface.Transformation(init_fn, last_in_chain, name=algorithm.name,

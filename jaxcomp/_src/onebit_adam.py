@@ -245,6 +245,7 @@ SCALE_BY_ONEBIT_ADAM = compressor.Algorithm(
     phase_of=phase_of, traceable=("b1", "b2", "eps"),
     nonfinite="own")  # 6: from the exchange's scales, or the warm-up's dense mean
 ONEBIT_ADAM = dataclasses.replace(SCALE_BY_ONEBIT_ADAM, name="onebit_adam", output="update",
+                                  direction="scale_by_onebit_adam",
                                   traceable=("b1", "b2", "eps", "learning_rate"))
 
 
