@@ -242,6 +242,8 @@ def _is_guard(update_fn) -> bool:
 
 def _describe(update_fn) -> str:
   update_fn = _unwrapped(update_fn)
+  if _code(update_fn) is _CHAIN:
+    return "an optax.chain (optax's optimizers, optax.adam and the like, are chains)"
   qualname = getattr(update_fn, "__qualname__", type(update_fn).__name__)
   return f"{qualname.split('.<locals>')[0]} (from {getattr(update_fn, '__module__', '?')})"
 
