@@ -17,10 +17,12 @@ bloc97/DeMo's ``demo.py``, the paper's Algorithm 1):
    alpha=lr)``).
 3. The orthonormal DCT-II of each tile, as products with the basis matrices (ref.'s
    ``TransformDCT.encode``): ``C = Fₕᵀ·tile·F_w``.
-4. The k' coefficients of largest magnitude of each tile (``lax.top_k``, once for all the tiles
-   of one size; ref.'s ``CompressDCT.compress``), their positions in the tile as int16 (int32 for a
-   tile of more than 32,768 coefficients).
-5. Error feedback: ``δ ← δ − IDCT(the coefficients sent)`` (ref.: ``delta.sub_(transmit_grad)``).
+4. The k' coefficients of largest magnitude of each tile (``lax.top_k``; ref.'s
+   ``CompressDCT.compress``), their positions in the tile as int16 (int32 for a tile of more than
+   32,768 coefficients).
+5. Error feedback: ``δ ← δ − IDCT(the coefficients sent)`` (ref.: ``delta.sub_(transmit_grad)``),
+   computed as the inverse DCT of the coefficients not sent (the same up to rounding; no second
+   array of the tiles' size).
 6. One all-gather of every leaf's positions (int16) and one of the values (float32), from every
    device (ref.'s ``_demo_all_gather``).
 7. The decode, the same on every device: per coefficient, the sum of the values the devices sent
@@ -177,29 +179,25 @@ def _mean_of_sent(positions: jax.Array, values: jax.Array, size: int) -> jax.Arr
   sent it (0 where none did), from the gathered (W, tiles, k) ``positions`` and ``values``."""
   tiles = jnp.arange(values.shape[1])[:, None]
   total = jnp.zeros((values.shape[1], size), jnp.float32)
-  count = jnp.zeros((values.shape[1], size), jnp.float32)
+  count = jnp.zeros((values.shape[1], size), jnp.int8 if values.shape[0] < 128 else jnp.int32)
   for d in range(values.shape[0]):  # positions are distinct within a device's tile
     where = (tiles, positions[d].astype(jnp.int32))
     total = total.at[where].add(values[d])
-    count = count.at[where].add(1.0)
-  return total / jnp.maximum(count, 1.0)
+    count = count.at[where].add(1)
+  return total / jnp.maximum(count, 1).astype(jnp.float32)
 
 
 def _groups(layout: list) -> dict:
-  """4, 7: the leaves by tile size, whose tiles are selected and decoded together (one ``top_k``
-  and one scatter per device for all of them, not one per leaf)."""
+  """7: the leaves by tile size, whose tiles are decoded together (one scatter per device for all
+  of them, not one per leaf)."""
   groups: dict = {}
   for i, t in enumerate(layout):
     groups.setdefault(t.h * t.w, []).append(i)
   return groups
 
 
-def _joined(arrays: list) -> jax.Array:
-  return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays)
-
-
 def _split(joined: jax.Array, layout: list, members: list) -> list:
-  """``_joined``'s inverse: each member leaf's (tiles, size) rows."""
+  """Each member leaf's (tiles, size) rows of the tiles of ``members`` joined in order."""
   ends = np.cumsum([math.prod(layout[i].grid) for i in members])[:-1]
   return jnp.split(joined, ends) if len(members) > 1 else [joined]
 
@@ -221,39 +219,30 @@ def step(config: DeMoConfig, state: DeMoState, leaves: list, axis_name, phase,
   rate = config.learning_rate
   rate = jnp.asarray(rate(state.count) if callable(rate) else rate, jnp.float32)
   layout = [_tiles(config, g.shape) for g in leaves]
-  groups = _groups(layout)
-  deltas, coefficients = [], []
+  positions, values, deltas = [], [], []
   for t, g, delta in zip(layout, leaves, state.signature.pick(state.delta)):
     # 2: δ ← decay·δ + lr·g; 3: its DCT, tile by tile.
     delta = config.decay * delta + rate * g.astype(jnp.float32)
-    deltas.append(delta)
     with kernels.part("encode"):
-      coefficients.append(_encode(t, delta.reshape(t.a, t.b)).reshape(-1, t.h * t.w))
-  positions, values, sparse = [], [], [None] * len(leaves)
-  for size, members in groups.items():
-    t = layout[members[0]]
-    c = _joined([coefficients[i] for i in members])
-    with kernels.part("encode"):  # 4: the k' largest |coefficients| of each tile
+      c = _encode(t, delta.reshape(t.a, t.b)).reshape(-1, t.h * t.w)
+      # 4: the k' largest |coefficients| of each tile.
       where = lax.top_k(jnp.abs(c), t.k)[1]
       sent = jnp.take_along_axis(c, where, axis=-1)
-    with kernels.part("error_feedback"):  # 5: what was sent, as the tiles' coefficients
-      tiles = jnp.arange(c.shape[0])[:, None]
-      for i, part in zip(members, _split(jnp.zeros_like(c).at[tiles, where].set(sent), layout,
-                                         members)):
-        sparse[i] = part
+    with kernels.part("error_feedback"):  # 5: δ − IDCT(sent), as the IDCT of the rest
+      rest = c.at[jnp.arange(c.shape[0])[:, None], where].set(0.0)
+      deltas.append(_decode(t, rest).reshape(delta.shape))
     positions.append(where.astype(t.index_dtype))
     values.append(sent)
-  with kernels.part("error_feedback"):  # 5: δ ← δ − IDCT(what was sent)
-    deltas = [d - _decode(t, s).reshape(d.shape) for t, d, s in zip(layout, deltas, sparse)]
   # 6: every device's positions and values (one all-gather per dtype).
   gathered = kernels.all_gather(positions + values, axis_name)
-  ok = finite.reduced_finite(gathered[len(groups):])  # 9
+  ok = finite.reduced_finite(gathered[len(leaves):])  # 9
   rate = jnp.where(ok, rate, jnp.nan)  # 9: every update it scales NaN
   means = [None] * len(leaves)
-  with kernels.part("decode"):  # 7: the mean of what was sent
-    for j, (size, members) in enumerate(groups.items()):
-      mean = _mean_of_sent(gathered[j], gathered[len(groups) + j], size)
-      for i, part in zip(members, _split(mean, layout, members)):
+  with kernels.part("decode"):  # 7: the mean of what was sent, the tiles of one size together
+    for size, members in _groups(layout).items():
+      joined = [jnp.concatenate([gathered[j + i] for i in members], axis=1)
+                if len(members) > 1 else gathered[j + members[0]] for j in (0, len(leaves))]
+      for i, part in zip(members, _split(_mean_of_sent(*joined, size), layout, members)):
         means[i] = part
   updates = []
   for i, (t, g) in enumerate(zip(layout, leaves)):
