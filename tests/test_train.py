@@ -61,6 +61,8 @@ def test_quick_run_prints_the_table_and_writes_its_files(tmp_path):
   assert f"was {low:.2f}–{high:.2f}" in proc.stdout  # the model's error on a real link
   assert "step" in proc.stderr  # the progress bar
   assert (out / "loss.png").stat().st_size > 0
+  assert lines[-1].startswith(f"To project these measurements to your model, devices and link: "
+                              f"{job.PLAN_EXAMPLE}")  # the planner, named once, last
   assert "| compressor |" in (out / "results.md").read_text()
   results = json.loads((out / "results.json").read_text())
   assert results["devices"] == 4
@@ -216,7 +218,8 @@ def test_bad_arguments_from_the_command_line_are_not_tracebacks():
 def test_help_explains_each_option():
   text = _run("--help").stdout
   for option in ("--task", "--steps", "--max-steps", "--devices", "--compressors", "--gbits",
-                 "--out", "--batch-size", "--seed", "--quick", "--link"):
+                 "--out", "--batch-size", "--seed", "--quick", "--link", "--plan", "--model",
+                 "--params", "--step-ms", "--from-run"):
     assert option in text
   assert "standard library" in text and "8x8 digits" in text
 

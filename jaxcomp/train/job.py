@@ -29,6 +29,10 @@ sends), the wall-clock until then MODELLED at each ``--gbits`` link speed per wo
 "diverged". ``OUT/loss.png`` plots the held-out loss against step, cumulative bytes, the modelled
 wall-clock at each link speed and (with ``--link``) the wall-clock over the link.
 
+``--plan`` trains nothing: it projects the measurements (``jaxcomp/train/measured.json``) to
+another model (``--model``, ``--params``) on ``--devices`` workers at each ``--gbits`` link speed
+(``jaxcomp.train.planner``). A run without it ends with one line naming that command.
+
 ``--link RATE`` (root, ``ip`` and ``tc``) also times each phase's step over a real slow link —
 ``--devices`` processes in a private network namespace whose loopback is rate-limited
 (``jaxcomp.train.link``) — and adds the step time over the link and the wall-clock to the target
@@ -47,7 +51,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxcomp.train import network, registry
+from jaxcomp.train import network, registry, shapes
 from jaxcomp.train.training_step import first_copy, make_mesh, make_step
 
 
@@ -105,19 +109,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument(
       "--devices", type=int, default=8,
       help="data-parallel devices; on CPU this many devices are simulated "
-           "(jax_num_cpu_devices), on a GPU/TPU host at most the devices it has")
+           "(jax_num_cpu_devices), on a GPU/TPU host at most the devices it has; with --plan, "
+           "the W to project to")
   parser.add_argument(
-      "--compressors", default=",".join(registry.JOB_DEFAULT),
+      "--compressors", default=None,
       help="comma-separated compressors to compare, allreduce first if present, or 'all' (every "
-           "one below); choose from: "
+           f"one below); default {','.join(registry.JOB_DEFAULT)} (with --plan: all); choose "
+           "from: "
            + "; ".join(f"{k} ({v.about})" for k, v in registry.REGISTRY.items()).replace("%", "%%"))
   parser.add_argument(
       "--gbits", default=",".join(map(str, GBITS)),
       help="link speeds per worker (Gbit/s, comma-separated) at which the table and the plot show "
            "the wall-clock to target modelled for the run's devices: the step measured in the run "
-           "plus its collectives' bytes through the α-β model (jaxcomp.train.network)")
+           "plus its collectives' bytes through the α-β model (jaxcomp.train.network); with "
+           "--plan, the speeds to project to")
   parser.add_argument("--out", default="jaxcomp_train_out",
-                      help="folder for results.md, results.json and loss.png (created if missing)")
+                      help="folder for results.md, results.json and loss.png, or with --plan "
+                           "plan.md and plan.png (created if missing)")
   parser.add_argument(
       "--batch-size", type=int, default=None,
       help="global batch per step, split evenly over the devices (default: 32 sequences of 64 "
@@ -126,12 +134,68 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       help="seed of the initial parameters and of the batch order")
   parser.add_argument("--quick", action="store_true",
                       help="a tiny run for CI: smaller model and eval set, 20 steps unless --steps")
+  plan = parser.add_argument_group(
+      "sizing a cluster (--plan): no training run; the bytes at the model's real layer shapes, the "
+      "α-β model, and the step and steps-to-target ratios measured on small models "
+      "(jaxcomp/train/measured.json, dated)")
+  plan.add_argument(
+      "--plan", action="store_true",
+      help="project every registry entry (or --compressors) to --model or --params on --devices "
+           "workers at each --gbits link speed: bytes per step, communication time, compute "
+           "overhead, time per step and to target against allreduce and bf16, crossover link "
+           "speed; writes OUT/plan.md and OUT/plan.png")
+  plan.add_argument("--model", choices=list(shapes.MODELS), default=None,
+                    help="--plan: a model of published layer shapes")
+  plan.add_argument("--params", default=None, metavar="N",
+                    help="--plan: a GPT-2-shaped transformer of about N parameters (e.g. 350M, "
+                         "1.3e9, 7B)")
+  plan.add_argument("--step-ms", type=float, default=None, metavar="MS",
+                    help="--plan: your measured compute time per step (forward, backward, "
+                         "optimizer; no communication), in ms; without it, an estimate from the "
+                         "model's FLOPs, printed as such")
+  plan.add_argument("--from-run", default=None, metavar="RESULTS_JSON",
+                    help="--plan: also take the steps to target from this run of the job "
+                         "(its OUT/results.json), before the packaged ones")
   parser.add_argument(
       "--link", default=None, metavar="RATE",
       help="also time every compressor's steps over a slow link — --devices processes in a private "
            "network namespace whose loopback is rate-limited to RATE (e.g. 100mbit, 1gbit, none) — "
            "and add wall-clock columns (needs root and the ip and tc commands)")
   args = parser.parse_args(argv)
+  defaults = parser.parse_args([])
+  planning = ("--model", "--params", "--step-ms", "--from-run")
+  if not args.plan:
+    given = [o for o in planning if getattr(args, o[2:].replace("-", "_")) is not None]
+    if given:
+      parser.error(f"{given[0]} is an option of --plan (python -m jaxcomp.train --plan "
+                   f"{given[0]} ...)")
+  else:
+    trained = [o for o in ("--task", "--steps", "--max-steps", "--batch-size", "--seed", "--quick",
+                           "--link")
+               if getattr(args, o[2:].replace("-", "_")) != getattr(defaults,
+                                                                   o[2:].replace("-", "_"))]
+    if trained:
+      parser.error(f"{trained[0]} does not apply to --plan (it trains nothing)")
+    if (args.model is None) == (args.params is None):
+      parser.error("--plan needs --model (" + ", ".join(shapes.MODELS) + ") or --params N"
+                   + (", not both" if args.model else ""))
+    if args.params is not None:
+      try:
+        args.params = parse_count(args.params)
+      except ValueError as e:
+        parser.error(f"--params: {e}")
+    if args.step_ms is not None and not 0 < args.step_ms < float("inf"):
+      parser.error(f"--step-ms must be a positive number of milliseconds; got {args.step_ms:g}")
+    if args.devices < 2:
+      parser.error(f"--devices must be at least 2 for --plan; got {args.devices}")
+    if args.from_run is not None and not os.path.isfile(args.from_run):
+      parser.error(f"--from-run: no such file: {args.from_run}")
+    try:
+      args.gbits = parse_gbits(args.gbits)
+    except ValueError as e:
+      parser.error(f"--gbits: {e}")
+    args.compressors = _names(parser, args.compressors or "all")
+    return args
 
   if args.steps is None:
     args.steps = 20 if args.quick else 400
@@ -158,7 +222,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.gbits = parse_gbits(args.gbits)
   except ValueError as e:
     parser.error(f"--gbits: {e}")
-  names = [n.strip() for n in args.compressors.split(",") if n.strip()]
+  args.compressors = _names(parser, args.compressors or ",".join(registry.JOB_DEFAULT))
+  return args
+
+
+def _names(parser: argparse.ArgumentParser, text: str) -> list:
+  """The registry names of ``--compressors``; an unknown or repeated one exits with one line."""
+  names = [n.strip() for n in text.split(",") if n.strip()]
   if names == ["all"]:
     names = list(registry.REGISTRY)
   unknown = [n for n in names if n not in registry.REGISTRY]
@@ -166,9 +236,29 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.error(f"--compressors: unknown compressor {', '.join(map(repr, unknown)) or '(none)'}; "
                  f"choose from {', '.join(registry.REGISTRY)}")
   if len(set(names)) != len(names):
-    parser.error(f"--compressors lists a compressor twice: {args.compressors}")
-  args.compressors = names
-  return args
+    parser.error(f"--compressors lists a compressor twice: {text}")
+  return names
+
+
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> int:
+  """A parameter count from ``"350M"``, ``"1.3e9"``, ``"7B"`` or ``"124,439,808"``.
+
+  Raises:
+    ValueError: not such a number, or outside ``shapes.transformer``'s range.
+  """
+  clean = text.strip().replace(",", "").replace("_", "")
+  scale = _SUFFIXES.get(clean[-1:].lower(), 1)
+  try:
+    value = float(clean[:-1] if scale != 1 else clean) * scale
+  except ValueError:
+    value = float("nan")
+  if not shapes.MIN_PARAMS <= value <= 1e13:
+    raise ValueError(f"a parameter count from {shapes.MIN_PARAMS:.0e} to 1e13 (e.g. 350M, 1.3e9, "
+                     f"7B); got {text!r}")
+  return int(value)
 
 
 def setup_devices(count: int) -> list:
@@ -531,14 +621,23 @@ def payoff(ax, runs: Sequence[Run], styles: Sequence[dict], world: int,
   speeds = np.geomspace(min(min(gbits) / 10, 0.01), max(max(gbits), 100), 25)
   modelled = modelled_to_target(runs, world, speeds)
   base, _ = target_of(runs)
-  for r, style in zip(runs, styles):
-    if modelled[speeds[0]][r.name] is not None:
-      ratios = [modelled[g][r.name] / modelled[g][base.name] for g in speeds]
-      ax.plot(speeds, ratios, **style, label=r.name, lw=1.3, ms=4, markevery=3)
+  curves = {r.name: [modelled[g][r.name] / modelled[g][base.name] for g in speeds]
+            for r in runs if modelled[speeds[0]][r.name] is not None}
+  draw_payoff(ax, speeds, curves, {r.name: style for r, style in zip(runs, styles)},
+              f"modelled wall-clock to target / {base.name}'s",
+              f"where compression pays off (< 1), modelled, W = {world}")
+
+
+def draw_payoff(ax, speeds: Sequence[float], curves: dict, styles: dict, ylabel: str,
+                title: str) -> None:
+  """Draws ``curves`` (``{name: [time / the baseline's at each of speeds]}``) against the link
+  speed, each in ``styles[name]``, with the line of 1 (below it, the entry pays off): the "where
+  compression pays off" panel of the job (``payoff``) and of the planner."""
+  for name, ratios in curves.items():
+    ax.plot(speeds, ratios, **styles[name], label=name, lw=1.3, ms=4, markevery=3)
   ax.axhline(1.0, color="black", lw=0.8, ls="--")
-  ax.set(xscale="log", yscale="log", xlabel="link speed per worker (Gbit/s)",
-         ylabel=f"modelled wall-clock to target / {base.name}'s",
-         title=f"where compression pays off (< 1), modelled, W = {world}")
+  ax.set(xscale="log", yscale="log", xlabel="link speed per worker (Gbit/s)", ylabel=ylabel,
+         title=title)
 
 
 def figure(runs: Sequence[Run], title: str, world: int = 1, gbits: Sequence[float] = ()):
@@ -626,8 +725,50 @@ def time_over_link(task_name: str, runs: Sequence[Run], *, rate: str, quick: boo
   return result
 
 
+PLAN_EXAMPLE = "python -m jaxcomp.train --plan --model gpt2-small --devices 64 --gbits 25"
+"""The command the default run names at its end."""
+
+
+def run_plan(args: argparse.Namespace) -> int:
+  """``--plan``: the planner's text on stdout, ``OUT/plan.md`` and ``OUT/plan.png``."""
+  from jaxcomp.train import measured, planner
+  start = time.perf_counter()
+  try:
+    data = measured.load()
+  except FileNotFoundError as e:
+    print(f"python -m jaxcomp.train: error: --plan: {e}", file=sys.stderr)
+    return 2
+  if args.from_run:
+    try:
+      data["steps_to_target"] = [measured.from_job(args.from_run)] + data["steps_to_target"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      print(f"python -m jaxcomp.train: error: --from-run {args.from_run}: not a results.json of "
+            f"the job ({type(e).__name__}: {e})", file=sys.stderr)
+      return 2
+  if args.model:
+    tree, about = None, None
+  else:
+    tree, about = shapes.transformer(args.params)
+  result = planner.plan(tree, model=args.model, devices=args.devices, gbits=args.gbits,
+                        step_ms=args.step_ms, names=args.compressors, data=data, about=about)
+  print(result.text)
+  os.makedirs(args.out, exist_ok=True)
+  command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
+  with open(os.path.join(args.out, "plan.md"), "w", encoding="utf-8") as f:
+    f.write(f"`{command.strip()}`\n\n{result.text}\n")
+  import matplotlib.pyplot as plt
+  fig = result.figure()
+  fig.savefig(os.path.join(args.out, "plan.png"), dpi=110)
+  plt.close(fig)
+  print(f"wrote {args.out}/plan.md, plan.png ({time.perf_counter() - start:.1f} s)")
+  return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse_args(argv)
+  if args.plan:
+    args.argv = argv
+    return run_plan(args)
   if args.link:
     from jaxcomp.train import link
     reason = link.unavailable_reason()
@@ -694,4 +835,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   plot(runs, os.path.join(args.out, "loss.png"), f"{args.task}, {world} devices", world,
        args.gbits)
   print(f"wrote {args.out}/results.md, results.json, loss.png")
+  print(f"To project these measurements to your model, devices and link: {PLAN_EXAMPLE} "
+        "(--params N, --step-ms MS; --help)")
   return 0

@@ -42,28 +42,45 @@ whose compute varies from batch to batch). The switched form has not been measur
 network."""
 
 
-def allreduce_time(nbytes: float, world: int, alpha: float, beta: float) -> float:
-  """Seconds to all-reduce ``nbytes`` on ``world`` workers: the faster of ring and doubling."""
+ALGORITHMS = ("best", "ring", "doubling")
+"""What the formulas' ``algorithm`` picks: the faster of the two (as collective libraries choose),
+the ring alone, or recursive doubling alone (the tree-shaped one: ⌈log2 W⌉ messages)."""
+
+
+def _pick(ring: float, doubling: float, algorithm: str) -> float:
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
+  return {"best": min(ring, doubling), "ring": ring, "doubling": doubling}[algorithm]
+
+
+def allreduce_time(nbytes: float, world: int, alpha: float, beta: float,
+                   algorithm: str = "best") -> float:
+  """Seconds to all-reduce ``nbytes`` on ``world`` workers: the faster of ring and doubling, or
+  the one ``algorithm`` names."""
   if world <= 1:
     return 0.0
   ring = 2 * (world - 1) * (alpha + nbytes / (world * beta))
   doubling = math.ceil(math.log2(world)) * (alpha + nbytes / beta)
-  return min(ring, doubling)
+  return _pick(ring, doubling, algorithm)
 
 
-def allgather_time(contribution: float, world: int, alpha: float, beta: float) -> float:
+def allgather_time(contribution: float, world: int, alpha: float, beta: float,
+                   algorithm: str = "best") -> float:
   """Seconds to all-gather ``contribution`` bytes from each of ``world`` workers."""
   if world <= 1:
     return 0.0
   ring = (world - 1) * (alpha + contribution / beta)
   doubling = math.ceil(math.log2(world)) * alpha + (world - 1) * contribution / beta
-  return min(ring, doubling)
+  return _pick(ring, doubling, algorithm)
 
 
-def alltoall_time(nbytes: float, world: int, alpha: float, beta: float) -> float:
-  """Seconds for an all-to-all of ``nbytes`` per worker (``nbytes / world`` to each worker)."""
+def alltoall_time(nbytes: float, world: int, alpha: float, beta: float,
+                  algorithm: str = "best") -> float:
+  """Seconds for an all-to-all of ``nbytes`` per worker (``nbytes / world`` to each worker): one
+  formula (pairwise exchange) whatever ``algorithm`` says."""
   if world <= 1:
     return 0.0
+  _pick(0.0, 0.0, algorithm)
   return (world - 1) * (alpha + nbytes / (world * beta))
 
 
@@ -77,10 +94,12 @@ def _formula(formulas: dict, op: str):
   return formulas[op]
 
 
-def comm_time(collectives: Iterable[Sequence], world: int, alpha: float, beta: float) -> float:
+def comm_time(collectives: Iterable[Sequence], world: int, alpha: float, beta: float,
+              algorithm: str = "best") -> float:
   """Seconds for ``(op, bytes)`` collectives on a switched network: all-reduce bytes N, all-gather
   bytes per worker, all-to-all bytes N per worker."""
-  return sum(_formula(_SWITCHED, op)(nbytes, world, alpha, beta) for op, nbytes in collectives)
+  return sum(_formula(_SWITCHED, op)(nbytes, world, alpha, beta, algorithm)
+             for op, nbytes in collectives)
 
 
 def shared_medium_time(collectives: Iterable[Sequence], world: int, alpha: float,
@@ -104,10 +123,12 @@ def operands(report) -> list:
           for c in report.collectives]
 
 
-def step_time(collectives: Iterable[Sequence], world: int, alpha: float, beta: float) -> float:
+def step_time(collectives: Iterable[Sequence], world: int, alpha: float, beta: float,
+              algorithm: str = "best") -> float:
   """Seconds of communication per step, on average, for ``(op, bytes, share)`` collectives
-  (``operands``) on a switched network: each collective's time times its share."""
-  return sum(share * comm_time([(op, nbytes)], world, alpha, beta)
+  (``operands``) on a switched network: each collective's time times its share; ``algorithm`` as
+  ``ALGORITHMS``."""
+  return sum(share * comm_time([(op, nbytes)], world, alpha, beta, algorithm)
              for op, nbytes, share in collectives)
 
 
