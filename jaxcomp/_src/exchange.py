@@ -317,10 +317,9 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
     with kernels.part("error_feedback"):
       rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
       server_error = _own_rows(rows_of, rows, me, world, [a.shape for a in x])
-  with kernels.part("error_feedback"):  # 7: both errors kept where not finite
-    worker_error, server_error = (
-        None if new is None else [jnp.where(ok, n, o) for n, o in zip(new, old)]
-        for new, old in zip((worker_error, server_error), old_errors))
+  with kernels.part("error_feedback"):  # 7: both errors kept where not finite (in place)
+    worker_error, server_error = (None if new is None else finite.keep_if_finite(ok, new, old)
+                                  for new, old in zip((worker_error, server_error), old_errors))
   return whole, worker_error, server_error, ok
 
 

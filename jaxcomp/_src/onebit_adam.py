@@ -211,15 +211,15 @@ def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_na
     mean = [axis.mean(g, axis_name) for g in grads]  # 1: plain Adam on the dense mean
     ok = finite.reduced_finite(mean)  # 6
     mu = [config.b1 * m + (1 - config.b1) * g for m, g in zip(old_mu, mean)]
-    root = [jnp.where(ok, _root_mean_square_update(config.b2, r, g), r)
-            for r, g in zip(old_root, mean)]
+    root = finite.keep_if_finite(ok, [_root_mean_square_update(config.b2, r, g)
+                                      for r, g in zip(old_root, mean)], old_root)
   else:
     # 2: the local momentum; 3: exchanged 1-bit with worker and server error (6: kept).
     local = [config.b1 * m + (1 - config.b1) * g for m, g in zip(old_mu, grads)]
     mu, *errors, ok = exchange.compressed_mean(sign.sign_codec(), local, *errors, axis_name)
     if config.freeze_steps:  # 3: no momentum where the frozen variance is 0
       mu = [jnp.where(r > 0, m, 0.0) for m, r in zip(mu, root)]
-  mu = [jnp.where(ok, m, o) for m, o in zip(mu, old_mu)]  # 6: kept where not finite
+  mu = finite.keep_if_finite(ok, mu, old_mu)  # 6: kept where not finite (in place)
   # 4: the direction m̂ / (√v̂ + eps), v̂ frozen with v.
   t = (state.count + 1).astype(jnp.float32)
   directions = mu

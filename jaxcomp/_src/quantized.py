@@ -277,7 +277,7 @@ def scatter(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_n
   ok = axis.psum((~mine).astype(jnp.int32), axis_name) == 0  # 7: every row's scales finite
   if config.error_feedback:
     state = state._replace(worker_error=signature.place(
-        [jnp.where(ok, n, o) for n, o in zip(new_error, worker_error)]))
+        finite.keep_if_finite(ok, new_error, worker_error)))
   owned = exchange.owned_shards(finite.nan_unless_finite(ok, mean), [g.shape for g in leaves],
                                 world)
   return [o.astype(g.dtype) for o, g in zip(owned, leaves)], state, ok
