@@ -10,7 +10,6 @@ resumed run must end exactly where the uninterrupted one does::
 """
 
 import argparse
-import functools
 import tempfile
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
