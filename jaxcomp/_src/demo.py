@@ -37,15 +37,18 @@ bloc97/DeMo's ``demo.py``, the paper's Algorithm 1):
    (``finite.keep_if_finite``) and the learning rate that scales every update is NaN.
 
 Bytes per device per step (payload, ``comm_report``): W·k'·(4 + 2) per tile (the gathered values
-and int16 positions of every device), against 4·h·w of a float32 mean: with 64 × 64 tiles and
-k = 32, 85× less payload, 21× less ring traffic at W = 8.
+and int16 positions of every device), against 4·h·w of a float32 mean. With 64 × 64 tiles and
+k = 32 a device's own share is 85× smaller than its float32 tile (the paper's "data per GPU"); at
+W = 8 the gathered payload is 10.7× smaller than a float32 all-reduce's and the ring traffic 21×
+(an all-gather forwards every device's share).
 
 Differences from ref. The positions travel as int16, not int64 (4× fewer index bytes). The decode
 adds the devices' values in device order, so every device computes the same bits (ref.'s
 ``scatter_reduce`` may add them in any order, so its replicas can drift apart). Leaves of more than
 two dimensions are matrices of their last axis (ref. handles 1-D and 2-D tensors only). The
 momentum and the values sent are float32 for every gradient dtype (ref.: the parameter's). The
-parameters keep their own dtype: the update is computed in float32 and cast.
+parameters keep their own dtype: the update is computed in float32 and cast. A non-finite
+gradient leaves the state as it was (9; ref. has no such policy: one NaN poisons its momentum).
 
 References:
   Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", 2024
