@@ -22,6 +22,7 @@ GROUPS = (
     ("powersgd", "PowerSGD", ("powersgd",)),
     ("dgc", "Deep Gradient Compression", ("dgc",)),
     ("low_bit", "8-bit and 1-bit compression", ("quantized", "sign", "onebit_adam")),
+    ("dion_demo", "Dion and DeMo", ("dion", "demo")),
     ("less_often", "Communicating less often",
      ("local_sgd", "diloco", "streaming_diloco", "sparseloco", "local_steps")),
     ("hooks_buckets", "Communication hooks and buckets", ("buckets", "hooks")),
