@@ -20,15 +20,15 @@ the paper's Algorithm 1, "ref." microsoft/dion's ``dion_update``):
    r). Every other leaf goes to the scalar optimizer (8).
 2. One all-reduce, ÷W (ref.'s "avg"): the dense mean of the scalar leaves and of the uncompressed
    matrices' gradients, and each compressed matrix's ``P = B·Q`` with ``B = M + G``, this device's
-   momentum and gradient (Alg. 1 lines 3–4).
+   momentum and gradient (Alg. 1).
 3. Uncompressed matrices: ``B = M + Ḡ`` (the same on every device) and ``P = B·Q`` locally.
-   ``P̂ = orth(P̄)`` (``powersgd.orthogonalize``: Gram–Schmidt for r ≤ 2, else QR; Alg. 1 line 5).
-4. ``R = Bᵀ·P̂``; one all-reduce, ÷W, of the compressed matrices' R (Alg. 1 line 6).
-5. Error feedback: ``M ← B − (1 − μ)·P̂·R̄ᵀ`` (Alg. 1 line 8); per device for compressed matrices.
-6. ``Q ← R̄ / (‖R̄‖_col + eps)``, column-normalised (Alg. 1 line 9); a column of R̄ that is all zero
+   ``P̂ = orth(P̄)`` (``powersgd.orthogonalize``: Gram–Schmidt for r ≤ 2, else QR; Alg. 1).
+4. ``R = Bᵀ·P̂``; one all-reduce, ÷W, of the compressed matrices' R (Alg. 1).
+5. Error feedback: ``M ← B − (1 − μ)·P̂·R̄ᵀ`` (Alg. 1); per device for compressed matrices.
+6. ``Q ← R̄ / (‖R̄‖_col + eps)``, column-normalised (Alg. 1); a column of R̄ that is all zero
    (a zero momentum) keeps its old Q column, as ref.'s ``fix_all_zero_or_nan`` keeps Q.
-7. The update ``−lr·(√(fan_out/fan_in)·P̂·Qᵀ + weight_decay·X)`` (Alg. 1 line 10 with decoupled
-   weight decay; ref.'s ``scaled_lr``), in the leaf's shape.
+7. The update ``−lr·(√(fan_out/fan_in)·P̂·Qᵀ + weight_decay·X)`` (Alg. 1, with decoupled weight
+   decay; ref.'s ``scaled_lr``), in the leaf's shape.
 8. The other leaves: ``optax.scale_by_adam(b1, b2, eps)`` or ``optax.scale_by_lion(b1, b2)`` on the
    dense mean ``ḡ`` of 2, and ``−lr_s·(direction + scalar_weight_decay·X)`` (ref.'s
    ``adamw_update`` / ``lion_update``).
@@ -55,7 +55,7 @@ whole, so a resumed run continues bitwise; ref. must all-reduce its per-device m
 checkpoint (``synchronize_for_checkpoint``), which changes them.
 
 References:
-  Ahn, Xu, Abreu, Langford, "Dion: Distributed Orthonormalized Updates", 2025
+  Ahn et al., "Dion: Distributed Orthonormalized Updates", 2025
   (https://arxiv.org/abs/2504.05295), Algorithm 1 and Section 3 (the data-parallel exchange).
   microsoft/dion ``dion/dion_reference.py`` (``dion_update``, ``power_iteration``) and
   ``dion/scalar_opts.py`` (``adamw_update``, ``lion_update``).
