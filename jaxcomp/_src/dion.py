@@ -257,8 +257,6 @@ def _factor(m: _Matrix, terms: tuple, f: jax.Array, long_side: bool) -> jax.Arra
   ``B = sum(terms)`` in the orientation 1 chose (``kernels.product``: B never written)."""
   if long_side != m.transposed:
     return kernels.product(terms, f)  # (a, b) · (b, r)
-  if f.shape[1] > 8:  # the plain product: transposed_product unrolls one per column (ranks ≤ 8)
-    return sum(t.T @ f for t in terms)
   return kernels.transposed_product(terms, f)  # (a, b)ᵀ · (a, r)
 
 

@@ -53,8 +53,12 @@ def transposed_product(terms: tuple, p: jax.Array) -> jax.Array:
   gradient (784-1024×3-10, W = 8, pmap, donated), ``t.T @ P`` per term / this: layer-wise PowerSGD
   rank 1 2.30× the time, rank 4 2.26×, the same temporaries; the outputs differ in rounding (the
   dot adds in another order). ``PYTHONPATH=. python benchmarks/kernels.py --repeats 10
-  --compressors powersgd_r1,powersgd_r4`` (2 shared cores).
+  --compressors powersgd_r1,powersgd_r4`` (2 shared cores). Above rank 8 (Dion's ¼ of a matrix's
+  side) one product per column is too many to unroll: the plain ``t.T @ P`` then, as
+  ``low_rank_product`` does.
   """
+  if p.shape[1] > 8:
+    return sum(t.T @ p for t in terms)
   return sum(jnp.stack([p[:, j] @ t for j in range(p.shape[1])], axis=1) for t in terms)
 
 
