@@ -64,12 +64,13 @@ def test_8_bit_and_1_bit_compression_match_allreduce_accuracy_on_digits():
   for name, wire in (("quantized_int8", "s8"), ("sign", "u8"), ("onebit_adam", "u8")):
     entry = registry.REGISTRY[name]
     compressed = accuracy(task, chain(task, entry, STEPS))
-    # The steady (compressing) step: only narrow collectives and the 4-byte finiteness flag.
+    # The steady (compressing) step: only narrow collectives and their float32 scales, no
+    # finiteness flag (a non-finite gradient shows in the scales every device receives).
     report = step_report(task, chain(task, entry))
     lines.append(f"{name}: {compressed:.4f}, {report.ring_bytes:,.0f} B/step/device (ring, "
                  f"{dense_bytes / report.ring_bytes:.1f}x less)")
     assert {c.dtypes[0] for c in report.collectives} <= {wire, "f32", "s32"}
-    assert [c.payload_bytes for c in report.collectives if c.op == "all-reduce"] == [4]
+    assert [c for c in report.collectives if c.op == "all-reduce"] == []
     assert sum(c.payload_bytes for c in report.collectives if "f32" in c.dtypes) < 0.02 * sum(
         c.payload_bytes for c in report.collectives)  # scales only
     assert compressed >= baseline - 0.01, (name, compressed, baseline)
