@@ -180,6 +180,15 @@ def test_alpha_beta_formulas():
   # A synchronization every 20 steps costs a twentieth of its time per step, on average.
   assert model.shared_medium_time([("all-reduce", n, 0.05)], 4, 1e-5, beta) == pytest.approx(
       0.05 * 6 * (1e-5 + n / beta))
+  # A token bucket passes its first `burst` bytes of a step at once: the rate applies to the rest,
+  # and a step that moves less than the bucket holds pays only the latency.
+  assert model.shared_medium_time([("all-reduce", n, 1.0)], 4, 1e-5, beta, burst=n) == pytest.approx(
+      6 * 1e-5 + 5 * n / beta)
+  assert model.shared_medium_time([("all-gather", 100, 1.0), ("all-reduce", 4, 1.0)], 4, 1e-5, beta,
+                                  burst=2000) == pytest.approx(9 * 1e-5)
+  # ... on every step it runs on: a synchronization every 20 steps gets the whole bucket.
+  assert model.shared_medium_time([("all-reduce", n, 0.05), ("all-reduce", n, 1.0)], 4, 0.0, beta,
+                                  burst=n) == pytest.approx(1.05 * 5 * n / beta)
   # DGC sends the dense mean once W·density·2 >= 1, as jaxcomp.dgc does.
   measured = {"allreduce": [("all-reduce", 40)], "dgc": [("all-gather", 8), ("all-reduce", 4)]}
   assert model.collectives_at("dgc", measured, 256) == measured["dgc"]

@@ -60,7 +60,10 @@ from typing import Callable, Optional, Sequence
 AXIS = "batch"
 PREFIX = "jaxcomp-"  # namespace names: jaxcomp-<pid of the creating process>-<random>
 MTU = 9000
-BURST = "256kb"
+BURST = "256kb"  # tc's kb: kilobytes
+BURST_BYTES = 256 * 1024
+"""The token bucket's depth: bytes a rate-limited link passes at once before its rate applies (the
+α-β model's ``burst``, ``jaxcomp.train.network.shared_medium_time``)."""
 LIMIT = "64mb"
 JAX_PORT, PROBE_PORT = 12355, 12357
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")

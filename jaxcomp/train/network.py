@@ -11,7 +11,8 @@ ring and recursive doubling, as collective libraries choose:
 
 On ONE SHARED MEDIUM (a rate-limited loopback, a hub: every worker's traffic passes one queue of
 rate β; ``benchmarks/slow_link.py`` measures such a link), gloo's ring algorithms put W workers'
-chunks through the queue at each of their steps, so each worker gets β/W (``shared_medium_time``):
+chunks through the queue at each of their steps, so each worker gets β/W (``shared_medium_time``;
+a token bucket's ``burst`` bytes pass at once on each step):
 
 * all-reduce of N bytes: 2(W−1)·(α + N/β);
 * all-gather of c bytes per worker: (W−1)·(α + W·c/β);
@@ -103,16 +104,28 @@ def comm_time(collectives: Iterable[Sequence], world: int, alpha: float, beta: f
 
 
 def shared_medium_time(collectives: Iterable[Sequence], world: int, alpha: float,
-                       beta: float) -> float:
+                       beta: float, burst: float = 0.0) -> float:
   """Seconds of communication per step, on average, for ``(op, bytes, share)`` collectives (as
   ``step_time``'s) on one medium of rate ``beta`` bytes/s shared by all ``world`` workers, with
-  gloo's ring algorithms: every ring step moves one chunk per worker through the same queue."""
+  gloo's ring algorithms: every ring step moves one chunk per worker through the same queue.
+
+  ``burst``: bytes the medium passes at once before its rate applies, on every step — a token
+  bucket's depth (``tc ... tbf burst``), refilled while the workers compute between steps (the
+  caller checks that the compute is long enough: ``burst / beta`` seconds). The collectives that run
+  on the same steps (the same share) pass their first ``burst`` bytes free of the rate limit, so a
+  step that moves little more than the bucket holds takes little longer than on the unlimited link.
+  """
   if world <= 1:
     return 0.0
-  shared = {"all-reduce": lambda n: 2 * (world - 1) * (alpha + n / beta),
-            "all-gather": lambda c: (world - 1) * (alpha + world * c / beta),
-            "all-to-all": lambda n: (world - 1) * (alpha + n / beta)}
-  return sum(share * _formula(shared, op)(nbytes) for op, nbytes, share in collectives)
+  messages = {"all-reduce": 2 * (world - 1), "all-gather": world - 1, "all-to-all": world - 1}
+  through = {"all-reduce": lambda n: 2 * (world - 1) * n,  # bytes through the one queue
+             "all-gather": lambda c: (world - 1) * world * c,
+             "all-to-all": lambda n: (world - 1) * n}
+  by_share = {}
+  for op, nbytes, share in collectives:
+    by_share[share] = by_share.get(share, 0.0) + _formula(through, op)(nbytes)
+  latency = sum(share * messages[op] * alpha for op, _, share in collectives)
+  return latency + sum(share * max(moved - burst, 0.0) / beta for share, moved in by_share.items())
 
 
 def operands(report) -> list:
