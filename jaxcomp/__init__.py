@@ -47,6 +47,11 @@ from jaxcomp._src.distributed import check_replicated
 from jaxcomp._src.distributed import sync_buffers
 from jaxcomp._src.guard import SkipIfNonfiniteState
 from jaxcomp._src.guard import skip_if_nonfinite
+from jaxcomp._src.fsdp import Layer
+from jaxcomp._src.fsdp import gather_layer
+from jaxcomp._src.fsdp_step import FullySharded
+from jaxcomp._src.fsdp_step import FullyShardedState
+from jaxcomp._src.fsdp_step import fully_sharded
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
 from jaxcomp._src.interface import Transformation
@@ -106,7 +111,10 @@ __all__ = (
     "DiLoCoState",
     "DionConfig",
     "DionState",
+    "FullySharded",
+    "FullyShardedState",
     "GradBucket",
+    "Layer",
     "LocalSGDConfig",
     "LocalSGDState",
     "OneBitAdamConfig",
@@ -150,6 +158,8 @@ __all__ = (
     "fp16_compress",
     "fp16_compress_wrapper",
     "fragment_layout",
+    "fully_sharded",
+    "gather_layer",
     "hooks",
     "local_sgd",
     "onebit_adam",

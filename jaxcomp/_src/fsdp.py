@@ -1,0 +1,283 @@
+"""Fully sharded data parallelism (ZeRO-3, FSDP) with compressed exchanges: gather a layer, scatter
+its gradient.
+
+``jaxcomp.sharded_optimizer`` (ZeRO-1/2) shards the optimizer state but every device still holds
+the whole parameters. Fully sharded, each device stores 1/W of every parameter too (the layout of
+``shards.py``, the same as ``sharded_optimizer``'s): a layer's parameters are all-gathered just
+before the layer runs, and the backward pass reduce-scatters that layer's gradient. Here both
+travel through jaxcomp's codecs. The steps, per device (the ``# n:`` comments below):
+
+1. the loss function receives the parameters with each layer (a subtree at ``layer_depth`` of the
+   parameters' pytree) as a ``Layer``: this device's shards and its gradient exchange's state;
+2. ``gather_layer(layer)`` all-gathers the layer's shards in ``gather_dtype``: exactly (None), in
+   bfloat16, or as int8 / float8_e4m3fn codes with a float32 scale per 256 values (ZeRO++'s qwZ,
+   ``jaxcomp.quantized``'s block codec and the exchange's gather, ``exchange.gather_rows``), and
+   casts them back to the parameters' dtype: the layer computes with the whole (dequantized)
+   parameters, the stored shards stay exact (they are the master copy);
+3. its VJP (``jax.custom_vjp``) reduce-scatters the layer's gradient through the jaxcomp exchange
+   (its declared ``scatter``: ``allreduce`` and ``bf16_compress`` as a ``psum_scatter`` in their wire
+   dtype, ``quantized(8)`` as the all-to-all of int8 codes with the sender's error feedback, ZeRO++'s
+   qgZ): this device receives its shard of the layer's mean gradient. The exchange's new state rides
+   back as the cotangent of its old state (as Flax's float8 training carries its scales), integer
+   leaves bit-cast to float32 on the way, so error feedback is kept in ``FullyShardedState``;
+4. leaves that cannot be sharded — 0-d leaves and leaves of fewer values than W — stay whole on
+   every device (replicated), are not gathered, and their gradient is the exact mean
+   (``axis.mean``, float32);
+5. the optimizer runs on the shards (an elementwise one: ``zero.check_elementwise`` refuses the
+   others while the step is traced) and the shards move; nothing is gathered after the update: the
+   next forward pass gathers.
+
+Bytes per device per step (ring): (W−1)/W·N values in the gather dtype and (W−1)/W·N in the
+exchange's wire dtype, each layer's in its own collectives (plus the scales of the 8-bit codes: 4
+bytes per 256 values). Gathered again in the backward pass under ``jax.checkpoint``, the gather is
+paid twice. Memory per device: N/W parameters (plus at most W − 1 padding values per leaf), the
+optimizer's state of them, and the exchange's state (``quantized``'s error feedback is the whole
+gradient of a layer, float32, per device: ``quantized(8, error_feedback=False)`` keeps none).
+
+The step builder, ``jaxcomp.fully_sharded``, is in ``jaxcomp._src.fsdp_step``.
+
+References:
+  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+  SC 2020 (https://arxiv.org/abs/1910.02054): stage 3, the parameters partitioned.
+  Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 2023
+  (https://arxiv.org/abs/2304.11277): per-unit all-gather and reduce-scatter.
+  Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model Training", 2023
+  (https://arxiv.org/abs/2306.10209): qwZ (quantized weight all-gather) and qgZ (quantized gradient
+  reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp._src import axis, quantized, shards, spmd
+from jaxcomp._src import exchange as exchange_lib
+from jaxcomp._src import tree as tree_lib
+
+GATHER_DTYPES = (None, "bfloat16", "int8", "float8_e4m3fn")
+# qwZ: 8-bit codes with a float32 scale per block of 256 values (jaxcomp.quantized's codec).
+_CODECS = {"int8": quantized.block_codec(quantized.QuantizedConfig(bits=8, block_size=256)),
+           "float8_e4m3fn": quantized.block_codec(
+               quantized.QuantizedConfig(bits="fp8", block_size=256))}
+
+def replicated(shape: tuple, world: int) -> bool:
+  """Whether a leaf of ``shape`` stays whole on every device over ``world`` devices: 0-d, or fewer
+  values than devices."""
+  return not shape or math.prod(shape) < world
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _LayerSpec:
+  """What a ``Layer``'s gather needs to know (static): its subtree's structure, the whole leaves'
+  shapes and dtypes, which are replicated, how to gather and scatter, and the exchange state's
+  structure and dtypes."""
+  treedef: Any
+  shapes: tuple
+  dtypes: tuple
+  replicated: tuple
+  gather_dtype: Optional[str]
+  exchange: Any
+  axis_name: Any
+  state_treedef: Any
+  state_dtypes: tuple
+
+  @property
+  def sharded(self) -> list:
+    return [i for i, r in enumerate(self.replicated) if not r]
+
+
+@jax.tree_util.register_pytree_node_class
+class Layer:
+  """One layer's parameters as the loss function receives them: this device's shards (replicated
+  leaves whole) and its gradient exchange's state. ``gather_layer`` makes the whole parameters.
+
+  Attributes:
+    spec: static: the layer's structure and how it travels.
+    shards: a tuple, one array per leaf of the layer.
+    carriers: the exchange state's leaves as floating-point arrays (``_carry``).
+  """
+
+  def __init__(self, spec: _LayerSpec, shards_: tuple, carriers: tuple):
+    self.spec, self.shards, self.carriers = spec, shards_, carriers
+
+  def tree_flatten(self):
+    return (self.shards, self.carriers), self.spec
+
+  @classmethod
+  def tree_unflatten(cls, spec, children):
+    return cls(spec, *children)
+
+  def __repr__(self) -> str:
+    return f"jaxcomp.fsdp.Layer({jax.tree.unflatten(self.spec.treedef, self.spec.shapes)})"
+
+
+def _carry(x: jax.Array) -> jax.Array:
+  """A state leaf as a cotangent can carry it: floating point as it is, 32-bit integers and bools
+  bit-cast to float32 (exact: no arithmetic touches a carrier)."""
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.float32)
+  if jnp.issubdtype(x.dtype, jnp.integer) and x.dtype.itemsize == 4:
+    return lax.bitcast_convert_type(x, jnp.float32)
+  raise TypeError(f"exchange: its state holds a {x.dtype} leaf, which fully_sharded cannot carry "
+                  "through the backward pass; use allreduce, bf16_compress or quantized")
+
+
+def _uncarry(c: jax.Array, dtype) -> jax.Array:
+  """The inverse of ``_carry``."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return c
+  if dtype == jnp.bool_:
+    return c != 0
+  return lax.bitcast_convert_type(c, dtype)
+
+
+def _all_gather(sent: list, shapes: list, gather_dtype: Optional[str], axis_name) -> list:
+  """2: the whole leaves of ``shapes`` from every device's shards ``sent``, sent in
+  ``gather_dtype`` (8-bit: the exchange's 5–6 with the block codec)."""
+  if gather_dtype not in _CODECS:
+    return shards.gather([x if gather_dtype is None else x.astype(gather_dtype) for x in sent],
+                         shapes, axis_name)
+  rows_of = exchange_lib.shard_layout(shapes, axis.axis_size(axis_name))
+  rows = exchange_lib.shard_rows([x.astype(jnp.float32) for x in sent])
+  count = rows_of.count(axis.axis_index(axis_name))
+  return exchange_lib.gather_rows(_CODECS[gather_dtype], rows_of, rows, count, axis_name)[0]
+
+
+def _varying(x, axis_name):
+  """``x`` typed varying along the axis where values are typed (``shard_map(check_vma=True)``),
+  as the per-device inputs the backward pass returns cotangents for are."""
+  return axis.make_varying(x, spmd.axes(axis.bound_axis(axis_name))) if axis.vma_checked(
+      axis_name) else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather(spec: _LayerSpec, shards_: tuple, carriers: tuple) -> tuple:
+  return _gather_fwd(spec, shards_, carriers)[0]
+
+
+def _gather_fwd(spec: _LayerSpec, shards_: tuple, carriers: tuple):
+  whole = list(shards_)  # 4: replicated leaves as they are
+  if spec.sharded:
+    # 2: the sharded leaves gathered in gather_dtype, cast back to their dtype.
+    gathered = _all_gather([shards_[i] for i in spec.sharded],
+                           [spec.shapes[i] for i in spec.sharded], spec.gather_dtype,
+                           spec.axis_name)
+    for i, x in zip(spec.sharded, gathered):  # varying: no implicit all-reduce of the gradient
+      whole[i] = _varying(x.astype(spec.dtypes[i]), spec.axis_name)
+  return tuple(whole), carriers
+
+
+def _gather_bwd(spec: _LayerSpec, carriers: tuple, cotangents: tuple):
+  grads = [None] * len(cotangents)
+  for i, r in enumerate(spec.replicated):  # 4: the exact mean of a replicated leaf's gradient
+    if r:
+      grads[i] = _varying(axis.mean(cotangents[i], spec.axis_name), spec.axis_name)
+  if spec.sharded:
+    # 3: the reduce-scatter through the exchange, its new state carried back.
+    state = jax.tree.unflatten(spec.state_treedef,
+                               [_uncarry(c, d) for c, d in zip(carriers, spec.state_dtypes)])
+    owned, state = spec.exchange.scatter([cotangents[i] for i in spec.sharded], state)
+    for i, x in zip(spec.sharded, jax.tree.leaves(owned)):
+      grads[i] = _varying(x.astype(spec.dtypes[i]), spec.axis_name)
+    carriers = tuple(_varying(_carry(x), spec.axis_name) for x in jax.tree.leaves(state))
+  return tuple(grads), carriers
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def _is_layer(node) -> bool:
+  return isinstance(node, Layer)
+
+
+def gather_layer(tree):
+  """The whole parameters of every ``Layer`` in ``tree``, all-gathered in the layer's gather dtype;
+  in the backward pass, each layer's gradient is reduce-scattered through its exchange.
+
+  Call it in the loss function given to ``fully_sharded``, where a layer's parameters are used,
+  once per layer and step (a second call would carry its exchange's state back twice). A tree
+  without ``Layer``\\ s is returned as it is, so the same model code runs unsharded. Under
+  ``jax.checkpoint`` around the layer (gather and compute), the forward pass keeps no gathered
+  parameters for the backward pass, which gathers them again.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcomp
+    >>> jaxcomp.gather_layer({"w": jnp.ones(3)})  # unsharded: as it is
+    {'w': Array([1., 1., 1.], dtype=float32)}
+
+  Args:
+    tree: a pytree that may hold ``Layer``\\ s (the parameters ``fully_sharded``'s loss function
+      receives, or a part of them).
+
+  Returns:
+    ``tree`` with each ``Layer`` replaced by its subtree of whole parameters.
+  """
+  def whole(node):
+    if not _is_layer(node):
+      return node
+    return jax.tree.unflatten(node.spec.treedef, _gather(node.spec, node.shards, node.carriers))
+  return jax.tree.map(whole, tree, is_leaf=_is_layer)
+
+
+def _subtrees(tree, depth: int) -> list:
+  """The nodes of ``tree`` at ``depth`` (a leaf above it is one), in the order of its leaves."""
+  children = jax.tree.flatten(tree, is_leaf=lambda node: node is not tree)[0]
+  if depth == 0 or children == [tree]:
+    return [tree]
+  return [node for child in children for node in _subtrees(child, depth - 1)]
+
+
+def layers_of(signature: tree_lib.TreeSignature, depth: int) -> tuple:
+  """The layers: ``(indices, treedefs, above)``: each layer's leaf indices (of ``signature``), its
+  subtree's structure, and the treedef above the layers (whose leaves they are)."""
+  index_tree = signature.unflatten(range(len(signature.shapes)))
+  nodes = _subtrees(index_tree, depth)
+  ids = {id(node) for node in nodes}
+  above = jax.tree.structure(index_tree, is_leaf=lambda node: id(node) in ids)
+  return ([jax.tree.leaves(node) for node in nodes], [jax.tree.structure(node) for node in nodes],
+          above)
+
+
+def view(signature: tree_lib.TreeSignature, params, exchanges: tuple, depth: int, gather_dtype,
+         exchange, axis_name):
+  """1: the parameters as the loss function receives them, a ``Layer`` per layer: ``params``
+  (the structure of ``signature``: shards, replicated leaves whole) and each layer's exchange
+  state."""
+  world = axis.axis_size(axis_name)
+  flat = signature.treedef.flatten_up_to(params)
+  indices, treedefs, above = layers_of(signature, depth)
+  layers = []
+  for idx, treedef, ex in zip(indices, treedefs, exchanges):
+    leaves = jax.tree.leaves(ex)
+    spec = _LayerSpec(treedef, tuple(signature.shapes[i] for i in idx),
+                      tuple(signature.dtypes[i] for i in idx),
+                      tuple(replicated(signature.shapes[i], world) for i in idx),
+                      gather_dtype, exchange, axis_name, jax.tree.structure(ex),
+                      tuple(x.dtype.name for x in leaves))
+    layers.append(Layer(spec, tuple(flat[i] for i in idx), tuple(_carry(x) for x in leaves)))
+  return above.unflatten(layers)
+
+
+def unview(signature: tree_lib.TreeSignature, view_grads, depth: int) -> tuple:
+  """The gradient of ``view``'s result: ``(grads, exchanges)``, the gradient shards in the
+  parameters' structure and each layer's new exchange state (3)."""
+  grads = [None] * len(signature.shapes)
+  exchanges = []
+  for idx, layer in zip(layers_of(signature, depth)[0],
+                        jax.tree.leaves(view_grads, is_leaf=_is_layer)):
+    for i, g in zip(idx, layer.shards):
+      grads[i] = g
+    exchanges.append(jax.tree.unflatten(layer.spec.state_treedef, [
+        _uncarry(c, d) for c, d in zip(layer.carriers, layer.spec.state_dtypes)]))
+  return signature.unflatten(grads), tuple(exchanges)
