@@ -29,6 +29,7 @@ GROUPS = (
     ("accumulate_guards", "Accumulation and guards", ("accumulate", "guard")),
     ("data_parallel", "Data parallelism and state layout", ("data_parallel", "sharding")),
     ("sharded", "Sharded optimizer state", ("zero",)),
+    ("fsdp", "Fully sharded (ZeRO-3 / FSDP)", ("fsdp", "fsdp_step")),
     ("distributed", "Several processes", ("distributed",)),
     ("report", "Communication report", ("report", "phases")),
     ("core", "The protocol, axes and gradient signatures",

@@ -1,0 +1,144 @@
+"""Fully sharded (ZeRO-3 / FSDP, ``jaxcomp.fully_sharded``) against DDP and ZeRO-1/2 on an MLP.
+
+``step_time.py``'s MLP (784-1024×3-10, 2,913,290 parameters; ``--quick``: 784-256×3-10), Adam,
+W = 8 simulated CPU devices, global batch 64. For each way to train, per device:
+
+* memory: the parameters' and the optimizer state's bytes (the state's arrays as each device
+  holds them: a stacked per-device leaf's one entry, a replicated leaf whole), and the exchange's
+  state (error feedback) apart;
+* bytes per step: ``jaxcomp.comm_report``'s payload (stage "lowered": the program as requested) and
+  the ring bytes each device sends, and the payload against FSDP with bfloat16 both ways (a
+  bfloat16 all-gather and a bfloat16 reduce-scatter of every parameter);
+* step time (not with ``--no-time``): every step timed side by side, round-robin
+  (``common.interleaved``), as the median over rounds of its time ÷ DDP's (allreduce) time.
+
+  PYTHONPATH=. python benchmarks/fsdp.py [--quick] [--rounds N] [--no-time]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+W = 8
+jax.config.update("jax_num_cpu_devices", W)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jaxcomp  # noqa: E402
+from benchmarks import common  # noqa: E402
+from jaxcomp._src.sharding import per_device_mask  # noqa: E402
+
+BATCH = 64
+
+
+def loss_fn(params, x, y):
+  """The MLP, a layer gathered at a time (``gather_layer`` passes unsharded parameters through)."""
+  names = sorted(params, key=lambda n: int(n[5:]))
+  for name in names:
+    layer = jaxcomp.gather_layer(params[name])
+    x = x @ layer["kernel"] + layer["bias"]
+    x = jax.nn.relu(x) if name != names[-1] else x
+  return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+
+
+def nbytes(tree, mask) -> int:
+  """Bytes of ``tree`` on one device: a per-device leaf (``mask``) is stacked, one entry each."""
+  return sum((math.prod(x.shape[1:]) if m else x.size) * x.dtype.itemsize
+             for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mask)))
+
+
+def ways(mesh):
+  """name: (build, kind); build() -> (step, state_args, memory) for each way to train."""
+  adam = lambda: optax.adam(1e-3)  # noqa: E731
+
+  def ddp(tx):
+    def build(params):
+      dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+      opt_state = dp.make_state(params)
+      mask = per_device_mask(opt_state)  # a chain's (exchange, inner), or a sharded state
+      pick = lambda t, field, i: getattr(t, field) if hasattr(t, field) else t[i]  # noqa: E731
+      memory = (nbytes(params, jax.tree.map(lambda _: False, params)),
+                nbytes(pick(opt_state, "inner", 1), pick(mask, "inner", 1)),
+                nbytes(pick(opt_state, "exchange", 0), pick(mask, "exchange", 0)))
+      return dp.step, (params, opt_state), dp.shard, memory
+    return build
+
+  def fsdp(exchange, gather_dtype):
+    def build(params):
+      fs = jaxcomp.fully_sharded(loss_fn, mesh, exchange(), adam(), gather_dtype=gather_dtype)
+      state = fs.make_state(params)
+      every = lambda t: jax.tree.map(lambda _: True, t)  # noqa: E731
+      memory = (nbytes(state.params, every(state.params)), nbytes(state.inner, every(state.inner)),
+                nbytes(state.exchange, every(state.exchange)))
+      return fs.step, (state,), fs.shard, memory
+    return build
+
+  return {
+      "DDP allreduce": ddp(optax.chain(jaxcomp.allreduce(), adam())),
+      "ZeRO-1/2 exact": ddp(jaxcomp.sharded_optimizer(jaxcomp.allreduce(), adam())),
+      "ZeRO-1/2 bf16 both ways": ddp(jaxcomp.sharded_optimizer(
+          jaxcomp.bf16_compress(), adam(), gather_dtype="bfloat16")),
+      "ZeRO-1/2 int8 both ways": ddp(jaxcomp.sharded_optimizer(
+          jaxcomp.quantized(8), adam(), gather_dtype="int8")),
+      "FSDP exact": fsdp(jaxcomp.allreduce, None),
+      "FSDP bf16 both ways": fsdp(jaxcomp.bf16_compress, "bfloat16"),
+      "FSDP int8 both ways": fsdp(lambda: jaxcomp.quantized(8), "int8"),
+      "FSDP fp8 gather, int8 scatter": fsdp(lambda: jaxcomp.quantized(8), "float8_e4m3fn"),
+      "FSDP int8 both ways, no error feedback": fsdp(
+          lambda: jaxcomp.quantized(8, error_feedback=False), "int8"),
+  }
+
+
+def main(argv=None) -> None:
+  p = common.parser(__doc__.splitlines()[0])
+  p.add_argument("--rounds", type=int, default=10, help="timing rounds (default 10)")
+  p.add_argument("--no-time", action="store_true", help="memory and bytes only")
+  args = common.parse(p, argv)
+  sizes = (784, 256, 256, 256, 10) if args.quick else (784, 1024, 1024, 1024, 10)
+  params = common.random_like(common.mlp(sizes))
+  params = jax.tree.map(lambda x: (x * 0.05).astype(jnp.float32), params)
+  rng = np.random.default_rng(0)
+  batch = (rng.normal(size=(BATCH, sizes[0])).astype(np.float32),
+           rng.integers(0, sizes[-1], size=BATCH).astype(np.int32))
+  mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
+  n = common.num_params(params)
+  print(f"MLP {'-'.join(map(str, sizes))}, {n:,} parameters, Adam, W = {W}, global batch {BATCH}; "
+        f"{common.machine()}")
+  print(f"command: {common.command('fsdp.py', argv)}")
+  rows, steps = [], {}
+  built = {name: build(params) for name, build in ways(mesh).items()}
+  reports = {name: jaxcomp.comm_report(step, *state, *shard(batch), stage="lowered")
+             for name, (step, state, shard, _) in built.items()}
+  base = reports["FSDP bf16 both ways"].payload_bytes
+  for name, (step, state, shard, (p_bytes, o_bytes, e_bytes)) in built.items():
+    r = reports[name]
+    rows.append([name, common.human(p_bytes), common.human(o_bytes), common.human(e_bytes),
+                 f"{(p_bytes + o_bytes) / (3 * 4 * n):.4f}", common.human(r.payload_bytes),
+                 common.human(r.ring_bytes), f"{r.payload_bytes / base:.3f}"])
+    sharded_batch = shard(batch)
+
+    def run(step=step, state=state, sharded_batch=sharded_batch):
+      return common.block(step(*state, *sharded_batch))
+    steps[name] = run
+  header = ["way", "params / device", "Adam state / device", "exchange state / device",
+            "(params + Adam) vs DDP", "payload / step", "ring / step", "payload vs FSDP bf16"]
+  if not args.no_time:
+    times = common.interleaved(steps, args.rounds, warmup=2)
+    header.append("step vs DDP")
+    for row in rows:
+      row.append(f"{common.ratio(times, row[0], 'DDP allreduce'):.2f}")
+    print(f"DDP allreduce step: {common.median(times['DDP allreduce']) * 1e3:.1f} ms "
+          f"(median of {args.rounds} rounds)")
+  print(common.markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+  main()
