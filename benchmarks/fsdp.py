@@ -9,10 +9,22 @@ W = 8 simulated CPU devices, global batch 64. For each way to train, per device:
 * bytes per step: ``jaxcomp.comm_report``'s payload (stage "lowered": the program as requested) and
   the ring bytes each device sends, and the payload against FSDP with bfloat16 both ways (a
   bfloat16 all-gather and a bfloat16 reduce-scatter of every parameter);
+* temporaries: the compiled FSDP step's ``temp_size_in_bytes`` (the peak of what it allocates
+  besides its inputs and outputs) as the loss gathers every layer at its start, a layer at a time,
+  or a layer at a time under ``jax.checkpoint``;
 * step time (not with ``--no-time``): every step timed side by side, round-robin
   (``common.interleaved``), as the median over rounds of its time ÷ DDP's (allreduce) time.
 
+``--quality STEPS`` instead trains the main job's transformer (``jaxcomp.train.tasks.chars``,
+120,704 parameters; its recipe: clip the global norm to 1, SGD with momentum 0.9, global batch 32,
+W = 8) unsharded (``optax.chain(jaxcomp.allreduce(), ...)``) and fully sharded
+(``sharded_clip_by_global_norm``), its Linen model unchanged: the loss gathers every layer at its
+start (``task.loss(jaxcomp.gather_layer(params), ...)``), so the numbers are FSDP's, not its memory
+per layer. It prints the held-out loss as the main job reports it (the mean of the last 5 of 30
+evaluations) and its difference from the unsharded run's.
+
   PYTHONPATH=. python benchmarks/fsdp.py [--quick] [--rounds N] [--no-time]
+  PYTHONPATH=. python benchmarks/fsdp.py --quality 400
 """
 
 from __future__ import annotations
@@ -39,14 +51,38 @@ from jaxcomp._src.sharding import per_device_mask  # noqa: E402
 BATCH = 64
 
 
-def loss_fn(params, x, y):
-  """The MLP, a layer gathered at a time (``gather_layer`` passes unsharded parameters through)."""
+def loss_fn(params, x, y, remat=False, at_start=False):
+  """The MLP, a layer gathered at a time (``gather_layer`` passes unsharded parameters through);
+  each layer under ``jax.checkpoint`` (``remat``), or every layer gathered at the start."""
+  params = jaxcomp.gather_layer(params) if at_start else params
   names = sorted(params, key=lambda n: int(n[5:]))
-  for name in names:
-    layer = jaxcomp.gather_layer(params[name])
+
+  def dense(layer, x, last):
+    layer = jaxcomp.gather_layer(layer)
     x = x @ layer["kernel"] + layer["bias"]
-    x = jax.nn.relu(x) if name != names[-1] else x
+    return x if last else jax.nn.relu(x)
+
+  dense = jax.checkpoint(dense, static_argnums=2) if remat else dense
+  for name in names:
+    x = dense(params[name], x, name == names[-1])
   return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+
+
+def temporaries(mesh, params, batch) -> str:
+  """The compiled FSDP step's temporaries per device (exact exchange and gather) as the loss
+  gathers: every layer at its start, a layer at a time, a layer at a time under jax.checkpoint."""
+  rows = []
+  for name, kwargs in (("every layer at the start", dict(at_start=True)),
+                       ("a layer at a time", {}),
+                       ("a layer at a time, jax.checkpoint", dict(remat=True))):
+    fs = jaxcomp.fully_sharded(lambda p, x, y, kwargs=kwargs: loss_fn(p, x, y, **kwargs), mesh,
+                               jaxcomp.allreduce(), optax.adam(1e-3))
+    compiled = fs.step.lower(fs.make_state(params), *fs.shard(batch)).compile()
+    rows.append([name, common.human(compiled.memory_analysis().temp_size_in_bytes)])
+  largest = max(sum(x.size * 4 for x in jax.tree.leaves(layer)) for layer in params.values())
+  return (f"largest layer, whole: {common.human(largest)}; all parameters: "
+          f"{common.human(4 * common.num_params(params))}\n\n"
+          + common.markdown_table(["FSDP exact, the loss gathers", "temporaries / device"], rows))
 
 
 def nbytes(tree, mask) -> int:
@@ -97,11 +133,55 @@ def ways(mesh):
   }
 
 
+def quality(steps: int) -> str:
+  """The held-out losses of ``--quality``'s runs (the module docstring)."""
+  from jaxcomp.train import job, tasks  # noqa: PLC0415 (Flax: only for this mode)
+  task = tasks.chars()
+  mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
+  sgd = lambda: optax.sgd(task.learning_rate, momentum=0.9)  # noqa: E731
+  every = max(steps // job.EVALUATIONS, 1)
+
+  def held_out(evaluations):
+    return float(np.mean(evaluations[-job.WINDOW:]))
+
+  dp = jaxcomp.data_parallel(task.loss, mesh, tx=optax.chain(
+      jaxcomp.allreduce(), optax.clip_by_global_norm(1.0), sgd()))
+  params = task.init(0)
+  opt_state, evaluations = dp.make_state(params), []
+  for t in range(1, steps + 1):
+    params, opt_state, loss = common.block(dp.step(params, opt_state,
+                                                   *dp.shard(task.batch(0, t - 1, 32))))
+    if t % every == 0:
+      evaluations.append(task.evaluate(params)[0])
+  reference = held_out(evaluations)
+  rows = [["allreduce, unsharded", f"{reference:.4f}", ""]]
+  loss_fn = lambda p, x, y: task.loss(jaxcomp.gather_layer(p), x, y)  # noqa: E731
+  for name, exchange, gather_dtype in (("FSDP exact", jaxcomp.allreduce(), None),
+                                       ("FSDP int8 both ways", jaxcomp.quantized(8), "int8")):
+    fs = jaxcomp.fully_sharded(loss_fn, mesh, exchange, optax.chain(
+        jaxcomp.sharded_clip_by_global_norm(1.0), sgd()), gather_dtype=gather_dtype)
+    state, evaluations = fs.make_state(task.init(0)), []
+    for t in range(1, steps + 1):
+      state, loss = common.block(fs.step(state, *fs.shard(task.batch(0, t - 1, 32))))
+      if t % every == 0:
+        evaluations.append(task.evaluate(fs.gather_params(state))[0])
+    rows.append([name, f"{held_out(evaluations):.4f}",
+                 f"{(held_out(evaluations) / reference - 1) * 100:+.2f}%"])
+    print(f"  {name}: {rows[-1][1]}", file=sys.stderr, flush=True)
+  return common.markdown_table([f"run ({steps} steps)", "held-out loss", "vs unsharded"], rows)
+
+
 def main(argv=None) -> None:
   p = common.parser(__doc__.splitlines()[0])
   p.add_argument("--rounds", type=int, default=10, help="timing rounds (default 10)")
   p.add_argument("--no-time", action="store_true", help="memory and bytes only")
+  p.add_argument("--quality", type=int, default=None, metavar="STEPS",
+                 help="train the main job's transformer STEPS steps instead (held-out loss)")
   args = common.parse(p, argv)
+  if args.quality is not None:
+    print(f"command: {common.command('fsdp.py', argv)}")
+    print(quality(args.quality))
+    return
   sizes = (784, 256, 256, 256, 10) if args.quick else (784, 1024, 1024, 1024, 10)
   params = common.random_like(common.mlp(sizes))
   params = jax.tree.map(lambda x: (x * 0.05).astype(jnp.float32), params)
@@ -138,6 +218,8 @@ def main(argv=None) -> None:
     print(f"DDP allreduce step: {common.median(times['DDP allreduce']) * 1e3:.1f} ms "
           f"(median of {args.rounds} rounds)")
   print(common.markdown_table(header, rows))
+  print()
+  print(temporaries(mesh, params, batch))
 
 
 if __name__ == "__main__":
