@@ -193,3 +193,37 @@ def test_bad_arguments_are_refused_naming_them():
   fs = jaxcomp.fully_sharded(loss_fn, mesh, jaxcomp.allreduce(), optax.sgd(0.1))
   with pytest.raises(TypeError, match=r"params: leaf \['step'\] is int32"):
     fs.make_state({"w": np.ones(4, np.float32), "step": np.int32(0)})
+
+
+@pytest.mark.slow  # 11 s on the loaded 2-core machine (Flax's import and two programs)
+def test_a_flax_nnx_model_trains_as_the_unsharded_chain():
+  """An NNX model's parameters as a pure dict (each submodule a layer); the loss gathers them all
+  and merges the model (its code unchanged)."""
+  from flax import nnx
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.dense0 = nnx.Linear(5, 16, rngs=rngs)
+      self.dense1 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dense1(jnp.tanh(self.dense0(x)))
+
+  graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+  params = nnx.to_pure_dict(state)
+
+  def nnx_loss(p, x, y):
+    whole = nnx.State(state)
+    nnx.replace_by_pure_dict(whole, jaxcomp.gather_layer(p))
+    return jnp.mean((nnx.merge(graphdef, whole)(x) - y) ** 2)
+
+  mesh, data, optimizer = mesh_1d(4), batches(3), optax.adam(0.05)
+  dp = jaxcomp.data_parallel(nnx_loss, mesh, tx=optax.chain(jaxcomp.allreduce(), optimizer))
+  fs = jaxcomp.fully_sharded(nnx_loss, mesh, jaxcomp.allreduce(), optimizer)
+  want, opt_state, got = params, dp.make_state(params), fs.make_state(params)
+  assert got.params["dense0"]["kernel"].shape == (4, 1, 20)  # 80 values, a quarter each
+  for batch in data:
+    want, opt_state, _ = jax.block_until_ready(dp.step(want, opt_state, *dp.shard(batch)))
+    got, _ = jax.block_until_ready(fs.step(got, *fs.shard(batch)))
+  chex.assert_trees_all_close(fs.gather_params(got), want, **rounding_tol(48))
+  assert not np.allclose(want["dense0"]["kernel"], params["dense0"]["kernel"])  # it moved
