@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp._src import axis, quantized, shards, spmd
+from jaxcomp._src import axis, phases, quantized, shards, spmd
 from jaxcomp._src import exchange as exchange_lib
 from jaxcomp._src import tree as tree_lib
 
@@ -76,9 +76,10 @@ def replicated(shape: tuple, world: int) -> bool:
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class _LayerSpec:
-  """What a ``Layer``'s gather needs to know (static): its subtree's structure, the whole leaves'
-  shapes and dtypes, which are replicated, how to gather and scatter, and the exchange state's
-  structure and dtypes."""
+  """What a ``Layer``'s gather needs to know (static): its name (its keys joined by dots), its
+  subtree's structure, the whole leaves' shapes and dtypes, which are replicated, how to gather and
+  scatter, and the exchange state's structure and dtypes."""
+  name: str
   treedef: Any
   shapes: tuple
   dtypes: tuple
@@ -170,9 +171,10 @@ def _gather_fwd(spec: _LayerSpec, shards_: tuple, carriers: tuple):
   whole = list(shards_)  # 4: replicated leaves as they are
   if spec.sharded:
     # 2: the sharded leaves gathered in gather_dtype, cast back to their dtype.
-    gathered = _all_gather([shards_[i] for i in spec.sharded],
-                           [spec.shapes[i] for i in spec.sharded], spec.gather_dtype,
-                           spec.axis_name)
+    gathered = phases.run(phases.Phase(f"fsdp.gather.{spec.name}", 1.0), _all_gather,
+                          [shards_[i] for i in spec.sharded],
+                          [spec.shapes[i] for i in spec.sharded], spec.gather_dtype,
+                          spec.axis_name)
     for i, x in zip(spec.sharded, gathered):  # varying: no implicit all-reduce of the gradient
       whole[i] = _varying(x.astype(spec.dtypes[i]), spec.axis_name)
   return tuple(whole), carriers
@@ -182,12 +184,15 @@ def _gather_bwd(spec: _LayerSpec, carriers: tuple, cotangents: tuple):
   grads = [None] * len(cotangents)
   for i, r in enumerate(spec.replicated):  # 4: the exact mean of a replicated leaf's gradient
     if r:
-      grads[i] = _varying(axis.mean(cotangents[i], spec.axis_name), spec.axis_name)
+      mean = phases.run(phases.Phase(f"fsdp.mean.{spec.name}", 1.0), axis.mean, cotangents[i],
+                        spec.axis_name)
+      grads[i] = _varying(mean, spec.axis_name)
   if spec.sharded:
     # 3: the reduce-scatter through the exchange, its new state carried back.
     state = jax.tree.unflatten(spec.state_treedef,
                                [_uncarry(c, d) for c, d in zip(carriers, spec.state_dtypes)])
-    owned, state = spec.exchange.scatter([cotangents[i] for i in spec.sharded], state)
+    owned, state = phases.run(phases.Phase(f"fsdp.scatter.{spec.name}", 1.0),
+                              spec.exchange.scatter, [cotangents[i] for i in spec.sharded], state)
     for i, x in zip(spec.sharded, jax.tree.leaves(owned)):
       grads[i] = _varying(x.astype(spec.dtypes[i]), spec.axis_name)
     carriers = tuple(_varying(_carry(x), spec.axis_name) for x in jax.tree.leaves(state))
@@ -239,14 +244,17 @@ def _subtrees(tree, depth: int) -> list:
 
 
 def layers_of(signature: tree_lib.TreeSignature, depth: int) -> tuple:
-  """The layers: ``(indices, treedefs, above)``: each layer's leaf indices (of ``signature``), its
-  subtree's structure, and the treedef above the layers (whose leaves they are)."""
+  """The layers: ``(indices, treedefs, names, above)``: each layer's leaf indices (of
+  ``signature``), its subtree's structure, its name (its keys joined by dots) and the treedef above
+  the layers (whose leaves they are)."""
   index_tree = signature.unflatten(range(len(signature.shapes)))
   nodes = _subtrees(index_tree, depth)
   ids = {id(node) for node in nodes}
-  above = jax.tree.structure(index_tree, is_leaf=lambda node: id(node) in ids)
+  is_layer = lambda node: id(node) in ids  # noqa: E731
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(index_tree, is_leaf=is_layer)[0]]
+  names = [jax.tree_util.keystr(path, simple=True, separator=".") or "params" for path in paths]
   return ([jax.tree.leaves(node) for node in nodes], [jax.tree.structure(node) for node in nodes],
-          above)
+          names, jax.tree.structure(index_tree, is_leaf=is_layer))
 
 
 def view(signature: tree_lib.TreeSignature, params, exchanges: tuple, depth: int, gather_dtype,
@@ -256,11 +264,11 @@ def view(signature: tree_lib.TreeSignature, params, exchanges: tuple, depth: int
   state."""
   world = axis.axis_size(axis_name)
   flat = signature.treedef.flatten_up_to(params)
-  indices, treedefs, above = layers_of(signature, depth)
+  indices, treedefs, names, above = layers_of(signature, depth)
   layers = []
-  for idx, treedef, ex in zip(indices, treedefs, exchanges):
+  for idx, treedef, name, ex in zip(indices, treedefs, names, exchanges):
     leaves = jax.tree.leaves(ex)
-    spec = _LayerSpec(treedef, tuple(signature.shapes[i] for i in idx),
+    spec = _LayerSpec(name, treedef, tuple(signature.shapes[i] for i in idx),
                       tuple(signature.dtypes[i] for i in idx),
                       tuple(replicated(signature.shapes[i], world) for i in idx),
                       gather_dtype, exchange, axis_name, jax.tree.structure(ex),
