@@ -170,6 +170,36 @@ def test_int8_both_ways_sends_at_most_055_of_bf16_both_ways():
   assert bf16.payload_bytes >= 2 * 2 * values
   assert int8.payload_bytes <= 0.55 * bf16.payload_bytes
   assert set(int8.bytes_by_dtype()) <= {"s8", "f32", "s32"}  # codes, scales, the finite flags
+  # Each layer's gather and scatter labelled; the 0-d scale's exact mean too (XLA combines the two
+  # scatters' 4-byte flags into one all-reduce, which carries both labels).
+  labels = {part for name in int8.phase_names for part in name.split("/")}
+  assert labels == {"fsdp.gather.dense0", "fsdp.scatter.dense0", "fsdp.gather.dense1",
+                    "fsdp.scatter.dense1", "fsdp.mean.scale"}
+
+
+def test_layers_deeper_in_the_tree():
+  """``layer_depth=2``: each entry of ``params["blocks"]`` is a layer, ``params["head"]`` too."""
+  rng = np.random.default_rng(0)
+  params = {"blocks": [{"w": rng.normal(size=(4, 4)).astype(np.float32)} for _ in range(2)],
+            "head": rng.normal(size=(4, 1)).astype(np.float32)}
+
+  def deep_loss(p, x, y):
+    for block in p["blocks"]:
+      x = jnp.tanh(x @ jaxcomp.gather_layer(block)["w"])
+    return jnp.mean((x @ jaxcomp.gather_layer(p["head"]) - y) ** 2)
+
+  mesh = mesh_1d(2)
+  x = rng.normal(size=(8, 4)).astype(np.float32)
+  y = rng.normal(size=(8, 1)).astype(np.float32)
+  fs = jaxcomp.fully_sharded(deep_loss, mesh, jaxcomp.allreduce(), optax.sgd(0.1), layer_depth=2)
+  state = fs.make_state(params)
+  report = jaxcomp.comm_report(fs.step, state, *fs.shard((x, y)))
+  assert {"fsdp.gather.blocks.0", "fsdp.gather.blocks.1", "fsdp.gather.head"} <= set(
+      report.phase_names)
+  dp = jaxcomp.data_parallel(deep_loss, mesh, tx=optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)))
+  want, _, _ = dp.step(params, dp.make_state(params), *dp.shard((x, y)))
+  state, _ = jax.block_until_ready(fs.step(state, *fs.shard((x, y))))
+  chex.assert_trees_all_close(fs.gather_params(state), want, **rounding_tol(16))
 
 
 def test_rematerialised_layers_train_alike():
