@@ -114,21 +114,29 @@ def test_each_device_stores_a_wth_of_the_parameters_and_optimizer_state():
   assert per_device(state.inner) == 1 + 2 * per_device(state.params)  # Adam's count, mu and nu
 
 
+LOSSY_STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def exact_losses():
+  """The exact chain's losses over ``LOSSY_STEPS`` steps of Adam at W = 4 (shared by the lossy
+  gathers' tests)."""
+  return unsharded(jaxcomp.allreduce(), optax.adam(0.02), mesh_1d(4), batches(8) * 4)[1]
+
+
 @pytest.mark.parametrize("gather_dtype, exchange, tolerance", [
-    ("bfloat16", jaxcomp.bf16_compress, 0.002),  # measured: 7e-5
-    ("int8", lambda: jaxcomp.quantized(8), 0.002),  # 1e-4
-    ("float8_e4m3fn", lambda: jaxcomp.quantized(8), 0.02),  # 3e-3
+    ("bfloat16", jaxcomp.bf16_compress, 0.002),  # measured: 5e-5
+    ("int8", lambda: jaxcomp.quantized(8), 0.005),  # 5e-4
+    ("float8_e4m3fn", lambda: jaxcomp.quantized(8), 0.01),  # 7e-4
 ])
-def test_lossy_gathers_stay_near_the_exact_loss(gather_dtype, exchange, tolerance):
-  """40 steps of Adam at W = 4: the loss of the last 10 steps within ``tolerance`` (relative) of
+def test_lossy_gathers_stay_near_the_exact_loss(gather_dtype, exchange, tolerance, exact_losses):
+  """32 steps of Adam at W = 4: the loss of the last 8 steps within ``tolerance`` (relative) of
   the exact chain's, and the parameters stay exact in the state (not rounded to the gather's)."""
-  mesh, data = mesh_1d(4), batches(8)
-  data = data * 5
-  optimizer = optax.adam(0.02)
-  _, want = unsharded(jaxcomp.allreduce(), optimizer, mesh, data)
-  got_params, got, state, _ = sharded(exchange(), optimizer, mesh, data, gather_dtype)
-  assert want[-1] < 0.8 * want[0]  # it learns
-  np.testing.assert_allclose(np.mean(got[-10:]), np.mean(want[-10:]), rtol=tolerance)
+  got_params, got, _, _ = sharded(exchange(), optax.adam(0.02), mesh_1d(4), batches(8) * 4,
+                                  gather_dtype)
+  want = exact_losses
+  assert len(got) == LOSSY_STEPS and want[-1] < 0.8 * want[0]  # it learns
+  np.testing.assert_allclose(np.mean(got[-8:]), np.mean(want[-8:]), rtol=tolerance)
   w = np.asarray(got_params[-1]["dense0"]["w"])
   assert not np.array_equal(w, w.astype(jnp.bfloat16).astype(np.float32))  # float32 master
 
