@@ -179,8 +179,8 @@ def main(argv=None) -> None:
                  help="train the main job's transformer STEPS steps instead (held-out loss)")
   args = common.parse(p, argv)
   if args.write or args.compressors:
-    p.error("--write and --compressors do not apply: fsdp.py prints its tables, and BENCHMARKS.md's "
-            "section quotes them with the command")
+    p.error("--write and --compressors do not apply: fsdp.py prints its tables, and "
+            "BENCHMARKS.md's section quotes them with the command")
   if args.quality is not None:
     print(f"command: {common.command('fsdp.py', argv)}")
     print(quality(args.quality))

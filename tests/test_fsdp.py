@@ -105,7 +105,8 @@ def test_each_device_stores_a_wth_of_the_parameters_and_optimizer_state():
   fs = jaxcomp.fully_sharded(loss_fn, mesh_1d(world), jaxcomp.allreduce(), optax.adam(1e-3))
   params = init_params()
   state = fs.make_state(params)
-  per_device = lambda tree: sum(np.prod(x.shape[1:], dtype=int) for x in jax.tree.leaves(tree))  # noqa: E731
+  def per_device(tree):  # values each device holds: one entry of every stacked leaf
+    return sum(np.prod(x.shape[1:], dtype=int) for x in jax.tree.leaves(tree))
   whole = sum(np.size(x) for x in jax.tree.leaves(params))  # 35 + 7 + 21 + 3 + 1 = 67
   leaves = len(jax.tree.leaves(params))
   # Sharded (35, 21 values): ceil(n / W) each; replicated (fewer values than W: 7 and 3, and the

@@ -15,11 +15,13 @@ travel through jaxcomp's codecs. The steps, per device (the ``# n:`` comments be
    casts them back to the parameters' dtype: the layer computes with the whole (dequantized)
    parameters, the stored shards stay exact (they are the master copy);
 3. its VJP (``jax.custom_vjp``) reduce-scatters the layer's gradient through the jaxcomp exchange
-   (its declared ``scatter``: ``allreduce`` and ``bf16_compress`` as a ``psum_scatter`` in their wire
-   dtype, ``quantized(8)`` as the all-to-all of int8 codes with the sender's error feedback, ZeRO++'s
-   qgZ): this device receives its shard of the layer's mean gradient. The exchange's new state rides
-   back as the cotangent of its old state (as Flax's float8 training carries its scales), integer
-   leaves bit-cast to float32 on the way, so error feedback is kept in ``FullyShardedState``;
+   (its declared ``scatter``: ``allreduce`` and ``bf16_compress`` as a ``psum_scatter`` in their
+   wire dtype, ``quantized(8)`` as the all-to-all of int8 codes with the sender's error feedback,
+   ZeRO++'s qgZ): this device receives its shard of the layer's mean gradient. The exchange's new
+   state rides back as the cotangent of its old state (as Flax's float8 training carries its
+   scales), integer leaves bit-cast to float32 on the way, so error feedback is kept in
+   ``FullyShardedState``. Each layer's gather and scatter are labelled for ``comm_report``
+   (``fsdp.gather.<layer>``, ``fsdp.scatter.<layer>``);
 4. leaves that cannot be sharded — 0-d leaves and leaves of fewer values than W — stay whole on
    every device (replicated), are not gathered, and their gradient is the exact mean
    (``axis.mean``, float32);
@@ -251,7 +253,8 @@ def layers_of(signature: tree_lib.TreeSignature, depth: int) -> tuple:
   nodes = _subtrees(index_tree, depth)
   ids = {id(node) for node in nodes}
   is_layer = lambda node: id(node) in ids  # noqa: E731
-  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(index_tree, is_leaf=is_layer)[0]]
+  with_paths = jax.tree_util.tree_flatten_with_path(index_tree, is_leaf=is_layer)[0]
+  paths = [path for path, _ in with_paths]
   names = [jax.tree_util.keystr(path, simple=True, separator=".") or "params" for path in paths]
   return ([jax.tree.leaves(node) for node in nodes], [jax.tree.structure(node) for node in nodes],
           names, jax.tree.structure(index_tree, is_leaf=is_layer))
