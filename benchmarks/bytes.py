@@ -109,7 +109,7 @@ def main(argv=None) -> int:
           "except bf16: XLA:CPU widens bf16 collectives to f32 when compiling (\"compiled B\"), so its "
           "wire is read before optimisation. The minimum is each algorithm's count from its "
           "definition (`jaxcomp.train.wire`, whose docstring has each formula; it counts the 4-byte "
-          "finiteness flag of DGC, coarse DGC, chunked top-k and `comm_hook`). An all-reduce "
+          "finiteness flag of chunked top-k and `comm_hook`). An all-reduce "
           "moves its buffer twice under the ring algorithm, an all-gather or all-to-all once: "
           "\"ring vs f32\" compares what each device sends (`CommReport.ring_bytes`) with a "
           "float32 ring all-reduce's. Local SGD and DiLoCo send once every H steps: their bytes are "

@@ -306,10 +306,10 @@ def test_comm_report_dgc_sends_k_values_and_indices_per_leaf(world):
   assert _bytes(report, "all-gather", "f32") == sum(world * k * 4 for k in ks)
   assert _bytes(report, "all-gather", "s32") == sum(world * k * 4 for k in ks)
   assert _bytes(report, "all-reduce", "f32") == 64 * 4  # the 1-D leaf only
-  assert _bytes(report, "all-reduce", "s32") == 4  # the non-finite flag
-  # Without warm-up the step has one phase, the final density; only the flag runs outside it.
+  assert _bytes(report, "all-reduce", "s32") == 0  # no non-finite flag: the values carry it
+  # Without warm-up the step has one phase, the final density; nothing runs outside it.
   assert report.phase_names == ("dgc.density=0.01",)
-  assert [(c.op, c.dtypes) for c in report.every_step.collectives] == [("all-reduce", ("s32",))]
+  assert report.every_step.collectives == ()
 
 
 def test_comm_report_dgc_fp16_values():
@@ -329,41 +329,54 @@ def test_comm_report_warmup_stages_are_phases_and_dense_ones_send_the_mean():
   for density in densities:
     phase = report.phase(f"dgc.density={density:g}")
     k = math.ceil(16384 * density)
-    if density >= 0.0625:  # the dense mean of v, and the flag
+    if density >= 0.0625:  # the dense mean of v
       assert _bytes(phase, "all-reduce", "f32") == 16384 * 4
       assert _bytes(phase, "all-gather", "f32") == 0
     else:
       assert _bytes(phase, "all-gather", "f32") == _bytes(phase, "all-gather", "s32") == 8 * k * 4
       assert _bytes(phase, "all-reduce", "f32") == 0
-    assert _bytes(phase, "all-reduce", "s32") == 4
-  # Totals are per step of the steady state: the final density's exchange and the flag.
-  assert report.payload_bytes == 2 * 8 * math.ceil(16384 * 0.001) * 4 + 4
+    assert _bytes(phase, "all-reduce", "s32") == 0  # no flag
+  # Totals are per step of the steady state: the final density's exchange alone.
+  assert report.payload_bytes == 2 * 8 * math.ceil(16384 * 0.001) * 4
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_comm_report_coarse_dgc_bytes_do_not_grow_with_world(world):
   report = _step_report(jaxcomp.coarse_dgc(0.05, chunk_size=256), BYTES_PARAMS, world)
   assert not any(c.op == "all-gather" for c in report.collectives)
-  # w: 64 chunks -> 64 norms + 4 chunks; v: 8 chunks -> 8 norms + 1 chunk; b dense; finite flag.
+  # w: 64 chunks -> 64 norms + 4 chunks; v: 8 chunks -> 8 norms + 1 chunk; b dense; no flag.
   expected = (64 + 4 * 256) * 4 + (8 + 256) * 4 + 64 * 4
   assert _bytes(report, "all-reduce", "f32") == expected
-  assert report.payload_bytes == expected + 4
+  assert report.payload_bytes == expected
 
 
 # ------------------------------------------------------------------------------ state and plumbing
 
-def test_nonfinite_step_keeps_state_and_outputs_nan():
-  tx = jaxcomp.dgc(0.05, selection="exact")
+@pytest.mark.parametrize("tx, bad", [
+    (jaxcomp.dgc(0.05, selection="exact"), np.inf),
+    # A NaN is never among the sampled selection's values (|NaN| >= threshold is false): the
+    # device's values are sent as NaN instead.
+    (jaxcomp.dgc(0.05), np.nan),
+    (jaxcomp.coarse_dgc(0.25, chunk_size=32), np.nan),  # in the all-reduced chunk norms
+], ids=["exact_inf", "sampled_nan", "coarse_nan"])
+def test_nonfinite_step_keeps_state_and_outputs_nan(tx, bad):
   params = make_params()
   rng = np.random.default_rng(6)
   state = replicate(tx.init(params), W)
   update = pmapped_update(tx, W)
   _, state = jax.block_until_ready(update(device_grads(rng, params, W), state))
   grads = device_grads(rng, params, W)
-  grads["w1"][2, 0, 0] = np.inf
+  grads["w1"][2, 0, 0] = bad
   out, new_state = jax.block_until_ready(update(grads, state))
   chex.assert_trees_all_equal(new_state, state)
-  assert np.isnan(out["b1"]).all() and np.isnan(out["w2"]).all()
+  for leaf in jax.tree.leaves(out):
+    assert leaf.dtype != np.float32 or np.isnan(leaf).all()
+  # The next finite step runs as if the bad one had not happened.
+  grads = device_grads(rng, params, W)
+  out, after = jax.block_until_ready(update(grads, new_state))
+  expected, again = jax.block_until_ready(update(grads, state))
+  chex.assert_trees_all_equal((out, after), (expected, again))
+  assert int(after.count[0]) == 2
 
 
 def test_state_checkpoints_with_orbax(tmp_path):

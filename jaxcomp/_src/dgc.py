@@ -15,7 +15,11 @@ take the dense mean, then momentum ``u ← m·u + mean(g)``, output ``u``):
    L1 norms of chunks of ``v`` and every device takes the same top chunks;
 4. exchange: ``dgc`` all-gathers the k values and int32 indices of every device and scatter-adds them
    (duplicates sum) ×1/W; ``coarse_dgc`` averages the chosen chunks, so its bytes do not grow with W;
-5. ``v ← 0`` at the sent coordinates, and ``u ← 0`` there too with momentum factor masking.
+5. ``v ← 0`` at the sent coordinates, and ``u ← 0`` there too with momentum factor masking;
+6. non-finite values (``jaxcomp._src.finite``'s policy), seen in what is sent, no flag: 2's ``v`` is
+   computed where it is read, the state written after the exchange and kept if any device's ``v``
+   was not finite (``dgc`` sends that device's values as NaN; ``coarse_dgc``'s norms and the dense
+   means show it); every output is then NaN. Donated, ``g``, ``u`` and ``v`` are copied once.
 
 Warm-up ramps the density through stages, one phase of the step each. Where a stage's sparse exchange
 would send at least a leaf's dense all-reduce (``dgc``: ``W·density·2 ≥ 1`` for float32 values), the
@@ -44,7 +48,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, compressor, kernels, phases as phases_lib, topk, validate
+from jaxcomp._src import axis, compressor, finite, kernels, phases as phases_lib, topk
+from jaxcomp._src import validate
 from jaxcomp._src import tree as tree_lib
 
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
@@ -271,11 +276,8 @@ def _clipped(config: DGCConfig, leaves: list, axis_name) -> list:
 def _momentum(config: DGCConfig, u, g) -> tuple:
   """2: momentum in ``u``'s dtype; returns the new ``u`` and what is added to ``v``."""
   m, g = jnp.asarray(config.momentum, u.dtype), g.astype(u.dtype)
-  if config.nesterov:
-    u = m * (u + g)
-    return u, u + g
-  u = m * u + g
-  return u, u
+  u = m * (u + g) if config.nesterov else m * u + g
+  return u, u + g if config.nesterov else u
 
 
 def _sends_dense(exchange, numel: int, density: float, world: int, value_bytes: int) -> bool:
@@ -288,62 +290,59 @@ def _sends_dense(exchange, numel: int, density: float, world: int, value_bytes: 
   return sparse >= numel * value_bytes
 
 
-def _topk_exchange(exchange: TopKExchange, vs, density, keys, wires, axis_name) -> list:
-  """3–4 for ``dgc``: per leaf ``(mean, sent indices, sent values)``; one all-gather of values (per
-  dtype) and one of indices for all leaves."""
-  flats = [v.ravel() for v in vs]
+def _topk_exchange(exchange: TopKExchange, vs, density, keys, wires, axis_name, ok) -> tuple:
+  """3–4, 6 for ``dgc``: ``([(mean, sent indices, sent values)], finite)`` from ``vs`` (functions
+  computing each ``v``) and ``ok`` (the dense means'); one all-gather of values per dtype, one of
+  indices. (A finite value overflowing its wire dtype is sent as ∞ and does not stop the step.)"""
+  flats = [lambda v=v: v().ravel() for v in vs]
   if exchange.selection == "exact":  # 3
-    mine = [topk.exact_topk(flat, math.ceil(flat.size * density)) for flat in flats]
+    mine = [topk.exact_topk(flat(), math.ceil(flat().size * density)) for flat in flats]
   else:
-    mine = [topk.sampled_topk(flat, topk.sampling_plan(flat.size, density, exchange.sample_ratio),
-                              key, upper_bound=exchange.upper_bound,
-                              lower_bound=exchange.lower_bound,
-                              max_adaptation_iters=exchange.max_adaptation_iters)[0]
-            for flat, key in zip(flats, keys)]
-  sent = [flat.at[i].get(mode="fill", fill_value=0) for flat, i in zip(flats, mine)]
+    mine = [topk.sampled_topk(
+        flat, topk.sampling_plan(flat().size, density, exchange.sample_ratio), key,
+        upper_bound=exchange.upper_bound, lower_bound=exchange.lower_bound,
+        max_adaptation_iters=exchange.max_adaptation_iters)[0] for flat, key in zip(flats, keys)]
+  sent = [jnp.where(jnp.isfinite(flat()).all(), flat().at[i].get(mode="fill", fill_value=0),
+                    jnp.nan) for flat, i in zip(flats, mine)]  # 6
   values = axis.all_gather_many([x.astype(d) for x, d in zip(sent, wires)], axis_name)  # 4
   indices = axis.all_gather_many(mine, axis_name)
-  # The W·k values are divided by W before they are added (duplicates sum), into zeros that are the
-  # same on every device: the mean is typed so under shard_map(check_vma=True).
-  means = [kernels.scatter_add(v.shape, i.ravel(),
-                               axis.divide_by_world(x.ravel().astype(v.dtype), axis_name))
+  ok = functools.reduce(jnp.logical_and, [~jnp.isnan(x).any() for x in values], ok)  # 6
+  # ÷W before they are added (duplicates sum), into zeros (NaN where not finite) alike everywhere.
+  means = [kernels.scatter_add(v().shape, i.ravel(), axis.divide_by_world(
+      x.ravel().astype(v().dtype), axis_name), jnp.where(ok, 0.0, jnp.nan))
            for v, i, x in zip(vs, indices, values)]
-  return list(zip(means, mine, sent))
+  return list(zip(means, mine, sent)), ok
 
 
-def _chunk_exchange(exchange: ChunkExchange, vs, density, keys, wires, axis_name) -> list:
-  """3–4 for ``coarse_dgc``: per leaf ``(mean, sent indices, sent values)``; one all-reduce of the
-  chunks' norms and one of the chosen chunks for all leaves."""
-  del keys
+def _chunk_exchange(exchange: ChunkExchange, vs, density, _, wires, axis_name, ok) -> tuple:
+  """3–4, 6 for ``coarse_dgc``, as ``_topk_exchange``: one all-reduce of the norms, one of chunks."""
   size = exchange.chunk_size
-  norms = [jnp.abs(jnp.pad(v.ravel(), (0, -v.size % size)).reshape(-1, size)).sum(1, jnp.float32)
-           for v in vs]
-  chosen = [lax.top_k(n, math.ceil(n.size * density))[1]  # 3: the same chunks on every device
-            for n in axis.psum_many(norms, axis_name)]
-  coords = [(c[:, None] * size + jnp.arange(size, dtype=jnp.int32)).ravel() for c in chosen]
-  sent = [v.ravel().at[i].get(mode="fill", fill_value=0) for v, i in zip(vs, coords)]
+  norms = axis.psum_many([jnp.abs(jnp.pad(v().ravel(), (0, -v().size % size)).reshape(-1, size))
+                          .sum(1, jnp.float32) for v in vs], axis_name)
+  ok = ok & finite.reduced_finite(norms)  # 6
+  coords = [(lax.top_k(n, math.ceil(n.size * density))[1][:, None] * size  # 3: the same chunks
+             + jnp.arange(size, dtype=jnp.int32)).ravel() for n in norms]  # on every device
+  sent = [v().ravel().at[i].get(mode="fill", fill_value=0) for v, i in zip(vs, coords)]
   means = axis.mean_many([x.astype(d) for x, d in zip(sent, wires)], axis_name)  # 4
-  return [(kernels.scatter_add(v.shape, i, mean.astype(v.dtype)), i, x)
-          for v, i, mean, x in zip(vs, coords, means, sent)]
+  return [(kernels.scatter_add(v().shape, i, mean.astype(v().dtype), jnp.where(ok, 0.0, jnp.nan)),
+           i, x) for v, i, mean, x in zip(vs, coords, means, sent)], ok
 
 
 def step(config: DGCConfig, state: DGCState, leaves: list, axis_name, phase) -> tuple:
-  """One step at the density ``phase.value`` on the reduced leaves: ``(means, new state)``."""
+  """One step at the density ``phase.value`` on the reduced leaves: ``(means, state, finite)``."""
   signature = state.signature
   sparse = _sparsified(config, signature)
   wires = [g.dtype if config.value_dtype is None else config.value_dtype for g in leaves]
   leaves = _clipped(config, leaves, axis_name)  # 1
   us, vs, dense_us = (signature.pick(t) for t in (state.u, state.v, state.dense_u))
-  means, exchanged = list(leaves), []
+  accumulated = lambda i: vs[i] + _momentum(config, us[i], leaves[i])[1]  # noqa: E731  # 2, lazily
+  dense, exchanged = {}, []
   for i, g in enumerate(leaves):
     if not sparse[i]:  # the mean, then momentum (the reference's compensate(accumulate=False))
-      dense_us[i], means[i] = _momentum(config, dense_us[i], axis.mean(g, axis_name, wires[i]))
-      continue
-    us[i], added = _momentum(config, us[i], g)  # 2
-    vs[i] = vs[i] + added
-    if _sends_dense(config.exchange, g.size, phase.value, axis.axis_size(axis_name),
-                    np.dtype(wires[i]).itemsize):
-      means[i], vs[i] = axis.mean(vs[i], axis_name, wires[i]), jnp.zeros_like(vs[i])
+      dense[i] = axis.mean(g, axis_name, wires[i])
+    elif _sends_dense(config.exchange, g.size, phase.value, axis.axis_size(axis_name),
+                      np.dtype(wires[i]).itemsize):
+      dense[i] = axis.mean(accumulated(i), axis_name, wires[i])
     else:
       exchanged.append(i)
   # Sampling keys from the seed, the step and the leaf's path: alike whole, bucketed, in dgc_hook.
@@ -351,17 +350,30 @@ def step(config: DGCConfig, state: DGCState, leaves: list, axis_name, phase) -> 
                                 state.count)
   keys = [jax.random.fold_in(step_key, zlib.crc32(signature.paths[signature.reduced[i]].encode())
                              & 0x7FFFFFFF) for i in exchanged]
-  exchange = _topk_exchange if isinstance(config.exchange, TopKExchange) else _chunk_exchange
-  results = exchange(config.exchange, [vs[i] for i in exchanged], phase.value, keys,  # 3, 4
-                     [wires[i] for i in exchanged], axis_name)
-  for i, (mean, sent_indices, sent_values) in zip(exchanged, results):
-    means[i] = mean
-    vs[i] = kernels.subtract_at(vs[i], sent_indices, sent_values)  # 5
+  results, ok = (_topk_exchange if isinstance(config.exchange, TopKExchange) else _chunk_exchange)(
+      config.exchange, [functools.partial(accumulated, i) for i in exchanged], phase.value, keys,
+      [wires[i] for i in exchanged], axis_name, finite.reduced_finite(list(dense.values())))  # 3–6
+  means = {i: r[0] for i, r in zip(exchanged, results)}
+  for i, g in enumerate(leaves):  # 2, 6: the new state, or the old one where not finite
+    if not sparse[i]:
+      u, means[i] = _momentum(config, dense_us[i], dense[i])
+      dense_us[i] = jnp.where(ok, u, dense_us[i])
+    else:  # v (0 where sent whole: nothing delayed), then u, each from the old u
+      vs[i] = kernels.in_place(lambda old, u, g, ok, whole=i in dense: jnp.where(
+          ok, jnp.zeros_like(old) if whole else old + _momentum(config, u, g)[1], old),
+                               vs[i], us[i], g, ok)
+      us[i] = kernels.in_place(lambda old, g, ok: jnp.where(ok, _momentum(config, old, g)[0], old),
+                               us[i], g, ok)
+    if i not in exchanged:  # NaN where not finite (the sparse means start from NaN)
+      means[i] = jnp.where(ok, means[i] if not sparse[i] else dense[i], jnp.nan)
+  for i, (_, sent_indices, sent_values) in zip(exchanged, results):
+    kept = jnp.where(ok, sent_indices, leaves[i].size)  # out of range, dropped, where not finite
+    vs[i] = kernels.subtract_at(vs[i], kept, sent_values)  # 5
     if config.momentum_masking:
-      us[i] = kernels.zero_at(us[i], sent_indices)
+      us[i] = kernels.zero_at(us[i], kept)
   new_state = state._replace(u=signature.place(us), v=signature.place(vs),
                              dense_u=signature.place(dense_us))
-  return [mean.astype(g.dtype) for mean, g in zip(means, leaves)], new_state
+  return [means[i].astype(g.dtype) for i, g in enumerate(leaves)], new_state, ok
 
 
 def _unbucketable(config: DGCConfig) -> Optional[str]:
@@ -375,7 +387,8 @@ def _unbucketable(config: DGCConfig) -> Optional[str]:
 DGC = compressor.Algorithm("dgc", DGCState, functools.partial(_configure, TopKExchange), init,
                            step, phases, phase_of, traceable=("momentum", "clip_norm",
                                                               "clip_exponent"),
-                           unbucketable=_unbucketable)
+                           unbucketable=_unbucketable,
+                           nonfinite="own")  # 6: from the values (or norms) it sends anyway
 COARSE_DGC = dataclasses.replace(DGC, name="coarse_dgc",
                                  configure=functools.partial(_configure, ChunkExchange))
 

@@ -14,7 +14,7 @@ References:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +54,9 @@ def exact_topk(x: jax.Array, k: int) -> jax.Array:
   return lax.top_k(jnp.abs(x), k)[1].astype(jnp.int32)
 
 
-def sampled_topk(x: jax.Array, plan: SamplingPlan, key: jax.Array, *, upper_bound: float = 1.3,
-                 lower_bound: float = 0.8, max_adaptation_iters: int = 10) -> tuple:
+def sampled_topk(x: Union[jax.Array, Callable[[], jax.Array]], plan: SamplingPlan,
+                 key: jax.Array, *, upper_bound: float = 1.3, lower_bound: float = 0.8,
+                 max_adaptation_iters: int = 10) -> tuple:
   """At most k coordinates of the 1-D ``x`` whose magnitude reaches a threshold estimated by sampling.
 
   The reference's ``_sparsify``, with static shapes: the threshold is the smallest of the top
@@ -64,18 +65,23 @@ def sampled_topk(x: jax.Array, plan: SamplingPlan, key: jax.Array, *, upper_boun
   ``upper_bound·k`` reach it, the exact top k among them are taken, otherwise the first k (in index
   order) of those reaching it. Without sampling (``num_samples == numel``) the threshold is exact.
 
+  ``x`` may be a function of no arguments that returns it (DGC's ``v + u``, computed from the
+  state where it is read): each pass over it, the rare ones inside conditionals included, then
+  computes it from its terms, and it is never written to memory of its own.
+
   Returns:
     ``(indices, threshold)``: int32 indices of shape ``(k,)``, each with ``|x| >= threshold``;
     slots left empty hold ``numel`` (out of range: scatters drop them).
   """
+  value = x if callable(x) else lambda: x
   n, k = plan.numel, plan.k
-  samples = jnp.abs(x)
+  samples = jnp.abs(value())
   if plan.num_samples < n:  # x[start::stride]: num_samples or num_samples + 1 entries (else -1)
     taken = jax.random.randint(key, (), 0, plan.stride) + plan.stride * jnp.arange(
         plan.num_samples + 1)
-    samples = jnp.where(taken < n, jnp.abs(x.at[taken].get(mode="clip")), -1)
+    samples = jnp.where(taken < n, jnp.abs(value().at[taken].get(mode="clip")), -1)
   threshold = kernels.kth_largest(samples, plan.top_k_samples)
-  carry = (threshold, kernels.bits_at_least(x, threshold), jnp.int32(0))
+  carry = (threshold, kernels.bits_at_least(value(), threshold), jnp.int32(0))
 
   def count(bits):
     return lax.population_count(bits).sum(dtype=jnp.int32)
@@ -86,16 +92,17 @@ def sampled_topk(x: jax.Array, plan: SamplingPlan, key: jax.Array, *, upper_boun
 
   def lower(carry):
     threshold, _, iters = carry
-    return threshold * lower_bound, kernels.bits_at_least(x, threshold * lower_bound), iters + 1
+    return (threshold * lower_bound, kernels.bits_at_least(value(), threshold * lower_bound),
+            iters + 1)
 
   if plan.num_samples < n:  # adaptation: lower the threshold while too few reach it
     carry = kernels.while_loop_if_needed(too_few, lower, carry)
   threshold, bits, iters = carry
   total, capacity = count(bits), min(2 * k, n)
-  candidates, magnitudes = kernels.first_at_least(x, bits, capacity)
+  candidates, magnitudes = kernels.first_at_least(value(), bits, capacity)
 
   def top_k_of_candidates():  # capacity >= k
-    return lax.cond(total > capacity, lambda: exact_topk(x, k),
+    return lax.cond(total > capacity, lambda: exact_topk(value(), k),
                     lambda: candidates[lax.top_k(magnitudes, k)[1]])
 
   # The reference counts again only if the loop stopped before its last iteration.

@@ -23,7 +23,7 @@ Gradients are float32 (4 bytes a value). Per entry (r a rank, L the reduced valu
 * DGC: per leaf of two or more dimensions, k = ceil(numel·density), the all-gather of W·k values and
   W·k int32 indices if that is less than the leaf's dense mean, else the dense mean; float16 values
   halve the values and the dense means; coarse DGC: 4 bytes per chunk norm plus the chosen chunks;
-  both add a 4-byte finiteness flag;
+  no finiteness flag (the values and the norms carry it);
 * 8-bit (int8 / float8): L padded to W shards of S = 256·ceil(L / (256·W)): codes through an
   all-to-all and an all-gather (W·S bytes each), a 4-byte scale per 256 through each;
 * EF-SignSGD: W·ceil(L/8) bytes of signs and W·4 per leaf of scales, all-gathered;
@@ -59,7 +59,7 @@ import jaxcomp
 from jaxcomp.train import registry
 
 F32 = 4  # bytes of a float32 gradient value
-FLAG = 4  # the int32 finiteness all-reduce of DGC, coarse DGC, chunked top-k and comm_hook
+FLAG = 4  # the int32 finiteness all-reduce of chunked top-k and comm_hook
 _MIB = 1024 * 1024
 
 
@@ -160,7 +160,7 @@ def _dgc(items, world, settings):
       values, indices = values + world * k * value, indices + world * k * 4
     else:
       dense += numel * value
-  return _ar(dense) + _ag(indices) + _ag(values) + _ar(FLAG)
+  return _ar(dense) + _ag(indices) + _ag(values)
 
 
 def _coarse_dgc(items, world, settings):
@@ -175,7 +175,7 @@ def _coarse_dgc(items, world, settings):
       norms, rest = norms + chunks * F32, rest + chosen
     else:
       rest += numel * F32
-  return _ar(norms) + _ar(rest) + _ar(FLAG)
+  return _ar(norms) + _ar(rest)
 
 
 def _quantized(items, world, settings, block=256, share=1.0):
