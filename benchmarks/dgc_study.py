@@ -92,6 +92,8 @@ VARIANTS = {
                                   clipped=False),
     "dgc_0.3pct_unclipped": Variant("dgc_unclipped at 0.3%", settings={"ratio": 0.003},
                                     clipped=False),
+    "dgc_0.3pct_warm25_unclipped": Variant("dgc_unclipped at 0.3%, warm-up over 25% of the steps",
+                                           settings={"ratio": 0.003}, warmup=0.25, clipped=False),
     "dgc_warm25_unclipped": Variant("dgc_unclipped, warm-up over 25% of the steps", warmup=0.25,
                                     clipped=False),
     "dgc_nowarm_unclipped": Variant("dgc_unclipped without warm-up", warmup=0, clipped=False),
