@@ -360,3 +360,32 @@ def test_gpu_env_names_what_is_missing(monkeypatch):
   stops, _ = gpu_env.check_apis()
   assert stops[0] == f"jax {jax.__version__} lacks API jax.set_mesh_v2: used in the benchmarks"
   assert stops[1].startswith(f"jax {jax.__version__} lacks API jax.lax.pcast(into=): its signature")
+
+
+def test_dgc_study_variants_change_only_what_they_name():
+  import jax
+  import numpy as np
+  import optax
+
+  from benchmarks import dgc_study
+  from jaxcomp.train import tasks
+  # The paper's four warm-up densities over the first 25% of 1,000 steps, in stages of 62 steps.
+  recipe = dgc_study.warmup_recipe(0.25)
+  assert recipe(1000)["warmup"] == ((62, 0.25), (124, 0.0625), (186, 0.015625), (248, 0.004))
+  assert [first for first, _, _ in recipe.phases(1000)] == [0, 62, 124, 186, 248]
+  assert dgc_study.warmup_recipe(0) is None
+  names = ["allreduce", "dgc", "dgc_unclipped", "dgc_1pct"]
+  with dgc_study.registered(names):
+    one = registry.REGISTRY["dgc_1pct"]
+    assert one.settings == {"ratio": 0.01} and one.recipe is registry.REGISTRY["dgc"].recipe
+    # The job's clip_by_global_norm(1) after DGC shrinks an update of norm 100 to the learning
+    # rate; the unclipped variant's task leaves it out.
+    task = dgc_study.study_task(tasks.chars(quick=True), names)
+    grads = {"w": np.full((8, 4, 4), 100.0, np.float32)}  # one per device
+    for name, clipped in (("dgc", True), ("dgc_unclipped", False)):
+      tx = task.optimizer(registry.REGISTRY[name])  # the steady state at the constant rate
+      state = jax.pmap(tx.init, axis_name="batch")(grads)
+      updates, _ = jax.pmap(tx.update, axis_name="batch")(grads, state)
+      norm = float(optax.global_norm(updates["w"][0]))
+      assert (norm <= task.learning_rate * 1.001) == clipped, (name, norm)
+  assert "dgc_1pct" not in registry.REGISTRY and "dgc_unclipped" not in registry.REGISTRY
