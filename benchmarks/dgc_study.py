@@ -31,7 +31,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 
 from benchmarks import common, quality  # noqa: E402
 from jaxcomp.train import job, registry, tasks  # noqa: E402
@@ -115,22 +114,12 @@ QUICK = ("allreduce", "dgc", "dgc_unclipped")
 
 @dataclasses.dataclass(frozen=True)
 class StudyTask(tasks.Task):
-  """``tasks.Task`` whose optimizer leaves out the global clip after the entries in ``unclipped``.
-
-  ``Task.optimizer`` has no option for it: the inner optimizer is built here as it builds it.
-  """
+  """``tasks.Task`` whose optimizer leaves out the global clip after the entries in ``unclipped``."""
   unclipped: frozenset = frozenset()
 
-  def optimizer(self, entry, steps=None, schedule="constant", **overrides):
-    if entry.name not in self.unclipped:
-      return super().optimizer(entry, steps, schedule, **overrides)
-    if entry.inner == "adamw":
-      rate = tasks.learning_rate_schedule(self.adamw_learning_rate, steps, schedule)
-      inner = optax.adamw(rate, b2=0.99, weight_decay=0.1)
-    else:
-      rate = tasks.learning_rate_schedule(self.learning_rate, steps, schedule)
-      inner = optax.sgd(rate, momentum=entry.sgd_momentum)
-    return entry.optimizer(inner, "batch", steps, **overrides)
+  def optimizer(self, entry, steps=None, schedule="constant", clip=True, **overrides):
+    return super().optimizer(entry, steps, schedule, clip=clip and entry.name not in self.unclipped,
+                             **overrides)
 
 
 def study_task(task: tasks.Task, names) -> StudyTask:

@@ -112,7 +112,7 @@ class Task:
     logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-  def optimizer(self, entry, steps=None, schedule="constant",
+  def optimizer(self, entry, steps=None, schedule="constant", clip=True,
                 **overrides) -> optax.GradientTransformation:
     """What every registry entry (``jaxcomp.train.registry``) trains with, with its recipe for
     ``steps`` steps or its steady state: ``chain(compressor, clip_by_global_norm(1), sgd(lr,
@@ -124,14 +124,18 @@ class Task:
     steps: ``"constant"``, or ``"cosine"`` (``learning_rate_schedule``). 1-bit Adam keeps its
     constant one: on the chars transformer (600 steps) scheduled it ended at a held-out loss of
     2.277, constant at 2.022 (``benchmarks/quality.py``).
+
+    ``clip=False`` leaves the ``clip_by_global_norm(1)`` out (``benchmarks/dgc_study.py``: after
+    DGC it clips a velocity that carries the momentum, every step).
     """
     rate = functools.partial(learning_rate_schedule, steps=steps, schedule=schedule)
     if entry.inner == "adamw":
       inner = optax.adamw(rate(self.adamw_learning_rate), b2=0.99, weight_decay=0.1)
     else:
       inner = optax.sgd(rate(self.learning_rate), momentum=entry.sgd_momentum)
-    return entry.optimizer(optax.chain(optax.clip_by_global_norm(1.0), inner), "batch", steps,
-                           **overrides)
+    if clip:
+      inner = optax.chain(optax.clip_by_global_norm(1.0), inner)
+    return entry.optimizer(inner, "batch", steps, **overrides)
 
   def evaluate(self, params):
     """(loss, accuracy) on the held-out set."""
