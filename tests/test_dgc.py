@@ -479,6 +479,7 @@ def test_data_parallel_keeps_replicas_identical_and_matches_pmap(name):
                               **rounding_tol(3 * (16 + 2 + 3 + W)))
 
 
+@pytest.mark.slow  # 20 s on the loaded 2-core machine (compiling DGC under vmap and pmap)
 def test_vmap_with_an_axis_name_matches_pmap():
   tx = jaxcomp.dgc(0.05)
   params = make_params()

@@ -68,6 +68,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxcomp._src import axis, buckets, finite, interface, kernels, local_steps, optax_wrappers
 from jaxcomp._src import phases, shards, validate
@@ -133,6 +134,8 @@ class Algorithm:
     scatter: ``scatter(config, state, leaves, axis_name, phase) -> (shards, state)``: the step as a
       reduce-scatter, this device's shard (``shards.own``) of each leaf's mean; None (the default):
       the step's mean, of which each device keeps its shard.
+    scatter_unused: the state's fields that ``scatter`` neither reads nor writes, which the
+      state made for it (``interface.Transformation.scatter_init``) holds as ``optax.MaskedNode``.
     output: what the transformation returns (``interface.OUTPUTS``): ``"gradient"``, the mean
       (or a direction from it, for an optimizer to follow); ``"update"``, a whole optimizer's
       update (the step scales its direction by the learning rate; nothing but guards may follow
@@ -154,6 +157,7 @@ class Algorithm:
   nonfinite: str = "skip"
   is_own_config: Callable = _any
   scatter: Optional[Callable] = None
+  scatter_unused: tuple = ()
   output: str = "gradient"
   direction: Optional[str] = None
 
@@ -277,10 +281,18 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
   def init_fn(params):
     return algorithm.init(config, tree_lib.TreeSignature.of(params))
 
-  def apply(updates, state, params, step: Optional[Callable], shape_of: Callable):
-    """1 (and 5 with ``step=algorithm.scatter``): ``(outputs, new_state)``."""
+  def scatter_init_fn(params):
+    state = init_fn(params)
+    return state._replace(**{field: jax.tree.map(lambda _: optax.MaskedNode(),
+                                                 getattr(state, field))
+                             for field in algorithm.scatter_unused})
+
+  def apply(updates, state, params, step: Optional[Callable], shape_of: Callable,
+            made_by: Callable = init_fn):
+    """1 (and 5 with ``step=algorithm.scatter``, on the state ``made_by`` makes):
+    ``(outputs, new_state)``."""
     optax_wrappers.check(algorithm.name, axis_name)
-    tree_lib.check_state(state, init_fn, algorithm.name)
+    tree_lib.check_state(state, made_by, algorithm.name)
     leaves = state.signature.check(updates)
     reduced = [leaves[i] for i in state.signature.reduced]
     axis.refuse_summed_gradient(reduced, axis_name, algorithm.name)
@@ -300,20 +312,24 @@ def transformation(algorithm: Algorithm, axis_name: axis.AxisName,
   def scatter_fn(updates, state):
     cut = shards.layout(axis_name)
     with kernels.part("update"):
-      return apply(updates, state, None, algorithm.scatter, lambda x: cut.shape(x.shape))
+      return apply(updates, state, None, algorithm.scatter, lambda x: cut.shape(x.shape),
+                   scatter_init_fn)
 
-  return _declared(algorithm, axis_name, init_fn, update_fn, scatter_fn if algorithm.scatter
-                   else interface.own_shard_of(update_fn, axis_name))
+  if not algorithm.scatter:
+    return _declared(algorithm, axis_name, init_fn, update_fn,
+                     interface.own_shard_of(update_fn, axis_name))
+  return _declared(algorithm, axis_name, init_fn, update_fn, scatter_fn, scatter_init_fn)
 
 
 def _declared(algorithm: Algorithm, axis_name: axis.AxisName, init_fn: Callable,
-              update_fn: Callable, scatter: Callable) -> interface.Transformation:
+              update_fn: Callable, scatter: Callable,
+              scatter_init: Optional[Callable] = None) -> interface.Transformation:
   """The ``interface.Transformation`` of a mean's ``init_fn`` and ``update_fn``: with its scatter
-  for a ``"gradient"``; for an ``"update"`` (a whole optimizer) refusing an optimizer after it in an
-  ``optax.chain``, which would take its update for a gradient."""
+  (and the state for it) for a ``"gradient"``; for an ``"update"`` (a whole optimizer) refusing an
+  optimizer after it in an ``optax.chain``, which would take its update for a gradient."""
   if algorithm.output == "gradient":
     return interface.Transformation(init_fn, update_fn, name=algorithm.name, axis_name=axis_name,
-                                    scatter=scatter)
+                                    scatter=scatter, scatter_init=scatter_init)
 
   def last_in_chain(updates, state, params=None):
     optax_wrappers.check_last_in_chain(

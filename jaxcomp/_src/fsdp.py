@@ -11,9 +11,9 @@ travel through jaxcomp's codecs. The steps, per device (the ``# n:`` comments be
    parameters' pytree) as a ``Layer``: this device's shards and its gradient exchange's state;
 2. ``gather_layer(layer)`` all-gathers the layer's shards in ``gather_dtype``: exactly (None), in
    bfloat16, or as int8 / float8_e4m3fn codes with a float32 scale per 256 values (ZeRO++'s qwZ,
-   ``jaxcomp.quantized``'s block codec and the exchange's gather, ``exchange.gather_rows``), and
-   casts them back to the parameters' dtype: the layer computes with the whole (dequantized)
-   parameters, the stored shards stay exact (they are the master copy);
+   ``jaxcomp.quantized``'s block codec through the exchange's gather: ``zero.gather``, the sharded
+   optimizer's), and casts them back to the parameters' dtype: the layer computes with the whole
+   (dequantized) parameters, the stored shards stay exact (they are the master copy);
 3. its VJP (``jax.custom_vjp``) reduce-scatters the layer's gradient through the jaxcomp exchange
    (its declared ``scatter``: ``allreduce`` and ``bf16_compress`` as a ``psum_scatter`` in their
    wire dtype, ``quantized(8)`` as the all-to-all of int8 codes with the sender's error feedback,
@@ -59,15 +59,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp._src import axis, phases, quantized, shards, spmd
-from jaxcomp._src import exchange as exchange_lib
+from jaxcomp._src import axis, phases, spmd, zero
 from jaxcomp._src import tree as tree_lib
 
 GATHER_DTYPES = (None, "bfloat16", "int8", "float8_e4m3fn")
-# qwZ: 8-bit codes with a float32 scale per block of 256 values (jaxcomp.quantized's codec).
-_CODECS = {"int8": quantized.block_codec(quantized.QuantizedConfig(bits=8, block_size=256)),
-           "float8_e4m3fn": quantized.block_codec(
-               quantized.QuantizedConfig(bits="fp8", block_size=256))}
+
 
 def replicated(shape: tuple, world: int) -> bool:
   """Whether a leaf of ``shape`` stays whole on every device over ``world`` devices: 0-d, or fewer
@@ -145,18 +141,6 @@ def _uncarry(c: jax.Array, dtype) -> jax.Array:
   return lax.bitcast_convert_type(c, dtype)
 
 
-def _all_gather(sent: list, shapes: list, gather_dtype: Optional[str], axis_name) -> list:
-  """2: the whole leaves of ``shapes`` from every device's shards ``sent``, sent in
-  ``gather_dtype`` (8-bit: the exchange's 5–6 with the block codec)."""
-  if gather_dtype not in _CODECS:
-    return shards.gather([x if gather_dtype is None else x.astype(gather_dtype) for x in sent],
-                         shapes, axis_name)
-  rows_of = exchange_lib.shard_layout(shapes, axis.axis_size(axis_name))
-  rows = exchange_lib.shard_rows([x.astype(jnp.float32) for x in sent])
-  count = rows_of.count(axis.axis_index(axis_name))
-  return exchange_lib.gather_rows(_CODECS[gather_dtype], rows_of, rows, count, axis_name)[0]
-
-
 def _varying(x, axis_name):
   """``x`` typed varying along the axis where values are typed (``shard_map(check_vma=True)``),
   as the per-device inputs the backward pass returns cotangents for are."""
@@ -173,7 +157,7 @@ def _gather_fwd(spec: _LayerSpec, shards_: tuple, carriers: tuple):
   whole = list(shards_)  # 4: replicated leaves as they are
   if spec.sharded:
     # 2: the sharded leaves gathered in gather_dtype, cast back to their dtype.
-    gathered = phases.run(phases.Phase(f"fsdp.gather.{spec.name}", 1.0), _all_gather,
+    gathered = phases.run(phases.Phase(f"fsdp.gather.{spec.name}", 1.0), zero.gather,
                           [shards_[i] for i in spec.sharded],
                           [spec.shapes[i] for i in spec.sharded], spec.gather_dtype,
                           spec.axis_name)

@@ -120,7 +120,8 @@ class FullySharded:
       exchanges = []
       for idx in indices:
         sharded = [leaves[i] for i in idx if not replicated(leaves[i].shape, world)]
-        exchanges.append(jax.tree.map(stack, self.exchange.init(sharded)) if sharded else None)
+        exchanges.append(jax.tree.map(stack, self.exchange.scatter_init(sharded)) if sharded
+                         else None)
       return FullyShardedState(owned, jax.vmap(self.optimizer.init)(owned), tuple(exchanges),
                                signature)
 

@@ -38,12 +38,17 @@ class Transformation(optax.GradientTransformation):
     scatter: for a ``"gradient"``, ``scatter(updates, state) -> (shards, state)``: this device's
       shard of each leaf's mean (the reduce-scatter of ``jaxcomp.sharded_optimizer``); None for
       the others.
+    scatter_init: ``scatter_init(params) -> state``: the state for ``scatter`` alone, without what
+      only ``update`` uses (``quantized``'s server error, a whole gradient per device); ``init``
+      where ``update`` and ``scatter`` use the same state.
   """
 
   def __new__(cls, init: Callable, update: Callable, *, name: str, axis_name: axis.AxisName,
-              output: str = "gradient", scatter: Optional[Callable] = None):
+              output: str = "gradient", scatter: Optional[Callable] = None,
+              scatter_init: Optional[Callable] = None):
     self = super().__new__(cls, init, update)
-    self.__dict__.update(name=name, axis_name=axis_name, output=output, scatter=scatter)
+    self.__dict__.update(name=name, axis_name=axis_name, output=output, scatter=scatter,
+                         scatter_init=scatter_init or init)
     return self
 
   @property

@@ -285,7 +285,8 @@ def scatter(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_n
 
 # "own": 7, the flag from the scales the exchange sends anyway.
 QUANTIZED = compressor.Algorithm("quantized", QuantizedState, QuantizedConfig, init, step,
-                                 nonfinite="own", scatter=scatter)
+                                 nonfinite="own", scatter=scatter,
+                                 scatter_unused=("server_error",))
 
 
 def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",

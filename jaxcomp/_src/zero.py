@@ -67,8 +67,11 @@ from jaxcomp._src import validate
 from jaxcomp._src import tree as tree_lib
 
 GATHER_DTYPES = (None, "bfloat16", "float16", "int8")
-# qwZ: int8 codes with a float32 scale per block of 256 values (jaxcomp.quantized's codec).
-_INT8 = quantized.block_codec(quantized.QuantizedConfig(bits=8, block_size=256))
+# qwZ: 8-bit codes with a float32 scale per block of 256 values (jaxcomp.quantized's codec); also
+# the fully sharded step's gather (fsdp.py).
+CODECS = {"int8": quantized.block_codec(quantized.QuantizedConfig(bits=8, block_size=256)),
+          "float8_e4m3fn": quantized.block_codec(
+              quantized.QuantizedConfig(bits="fp8", block_size=256))}
 
 
 class ShardedOptimizerState(NamedTuple):
@@ -105,17 +108,17 @@ def _own(signature: tree_lib.TreeSignature, tree, axis_name) -> Any:
   return signature.unflatten(leaves)
 
 
-def _gather(sent: list, shapes: list, gather_dtype: Optional[str], axis_name) -> list:
-  """4: the whole arrays of ``shapes`` from every device's shards ``sent``, sent in ``gather_dtype``
-  (``"int8"``: the exchange's 5–6 with ``jaxcomp.quantized``'s int8 block codec); the same on every
-  device."""
-  if gather_dtype != "int8":
+def gather(sent: list, shapes: list, gather_dtype: Optional[str], axis_name) -> list:
+  """4: the whole arrays of ``shapes`` from every device's shards ``sent``, the same on every device,
+  sent in ``gather_dtype``: exactly (None), cast (``"bfloat16"``, ``"float16"``), or as the 8-bit
+  codes of ``CODECS`` (the exchange's 5–6), which arrive as float32."""
+  if gather_dtype not in CODECS:
     return shards.gather([x if gather_dtype is None else x.astype(gather_dtype) for x in sent],
                          shapes, axis_name)
   rows_of = exchange.shard_layout(shapes, axis.axis_size(axis_name))
-  rows = exchange.shard_rows(sent)
+  rows = exchange.shard_rows([x.astype(jnp.float32) for x in sent])
   count = rows_of.count(axis.axis_index(axis_name))
-  return exchange.gather_rows(_INT8, rows_of, rows, count, axis_name)[0]
+  return exchange.gather_rows(CODECS[gather_dtype], rows_of, rows, count, axis_name)[0]
 
 
 def sharded_optimizer(exchange: optax.GradientTransformation,
@@ -184,7 +187,7 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
   def init_fn(params):
     signature = tree_lib.TreeSignature.of(params)
     owned = _own(signature, params, axis_name)
-    return ShardedOptimizerState(exchange.init(params), optimizer.init(owned),
+    return ShardedOptimizerState(exchange.scatter_init(params), optimizer.init(owned),
                                  owned if lossy else optax.MaskedNode(), signature)
 
   def update_fn(updates, state: ShardedOptimizerState, params=None):
@@ -214,8 +217,8 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
       sent = [m - c for m, c in zip(signature.pick(master), signature.pick(current))]
     else:
       sent = signature.pick(step)
-    gathered = _gather(sent, [signature.shapes[i] for i in signature.reduced], gather_dtype,
-                       axis_name)
+    gathered = gather(sent, [signature.shapes[i] for i in signature.reduced], gather_dtype,
+                      axis_name)
     for i, whole in zip(signature.reduced, gathered):
       leaves[i] = whole.astype(signature.dtypes[i])
     # 5: the update of the whole parameters, in the gradient's structure.
