@@ -153,6 +153,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="--plan: your measured compute time per step (forward, backward, "
                          "optimizer; no communication), in ms; without it, an estimate from the "
                          "model's FLOPs, printed as such")
+  plan.add_argument("--device-gib", type=float, default=None, metavar="G",
+                    help="--plan: GiB of memory per device; the \"Fully sharded\" table marks "
+                         "which ways to train (DDP, ZeRO-1/2, FSDP) hold the parameters, Adam's "
+                         "state and the exchange's state in it")
   plan.add_argument("--from-run", default=None, metavar="RESULTS_JSON",
                     help="--plan: also take the steps to target from this run of the job "
                          "(its OUT/results.json), before the packaged ones")
@@ -163,7 +167,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
            "and add wall-clock columns (needs root and the ip and tc commands)")
   args = parser.parse_args(argv)
   defaults = parser.parse_args([])
-  planning = ("--model", "--params", "--step-ms", "--from-run")
+  planning = ("--model", "--params", "--step-ms", "--from-run", "--device-gib")
   if not args.plan:
     given = [o for o in planning if getattr(args, o[2:].replace("-", "_")) is not None]
     if given:
@@ -188,6 +192,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
       parser.error(f"--step-ms must be a positive number of milliseconds; got {args.step_ms:g}")
     if args.devices < 2:
       parser.error(f"--devices must be at least 2 for --plan; got {args.devices}")
+    if args.device_gib is not None and not 0 < args.device_gib < float("inf"):
+      parser.error(f"--device-gib must be a positive number of GiB per device (e.g. 80); got "
+                   f"{args.device_gib:g}")
     if args.from_run is not None and not os.path.isfile(args.from_run):
       parser.error(f"--from-run: no such file: {args.from_run}")
     try:
@@ -750,7 +757,8 @@ def run_plan(args: argparse.Namespace) -> int:
   else:
     tree, about = shapes.transformer(args.params)
   result = planner.plan(tree, model=args.model, devices=args.devices, gbits=args.gbits,
-                        step_ms=args.step_ms, names=args.compressors, data=data, about=about)
+                        step_ms=args.step_ms, names=args.compressors, data=data, about=about,
+                        device_gib=args.device_gib)
   print(result.text)
   os.makedirs(args.out, exist_ok=True)
   command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if args.argv is None else args.argv)

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxcomp.train import measured, network, registry, shapes, wire
+from jaxcomp.train import fsdp_plan, measured, network, registry, shapes, wire
 
 RATE = 400e12
 """FLOP/s of the compute estimate: 40% of an H100's 989 TFLOP/s dense bfloat16 peak."""
@@ -98,6 +98,7 @@ class Plan:
     text: the tables and the sources of every figure (print it).
     speeds, curves: the plot's link speeds and ``{name: {"step": [...], "target": [...]}}``, the
       projected times over allreduce's at each.
+    fsdp: the "Fully sharded" table's ``fsdp_plan.FsdpRow``\ s (DDP, ZeRO-1/2, FSDP variants).
   """
   model: str
   params: int
@@ -110,6 +111,7 @@ class Plan:
   text: str = ""
   speeds: tuple = ()
   curves: dict = dataclasses.field(default_factory=dict)
+  fsdp: list = dataclasses.field(default_factory=list)
 
   def figure(self):
     """The "where compression pays off" plot (``job.draw_payoff``, as the job draws it) for this
@@ -222,7 +224,8 @@ def _tag(kind: str, index: int) -> str:
 def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (25.0,),
          step_ms: Optional[float] = None, model: Optional[str] = None,
          names: Optional[Sequence[str]] = None, alpha: float = network.ALPHA,
-         data: Optional[dict] = None, about: Optional[str] = None) -> Plan:
+         data: Optional[dict] = None, about: Optional[str] = None,
+         device_gib: Optional[float] = None) -> Plan:
   """Projects every registry entry (or ``names``) to a model on ``devices`` workers whose links run
   at each of ``gbits`` Gbit/s.
 
@@ -238,9 +241,12 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
     alpha: the α-β model's latency per message (seconds).
     data: the measurements (default: the packaged ``measured.json``).
     about: what the model is, for the text.
+    device_gib: GiB per device: the "Fully sharded" table marks which ways to train hold their
+      parameters, Adam's state and the exchange's state in it (``fsdp_plan``).
 
   Returns:
-    A ``Plan``: ``rows`` (one ``Row`` per entry), ``text`` and ``figure()``.
+    A ``Plan``: ``rows`` (one ``Row`` per entry), ``fsdp`` (the "Fully sharded" table's rows),
+    ``text`` and ``figure()``.
   """
   import jax
   if (params_or_shapes is None) == (model is None):
@@ -265,6 +271,7 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
   n = sum(math.prod(shape) for _, shape in leaves)
   if not n:
     raise ValueError("the model has no floating-point parameters")
+  fsdp_rows = fsdp_plan.rows(tree, devices, gbits, alpha, device_gib)
   other = sorted({str(x.dtype) for x in jax.tree.leaves(tree)
                   if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)} - {"float32"})
   if step_ms is None:
@@ -346,8 +353,9 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
         row.to_target_bf16[g] = row.to_target[g] / bf16.to_target[g]
 
   result = Plan(about, n, int(devices), gbits, compute_ms, compute_note, list(rows.values()),
-                sources, speeds=tuple(speeds), curves=curves)
-  result.text = render(result, alpha, other)
+                sources, speeds=tuple(speeds), curves=curves, fsdp=fsdp_rows)
+  result.text = render(result, alpha, other) + "\n" + fsdp_plan.render(
+      fsdp_rows, result.world, gbits, alpha, device_gib)
   return result
 
 

@@ -402,3 +402,74 @@ def operands(sent, world: int) -> list:
   """``[(op, bytes, share)]`` as the α-β model takes them (``network.operands``): an all-gather's
   per-worker contribution, the others' payload."""
   return [(m.op, m.payload / (world if m.op == "all-gather" else 1), m.share) for m in sent]
+
+
+# -------------------------------------------------------------------------- fully sharded (FSDP)
+
+FSDP_GATHERS = {None: F32, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1}
+"""``jaxcomp.fully_sharded``'s gather dtypes: bytes a value (8-bit: codes, plus the scales)."""
+FSDP_SCATTERS = {"allreduce": F32, "bf16_compress": 2, "quantized_int8": 1}
+"""Its exchanges that reduce-scatter natively, by name: bytes a value on the wire."""
+_BLOCK = 256  # values per float32 scale of the 8-bit codes (``jaxcomp.quantized``'s block)
+
+
+def fsdp_layers(tree) -> list:
+  """The layers ``jaxcomp.fully_sharded`` gathers at ``layer_depth=1``: each entry of the
+  top-level container (the whole tree if it is a leaf), as ``[(path, shape)]`` of its
+  floating-point leaves, in the parameters' leaf order."""
+  top = jax.tree.flatten(tree, is_leaf=lambda node: node is not tree)[0]
+  if top == [tree]:
+    return [leaves(tree)]
+  return [found for node in top if (found := leaves(node))]
+
+
+def fsdp_messages(tree, world: int, gather_dtype: Optional[str] = None,
+                  exchange: str = "allreduce") -> list:
+  """The ``Message``\\ s of one step of ``jaxcomp.fully_sharded`` (``layer_depth=1``, no
+  ``jax.checkpoint``: each layer gathered once) on ``world`` devices, per layer: a leaf of n
+  values is sharded, S = ⌈n/W⌉ values per device (flat layout, zero-padded to W·S), unless it is
+  0-d or n < W (replicated: its gradient's exact float32 mean, an all-reduce of 4·n bytes). With R
+  the sum of a layer's S:
+
+  * gather (``gather_dtype``): an all-gather of W·R values, 4 bytes each (None), 2 (bfloat16), or 1
+    (int8 / float8_e4m3fn codes) plus an all-gather of W·⌈R/256⌉ float32 scales;
+  * scatter (``exchange``): a reduce-scatter of W·R values, 4 bytes each (allreduce) or 2
+    (bf16_compress); quantized_int8: an all-to-all of W·R int8 codes and one of W·⌈R/256⌉ float32
+    scales, and a 4-byte finiteness all-reduce.
+
+  Args:
+    tree: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+    world: W.
+    gather_dtype: a key of ``FSDP_GATHERS``.
+    exchange: a key of ``FSDP_SCATTERS``.
+
+  Returns:
+    A list of ``Message``\\ s, ops 'all-gather', 'reduce-scatter' (its payload the input, as
+    ``comm_report`` counts it), 'all-to-all' and 'all-reduce'.
+  """
+  if gather_dtype not in FSDP_GATHERS or exchange not in FSDP_SCATTERS:
+    raise ValueError(f"fully sharded: gather_dtype must be one of {list(FSDP_GATHERS)} and "
+                     f"exchange one of {list(FSDP_SCATTERS)}; got {gather_dtype!r}, {exchange!r}")
+  out = []
+  for layer in fsdp_layers(tree):
+    rows = sum(-(-math.prod(s) // world) for _, s in layer if s and math.prod(s) >= world)
+    whole = sum(math.prod(s) for _, s in layer if not s or math.prod(s) < world)
+    scales = F32 * world * -(-rows // _BLOCK)
+    out += _ag(FSDP_GATHERS[gather_dtype] * world * rows)
+    if gather_dtype in ("int8", "float8_e4m3fn") and rows:
+      out += _ag(scales)
+    if exchange == "quantized_int8":
+      out += _a2a(world * rows) + (_a2a(scales) + _ar(FLAG) if rows else [])
+    elif rows:
+      out.append(Message("reduce-scatter", FSDP_SCATTERS[exchange] * world * rows))
+    out += _ar(F32 * whole)
+  return out
+
+
+def zero_messages(tree, world: int) -> list:
+  """The ``Message``\\ s of one step of ``jaxcomp.sharded_optimizer(jaxcomp.allreduce(), ...)``
+  (ZeRO-1/2, exact gather) on ``world`` devices: every leaf sharded, S = ⌈n/W⌉ values per device
+  (a 0-d leaf one), a float32 reduce-scatter of the gradient and a float32 all-gather of the
+  update, W·ΣS values each."""
+  sent = F32 * world * sum(-(-max(math.prod(s), 1) // world) for _, s in leaves(tree))
+  return [Message("reduce-scatter", sent), Message("all-gather", sent)]
