@@ -144,13 +144,11 @@ def _gib(b: float) -> str:
   return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b:,} B"
 
 
-def _ms(ms: float) -> str:
-  return f"{ms:.0f} ms" if ms >= 100 else f"{ms:#.3g} ms" if ms >= 0.01 else f"{1e3 * ms:.1f} µs"
-
-
 def render(table: list, world: int, gbits: Sequence[float], alpha: float,
            device_gib: Optional[float] = None) -> str:
-  """The "Fully sharded" table and where its figures come from."""
+  """The "Fully sharded" table and where its figures come from, its bytes and times written as
+  the compressor table's."""
+  from jaxcomp.train.planner import _bytes, _ms  # the planner imports this module
   head = ["way to train (Adam)", "params + Adam / device", "exchange state / device"]
   head += [f"fits {device_gib:g} GiB"] if device_gib is not None else []
   head += ["sent/step/device", "vs FSDP bf16"]
@@ -162,7 +160,7 @@ def render(table: list, world: int, gbits: Sequence[float], alpha: float,
   for r in table:
     cells = [r.label, _gib(r.state), _gib(r.exchange_state) if r.exchange_state else "0"]
     cells += ["yes" if r.fits else "no"] if device_gib is not None else []
-    cells += [f"{r.sent / 1e6:,.1f} MB", f"{r.vs_bf16:.2f}x"]
+    cells += [_bytes(r.sent), f"{r.vs_bf16:.2f}x"]
     cells += [f"{_ms(r.comm_ms[g]['ring'])} / {_ms(r.comm_ms[g]['doubling'])}" for g in gbits]
     measured = r.label.startswith("DDP")  # the compressor table's allreduce row
     cells += ["0 (the baseline)" if measured else "not measured",

@@ -42,6 +42,12 @@ Gradients are float32 (4 bytes a value). Per entry (r a rank, L the reduced valu
   (fragments strided over the leaves of two or more dimensions, each cut in τ pieces of rows), each
   padded on its own through int8.
 
+Not registry entries, for the planner's "Fully sharded" table (``jaxcomp.train.fsdp_plan``):
+``fsdp_messages`` (``jaxcomp.fully_sharded``: per layer, a gather of the parameters' shards and a
+reduce-scatter of the gradient's, each in its dtype) and ``zero_messages``
+(``jaxcomp.sharded_optimizer``), held equal to their compiled steps' ``comm_report`` by
+``tests/test_fsdp_plan.py``.
+
 An entry without a formula here (a new one) gets None: its bytes are not computed without compiling
 (``benchmarks/bytes.py --compressors NAME`` measures them).
 """
