@@ -77,6 +77,14 @@ def test_fsdp_bytes_equal_the_compiled_step(gather, exchange, world):
   assert sent[0] == wire.Message("all-gather", width * world * rows)
 
 
+def test_int8_without_error_feedback_sends_the_same_bytes():
+  params = small_params()
+  fs = jaxcomp.fully_sharded(loss_fn, mesh_1d(8), jaxcomp.quantized(8, error_feedback=False),
+                             optax.adam(1e-3), gather_dtype="int8")
+  report = jaxcomp.comm_report(fs.step, fs.make_state(params), *fs.shard(batch()))
+  assert wire.bytes_by_op(wire.fsdp_messages(params, 8, "int8", "quantized_int8")) == by_op(report)
+
+
 @pytest.mark.parametrize("world", [4, 8])
 def test_zero_bytes_equal_the_compiled_step(world):
   params = small_params()

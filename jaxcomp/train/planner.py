@@ -22,6 +22,10 @@ main job's measurements to another model and cluster. For every registry entry:
 * **crossover link speed**: below it the entry's projected time beats allreduce's, per step and to
   the target.
 
+A "Fully sharded" table follows (``jaxcomp.train.fsdp_plan``): memory per device against bytes per
+step for DDP, ZeRO-1/2 and ``jaxcomp.fully_sharded``'s gathers and scatters (``device_gib``,
+``--device-gib``: which fit).
+
 The compute time per step is ``--step-ms`` (the user's measurement: forward, backward and optimizer
 of one device's batch, without communication), or else an estimate that says so: 3 × the forward
 FLOPs of ``shapes.Model``'s examples per device at ``RATE`` FLOP/s.
