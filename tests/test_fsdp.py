@@ -235,6 +235,12 @@ def test_bad_arguments_are_refused_naming_them():
   fs = jaxcomp.fully_sharded(loss_fn, mesh, jaxcomp.allreduce(), optax.sgd(0.1))
   with pytest.raises(TypeError, match=r"params: leaf \['step'\] is int32"):
     fs.make_state({"w": np.ones(4, np.float32), "step": np.int32(0)})
+  # A layer used without gather_layer: named, with the fix.
+  ungathered = jaxcomp.fully_sharded(lambda p, x: (x * p["scale"]).sum(), mesh,
+                                     jaxcomp.allreduce(), optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"params\['scale'\] is a fully sharded layer.*gather_layer"):
+    ungathered.step(ungathered.make_state({"scale": np.float32(2.0)}),
+                    ungathered.shard(np.ones((2, 3), np.float32)))
 
 
 @pytest.mark.slow  # 11 s on the loaded 2-core machine (Flax's import and two programs)

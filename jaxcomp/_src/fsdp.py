@@ -117,6 +117,16 @@ class Layer:
   def __repr__(self) -> str:
     return f"jaxcomp.fsdp.Layer({jax.tree.unflatten(self.spec.treedef, self.spec.shapes)})"
 
+  def _not_gathered(self, *_):
+    raise TypeError(f"params[{self.spec.name!r}] is a fully sharded layer (this device's shards): "
+                    "use jaxcomp.gather_layer(...) of it, or of a tree above it, for its whole "
+                    "parameters (a replicated 0-d leaf at the layers' depth is a layer too)")
+
+  # Indexing or computing with a layer instead of its gathered parameters: say so.
+  __getitem__ = __array__ = __neg__ = _not_gathered
+  __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_gathered
+  __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = __rpow__ = _not_gathered
+
 
 def _carry(x: jax.Array) -> jax.Array:
   """A state leaf as a cotangent can carry it: floating point as it is, 32-bit integers and bools
