@@ -277,6 +277,37 @@ def test_a_flax_nnx_model_trains_as_the_unsharded_chain():
   assert not np.allclose(want["dense0"]["kernel"], params["dense0"]["kernel"])  # it moved
 
 
+@pytest.mark.slow  # Flax's import and two programs
+def test_a_linen_model_gathers_each_module_as_it_runs():
+  """Each ``nn.Dense`` wrapped by ``nn.map_variables(..., trans_in_fn=jaxcomp.gather_layer)``
+  gathers its own parameters when it runs (one labelled gather per module); the same model trains
+  unsharded, where the wrapper passes the parameters through, and the two agree."""
+  import flax.linen as nn
+
+  dense = nn.map_variables(nn.Dense, "params", trans_in_fn=jaxcomp.gather_layer, init=True)
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return dense(3, name="dense1")(jnp.tanh(dense(16, name="dense0")(x)))
+
+  model = MLP()
+  x, y = batches(1)[0]
+  params = model.init(jax.random.key(0), x)["params"]
+  linen_loss = lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y) ** 2)  # noqa: E731
+  mesh, optimizer = mesh_1d(4), optax.adam(0.05)
+  dp = jaxcomp.data_parallel(linen_loss, mesh, tx=optax.chain(jaxcomp.allreduce(), optimizer))
+  fs = jaxcomp.fully_sharded(linen_loss, mesh, jaxcomp.allreduce(), optimizer)
+  want, opt_state, got = params, dp.make_state(params), fs.make_state(params)
+  report = jaxcomp.comm_report(fs.step, got, *fs.shard((x, y)))
+  assert {"fsdp.gather.dense0", "fsdp.gather.dense1"} <= set(report.phase_names)
+  for batch in batches(3):
+    want, opt_state, _ = jax.block_until_ready(dp.step(want, opt_state, *dp.shard(batch)))
+    got, _ = jax.block_until_ready(fs.step(got, *fs.shard(batch)))
+  chex.assert_trees_all_close(fs.gather_params(got), want, **rounding_tol(48))
+  assert not np.allclose(want["dense0"]["kernel"], params["dense0"]["kernel"])  # it moved
+
+
 def test_orbax_restores_the_sharded_state_and_training_resumes(tmp_path):
   """The int8 variant's state (shards, Adam's, the error feedback) saved and restored exactly, to
   its shardings; the restored run continues as the uninterrupted one, bit for bit."""
