@@ -11,7 +11,7 @@ W = 8 simulated CPU devices, global batch 64. For each way to train, per device:
   bfloat16 all-gather and a bfloat16 reduce-scatter of every parameter);
 * temporaries: the compiled FSDP step's ``temp_size_in_bytes`` (the peak of what it allocates
   besides its inputs and outputs) as the loss gathers every layer at its start, a layer at a time,
-  or a layer at a time under ``jax.checkpoint``;
+  a layer at a time under ``jax.checkpoint``, or a layer at a time through ``call_layer``;
 * step time (not with ``--no-time``): every step timed side by side, round-robin
   (``common.interleaved``), as the median over rounds of its time ÷ DDP's (allreduce) time.
 
@@ -51,16 +51,21 @@ from jaxcomp._src.sharding import per_device_mask  # noqa: E402
 BATCH = 64
 
 
-def loss_fn(params, x, y, remat=False, at_start=False):
+def loss_fn(params, x, y, remat=False, at_start=False, called=False):
   """The MLP, a layer gathered at a time (``gather_layer`` passes unsharded parameters through);
-  each layer under ``jax.checkpoint`` (``remat``), or every layer gathered at the start."""
+  each layer under ``jax.checkpoint`` (``remat``), through ``call_layer`` (``called``), or every
+  layer gathered at the start."""
   params = jaxcomp.gather_layer(params) if at_start else params
   names = sorted(params, key=lambda n: int(n[5:]))
 
-  def dense(layer, x, last):
-    layer = jaxcomp.gather_layer(layer)
+  def compute(layer, x, last):
     x = x @ layer["kernel"] + layer["bias"]
     return x if last else jax.nn.relu(x)
+
+  def dense(layer, x, last):
+    if called:
+      return jaxcomp.call_layer(lambda whole, x: compute(whole, x, last), layer, x)
+    return compute(jaxcomp.gather_layer(layer), x, last)
 
   dense = jax.checkpoint(dense, static_argnums=2) if remat else dense
   for name in names:
@@ -74,7 +79,8 @@ def temporaries(mesh, params, batch) -> str:
   rows = []
   for name, kwargs in (("every layer at the start", dict(at_start=True)),
                        ("a layer at a time", {}),
-                       ("a layer at a time, jax.checkpoint", dict(remat=True))):
+                       ("a layer at a time, jax.checkpoint", dict(remat=True)),
+                       ("a layer at a time, call_layer", dict(called=True))):
     fs = jaxcomp.fully_sharded(lambda p, x, y, kwargs=kwargs: loss_fn(p, x, y, **kwargs), mesh,
                                jaxcomp.allreduce(), optax.adam(1e-3))
     compiled = fs.step.lower(fs.make_state(params), *fs.shard(batch)).compile()
@@ -107,9 +113,10 @@ def ways(mesh):
       return dp.step, (params, opt_state), dp.shard, memory
     return build
 
-  def fsdp(exchange, gather_dtype):
+  def fsdp(exchange, gather_dtype, called=False):
     def build(params):
-      fs = jaxcomp.fully_sharded(loss_fn, mesh, exchange(), adam(), gather_dtype=gather_dtype)
+      fs = jaxcomp.fully_sharded(lambda p, x, y: loss_fn(p, x, y, called=called), mesh,
+                                 exchange(), adam(), gather_dtype=gather_dtype)
       state = fs.make_state(params)
       every = lambda t: jax.tree.map(lambda _: True, t)  # noqa: E731
       memory = (nbytes(state.params, every(state.params)), nbytes(state.inner, every(state.inner)),
@@ -136,6 +143,8 @@ def ways(mesh):
       "FSDP fp8 gather, int8 scatter": fsdp(lambda: jaxcomp.quantized(8), "float8_e4m3fn"),
       "FSDP int8 both ways, no error feedback": fsdp(
           lambda: jaxcomp.quantized(8, error_feedback=False), "int8"),
+      "FSDP exact, call_layer": fsdp(jaxcomp.allreduce, None, called=True),
+      "FSDP int8 both ways, call_layer": fsdp(lambda: jaxcomp.quantized(8), "int8", called=True),
   }
 
 

@@ -48,6 +48,7 @@ from jaxcomp._src.distributed import sync_buffers
 from jaxcomp._src.guard import SkipIfNonfiniteState
 from jaxcomp._src.guard import skip_if_nonfinite
 from jaxcomp._src.fsdp import Layer
+from jaxcomp._src.fsdp import call_layer
 from jaxcomp._src.fsdp import gather_layer
 from jaxcomp._src.fsdp_step import FullySharded
 from jaxcomp._src.fsdp_step import FullyShardedState
@@ -159,6 +160,7 @@ __all__ = (
     "fp16_compress_wrapper",
     "fragment_layout",
     "fully_sharded",
+    "call_layer",
     "gather_layer",
     "hooks",
     "local_sgd",

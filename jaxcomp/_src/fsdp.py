@@ -27,12 +27,16 @@ travel through jaxcomp's codecs. The steps, per device (the ``# n:`` comments be
    (``axis.mean``, float32);
 5. the optimizer runs on the shards (an elementwise one: ``zero.check_elementwise`` refuses the
    others while the step is traced) and the shards move; nothing is gathered after the update: the
-   next forward pass gathers.
+   next forward pass gathers;
+6. with ``call_layer(fn, layer, x)`` instead of ``gather_layer``, the order is fixed by data: the
+   gather waits for ``x``, the backward pass's re-gather for the gradient of ``fn``'s output, and
+   the earlier layers' backward passes for the layer's scatter (``_after``), so the gathered
+   parameters and whole gradients of about one layer are alive at a time.
 
 Bytes per device per step (ring): (W−1)/W·N values in the gather dtype and (W−1)/W·N in the
 exchange's wire dtype, each layer's in its own collectives (plus the scales of the 8-bit codes: 4
-bytes per 256 values). Gathered again in the backward pass under ``jax.checkpoint``, the gather is
-paid twice. Memory per device: N/W parameters (plus at most W − 1 padding values per leaf), the
+bytes per 256 values). Gathered again in the backward pass (``call_layer``, or under
+``jax.checkpoint``), the gather is paid twice. Memory per device: N/W parameters (plus at most W − 1 padding values per leaf), the
 optimizer's state of them, and the exchange's state (``quantized``'s error feedback is the whole
 gradient of a layer, float32, per device: ``quantized(8, error_feedback=False)`` keeps none).
 
@@ -53,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -158,12 +162,8 @@ def _varying(x, axis_name):
       axis_name) else x
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gather(spec: _LayerSpec, shards_: tuple, carriers: tuple) -> tuple:
-  return _gather_fwd(spec, shards_, carriers)[0]
-
-
-def _gather_fwd(spec: _LayerSpec, shards_: tuple, carriers: tuple):
+def _whole(spec: _LayerSpec, shards_: tuple) -> tuple:
+  """2 and 4: the layer's whole leaves from this device's shards."""
   whole = list(shards_)  # 4: replicated leaves as they are
   if spec.sharded:
     # 2: the sharded leaves gathered in gather_dtype, cast back to their dtype.
@@ -173,10 +173,12 @@ def _gather_fwd(spec: _LayerSpec, shards_: tuple, carriers: tuple):
                           spec.axis_name)
     for i, x in zip(spec.sharded, gathered):  # varying: no implicit all-reduce of the gradient
       whole[i] = _varying(x.astype(spec.dtypes[i]), spec.axis_name)
-  return tuple(whole), carriers
+  return tuple(whole)
 
 
-def _gather_bwd(spec: _LayerSpec, carriers: tuple, cotangents: tuple):
+def _scatter(spec: _LayerSpec, carriers: tuple, cotangents: tuple) -> tuple:
+  """3 and 4: this device's shards of the layer's mean gradient, and the exchange's new state as
+  carriers: ``(grads, carriers)``."""
   grads = [None] * len(cotangents)
   for i, r in enumerate(spec.replicated):  # 4: the exact mean of a replicated leaf's gradient
     if r:
@@ -195,7 +197,101 @@ def _gather_bwd(spec: _LayerSpec, carriers: tuple, cotangents: tuple):
   return tuple(grads), carriers
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather(spec: _LayerSpec, shards_: tuple, carriers: tuple) -> tuple:
+  return _whole(spec, shards_)
+
+
+def _gather_fwd(spec: _LayerSpec, shards_: tuple, carriers: tuple):
+  return _whole(spec, shards_), carriers
+
+
+_gather.defvjp(_gather_fwd, _scatter)
+
+
+def _floating(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _after(tree, dependency):
+  """6: ``tree`` as values computed from ``dependency`` (a pytree): each floating-point array plus
+  0·(the first value of ``dependency``), so that the compiler computes them only once that value
+  exists, and cannot merge two gathers of a layer that wait for different values. XLA folds
+  neither 0·v (NaN where v is not finite, which makes the layer's output and gradient NaN as they
+  would be) nor the sum; ``lax.optimization_barrier`` did not hold: XLA:CPU removes it before it
+  merges equal instructions."""
+  first = next((x for x in jax.tree.leaves(dependency) if _floating(x) and jnp.size(x)), None)
+  if first is None:
+    return tree
+  zero = jnp.ravel(first)[0] * 0
+  return jax.tree.map(lambda x: x + zero.astype(x.dtype) if _floating(x) else x, tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _call(fn, spec: _LayerSpec, shards_: tuple, carriers: tuple, args: tuple):
+  return _call_fwd(fn, spec, shards_, carriers, args)[0]
+
+
+def _call_fwd(fn, spec: _LayerSpec, shards_: tuple, carriers: tuple, args: tuple):
+  # 6: gathered once the layer's inputs exist; nothing gathered kept for the backward pass.
+  params = jax.tree.unflatten(spec.treedef, _whole(spec, _after(shards_, args)))
+  return fn(params, *args), (shards_, carriers, args)
+
+
+def _call_bwd(fn, spec: _LayerSpec, residuals: tuple, cotangent):
+  shards_, carriers, args = residuals
+  # 6: gathered again once the output's gradient exists, then the layer's own backward pass.
+  _, pullback = jax.vjp(lambda whole, a: fn(jax.tree.unflatten(spec.treedef, whole), *a),
+                        _whole(spec, _after(shards_, cotangent)), args)
+  whole_grads, arg_grads = pullback(cotangent)
+  grads, carriers = _scatter(spec, carriers, whole_grads)
+  # 6: the earlier layers' backward passes wait for this scatter, so its whole gradient is freed.
+  return grads, carriers, _after(arg_grads, grads)
+
+
+_call.defvjp(_call_fwd, _call_bwd)
+
+
+def call_layer(fn: Callable, layer, *args):
+  """``fn(gather_layer(layer), *args)``, holding the layer's whole parameters only while it runs:
+  FSDP's per-layer gather, free and re-gather (the module docstring's 6).
+
+  The forward pass gathers the layer once ``args`` exist and keeps nothing gathered; the backward
+  pass gathers it again once the gradient of ``fn``'s output exists, runs ``fn``'s backward pass
+  (recomputing its activations, as ``jax.checkpoint`` does) and reduce-scatters the gradient
+  before the earlier layers' backward passes start. So at most about one layer's gathered
+  parameters and one layer's whole gradient are alive at a time. ``gather_layer`` under
+  ``jax.checkpoint`` leaves the compiler free to run every gather first, and XLA:CPU does and
+  keeps them all. The price is order: a layer's collectives do not overlap another layer's
+  computation.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcomp
+    >>> dense = lambda p, x: x @ p["w"]
+    >>> jaxcomp.call_layer(dense, {"w": jnp.eye(2)}, jnp.ones(2))  # unsharded: fn(layer, x)
+    Array([1., 1.], dtype=float32)
+
+  Args:
+    fn: ``fn(params, *args)``: the layer's computation on its whole parameters. Whatever needs a
+      gradient, beside the parameters, must come in ``args`` (a value ``fn`` closes over gets
+      none).
+    layer: a ``Layer`` (one entry of ``fully_sharded``'s parameters at its ``layer_depth``), or
+      parameters without ``Layer``\ s, which ``fn`` receives as they are.
+    *args: ``fn``'s other inputs (pytrees of arrays).
+
+  Returns:
+    ``fn``'s output.
+
+  Raises:
+    TypeError: ``layer`` holds ``Layer``\ s but is not one.
+  """
+  if not _is_layer(layer):
+    if any(_is_layer(x) for x in jax.tree.leaves(layer, is_leaf=_is_layer)):
+      raise TypeError("call_layer: layer must be one Layer (an entry of fully_sharded's "
+                      "parameters at its layer_depth) or parameters without Layers; got a tree "
+                      "holding Layers: call it once per layer")
+    return fn(layer, *args)
+  return _call(fn, layer.spec, layer.shards, layer.carriers, args)
 
 
 def _is_layer(node) -> bool:
