@@ -177,8 +177,9 @@ def render(table: list, world: int, gbits: Sequence[float], alpha: float,
       + ".",
       "* bytes: exact at this model's layer shapes (jaxcomp/train/wire.py: fsdp_messages, "
       "zero_messages, held equal to the compiled steps' comm_report by tests/test_fsdp_plan.py), "
-      "ring algorithm, each layer gathered once: under jax.checkpoint around a layer the "
-      "backward pass gathers it again (add the gather's bytes once more).",
+      "ring algorithm, each layer gathered once: with jaxcomp.call_layer (one layer's "
+      "parameters held at a time) or under jax.checkpoint around a layer, the backward pass "
+      "gathers it again (add the gather's bytes once more).",
       "* comm: the α-β model (jaxcomp/train/network.py), ring / tree (recursive doubling; a "
       "reduce-scatter as the all-gather it mirrors, recursive halving), no overlap with compute "
       "(FSDP's prefetch of the next layer's gather is not credited).",
