@@ -14,15 +14,15 @@ bloc97/DeMo's ``demo.py``, the paper's Algorithm 1):
    (1, 1)), cut into tiles of h × w, h the largest divisor of a that is at most ``chunk`` (w of b;
    ref.'s ``_get_smaller_split``); k' = min(k, h·w) coefficients of each tile are sent.
 2. ``δ ← decay·δ + lr(t)·g``, this device's own gradient (ref.: ``delta.mul_(decay).add_(grad,
-   alpha=lr)``).
-3. The orthonormal DCT-II of each tile, as products with the basis matrices (ref.'s
-   ``TransformDCT.encode``): ``C = Fₕᵀ·tile·F_w``.
+   alpha=lr)``), kept as its DCT coefficients C (the state): ``C ← decay·C + lr(t)·DCT(g)``, the
+   DCT being linear.
+3. The orthonormal DCT-II of each tile of g, as products with the basis matrices (ref.'s
+   ``TransformDCT.encode`` of δ): ``Fₕᵀ·tile·F_w``.
 4. The k' coefficients of largest magnitude of each tile (``lax.top_k``; ref.'s
    ``CompressDCT.compress``), their positions in the tile as int16 (int32 for a tile of more than
    32,768 coefficients).
-5. Error feedback: ``δ ← δ − IDCT(the coefficients sent)`` (ref.: ``delta.sub_(transmit_grad)``),
-   computed as the inverse DCT of the coefficients not sent (the same up to rounding; no second
-   array of the tiles' size).
+5. Error feedback: ``δ ← δ − IDCT(the coefficients sent)`` (ref.: ``delta.sub_(transmit_grad)``)
+   is, in the coefficients, C with the ones sent set to zero: no inverse DCT.
 6. One all-gather of every leaf's positions (int16) and one of the values (float32), from every
    device (ref.'s ``_demo_all_gather``).
 7. The decode, the same on every device: per coefficient, the sum of the values the devices sent
@@ -42,7 +42,10 @@ k = 32 a device's own share is 85× smaller than its float32 tile (the paper's "
 W = 8 the gathered payload is 10.7× smaller than a float32 all-reduce's and the ring traffic 21×
 (an all-gather forwards every device's share).
 
-Differences from ref. The positions travel as int16, not int64 (4× fewer index bytes). The decode
+Differences from ref. The momentum is kept as its DCT coefficients, so a step takes one DCT (of
+the gradient) and one inverse (of the mean) where ref. takes three (δ's DCT, the inverse of what
+was sent for the error feedback, the inverse of the mean); the two agree to rounding. The
+positions travel as int16, not int64 (4× fewer index bytes). The decode
 adds the devices' values in device order, so every device computes the same bits (ref.'s
 ``scatter_reduce`` may add them in any order, so its replicas can drift apart). Leaves of more than
 two dimensions are matrices of their last axis (ref. handles 1-D and 2-D tensors only). The
@@ -110,17 +113,19 @@ class DeMoState(NamedTuple):
 
   Attributes:
     count: steps taken (non-finite steps are not counted).
-    delta: this device's momentum δ, float32, in the params' structure (``optax.MaskedNode()``
-      where not reduced); per device.
+    coefficients: the DCT coefficients of this device's momentum δ (2), float32, each leaf's
+      tiles one after the other, a tile's h·w coefficients row by row, in the leaf's shape; the
+      params' structure (``optax.MaskedNode()`` where not reduced); per device. ``momentum``
+      gives δ.
     config: the static settings.
     signature: the gradient pytree's structure, shapes and dtypes.
   """
   count: jax.Array
-  delta: Any
+  coefficients: Any
   config: DeMoConfig
   signature: tree_lib.TreeSignature
 
-  PER_DEVICE_FIELDS = ("delta",)  # see jaxcomp.sharding
+  PER_DEVICE_FIELDS = ("coefficients",)  # see jaxcomp.sharding
 
 
 def largest_divisor(n: int, at_most: int) -> int:
@@ -211,6 +216,15 @@ def init(config: DeMoConfig, signature: tree_lib.TreeSignature) -> DeMoState:
   return DeMoState(jnp.zeros([], jnp.int32), signature.place(zeros), config, signature)
 
 
+def momentum(state: DeMoState):
+  """This device's momentum δ (2) in the params' structure, from the state's DCT coefficients."""
+  deltas = []
+  for c in state.signature.pick(state.coefficients):
+    t = _tiles(state.config, c.shape)
+    deltas.append(_decode(t, c.reshape(-1, t.h * t.w)).reshape(c.shape))
+  return state.signature.place(deltas)
+
+
 def step(config: DeMoConfig, state: DeMoState, leaves: list, axis_name, phase,
          params=None) -> tuple:
   """Steps 1–9 on the reduced leaves: ``(updates, new state, finite)``."""
@@ -222,18 +236,17 @@ def step(config: DeMoConfig, state: DeMoState, leaves: list, axis_name, phase,
   rate = config.learning_rate
   rate = jnp.asarray(rate(state.count) if callable(rate) else rate, jnp.float32)
   layout = [_tiles(config, g.shape) for g in leaves]
-  positions, values, deltas = [], [], []
-  for t, g, delta in zip(layout, leaves, state.signature.pick(state.delta)):
-    # 2: δ ← decay·δ + lr·g; 3: its DCT, tile by tile.
-    delta = config.decay * delta + rate * g.astype(jnp.float32)
+  positions, values, kept = [], [], []
+  for t, g, old in zip(layout, leaves, state.signature.pick(state.coefficients)):
     with kernels.part("encode"):
-      c = _encode(t, delta.reshape(t.a, t.b)).reshape(-1, t.h * t.w)
+      # 2–3: C ← decay·C + lr·DCT(g), tile by tile.
+      c = (config.decay * old.reshape(-1, t.h * t.w)
+           + rate * _encode(t, g.astype(jnp.float32).reshape(t.a, t.b)).reshape(-1, t.h * t.w))
       # 4: the k' largest |coefficients| of each tile.
       where = lax.top_k(jnp.abs(c), t.k)[1]
       sent = jnp.take_along_axis(c, where, axis=-1)
-    with kernels.part("error_feedback"):  # 5: δ − IDCT(sent), as the IDCT of the rest
-      rest = c.at[jnp.arange(c.shape[0])[:, None], where].set(0.0)
-      deltas.append(_decode(t, rest).reshape(delta.shape))
+    with kernels.part("error_feedback"):  # 5: δ − IDCT(sent): C without the coefficients sent
+      kept.append(c.at[jnp.arange(c.shape[0])[:, None], where].set(0.0).reshape(g.shape))
     positions.append(where.astype(t.index_dtype))
     values.append(sent)
   # 6: every device's positions and values (one all-gather per dtype).
@@ -255,7 +268,7 @@ def step(config: DeMoConfig, state: DeMoState, leaves: list, axis_name, phase,
     if decays:
       direction = direction + config.weight_decay * params[i].astype(jnp.float32)
     updates.append((-rate * direction).astype(g.dtype))
-  new_state = state._replace(delta=state.signature.place(deltas))
+  new_state = state._replace(coefficients=state.signature.place(kept))
   return updates, finite.keep_if_finite(ok, new_state, state), ok  # 9
 
 
