@@ -167,8 +167,10 @@ def fully_sharded(loss_fn: Callable, mesh: Mesh, exchange, optimizer, *,
     state, loss = fs.step(state, *fs.shard((x, y)))
     params = fs.gather_params(state)                 # whole, for evaluation and export
 
-  Leaves that are 0-d or have fewer values than W stay whole on every device (``replicated``),
-  and their gradient is the exact float32 mean.
+  ``jaxcomp.call_layer(fn, params[name], x)`` in place of ``gather_layer`` holds one layer's
+  gathered parameters at a time (gathered again in the backward pass). Leaves that are 0-d or
+  have fewer values than W stay whole on every device (``replicated``), and their gradient is the
+  exact float32 mean.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
