@@ -34,7 +34,7 @@ import math
 import numbers
 from typing import Optional, Sequence
 
-from jaxcomp.train import network, wire
+from jaxcomp.train import network, units, wire
 
 GIB = 2**30
 
@@ -148,7 +148,6 @@ def render(table: list, world: int, gbits: Sequence[float], alpha: float,
            device_gib: Optional[float] = None) -> str:
   """The "Fully sharded" table and where its figures come from, its bytes and times written as
   the compressor table's."""
-  from jaxcomp.train.planner import _bytes, _ms  # the planner imports this module
   head = ["way to train (Adam)", "params + Adam / device", "exchange state / device"]
   head += [f"fits {device_gib:g} GiB"] if device_gib is not None else []
   head += ["sent/step/device", "vs FSDP bf16"]
@@ -160,8 +159,8 @@ def render(table: list, world: int, gbits: Sequence[float], alpha: float,
   for r in table:
     cells = [r.label, _gib(r.state), _gib(r.exchange_state) if r.exchange_state else "0"]
     cells += ["yes" if r.fits else "no"] if device_gib is not None else []
-    cells += [_bytes(r.sent), f"{r.vs_bf16:.2f}x"]
-    cells += [f"{_ms(r.comm_ms[g]['ring'])} / {_ms(r.comm_ms[g]['doubling'])}" for g in gbits]
+    cells += [units.human_bytes(r.sent), f"{r.vs_bf16:.2f}x"]
+    cells += [f"{units.human_ms(r.comm_ms[g]['ring'])} / {units.human_ms(r.comm_ms[g]['doubling'])}" for g in gbits]
     measured = r.label.startswith("DDP")  # the compressor table's allreduce row
     cells += ["0 (the baseline)" if measured else "not measured",
               "1.00x (the baseline)" if measured else "not measured"]

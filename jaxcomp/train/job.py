@@ -51,7 +51,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxcomp.train import network, registry, shapes
+from jaxcomp.train import network, registry, shapes, units
 from jaxcomp.train.training_step import first_copy, make_mesh, make_step
 
 
@@ -462,8 +462,8 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
     if entry.wire_dtype:
       sent = entry.bytes_per_step(jaxcomp.comm_report(compiled, num_devices=n))
       if sent != program_bytes[steady]:
-        note = (f"{name}: XLA:{devices[0].platform.upper()} sends {_bytes(sent)} after compiling "
-                "(it widens the wire dtype)")
+        note = (f"{name}: XLA:{devices[0].platform.upper()} sends {units.human_bytes(sent)} "
+                "after compiling (it widens the wire dtype)")
     run = Run(name, own, phases, {key: program_bytes[key] for _, key in phases},
               program_bytes[steady], note, {key: program_collectives[key] for _, key in phases})
     run.evals.append(at_start)
@@ -497,13 +497,6 @@ def train(task, names: Sequence[str], *, steps: int, devices: list, batch_size: 
       bar.update()
   bar.close()
   return runs
-
-
-def _bytes(b: float) -> str:
-  for unit, size in (("MB", 1e6), ("kB", 1e3)):
-    if b >= size:
-      return f"{b / size:.1f} {unit}"
-  return f"{b:.0f} B"
 
 
 def _ratio(value: float, base: float) -> str:
@@ -572,11 +565,12 @@ def table(runs: Sequence[Run], world: int = 1, gbits: Sequence[float] = ()) -> s
       sent = clock = "-"
     else:
       to_target = f"{reached} ({_ratio(reached, base_steps)})"
-      sent = f"{_bytes(r.bytes_to(reached))} ({_ratio(r.bytes_to(reached), base.bytes_to(base_steps))})"
+      sent = (f"{units.human_bytes(r.bytes_to(reached))} "
+              f"({_ratio(r.bytes_to(reached), base.bytes_to(base_steps))})")
       if linked:
         clock = _clock(r.link_seconds_to(reached), base.link_seconds_to(base_steps))
     compression = base.bytes_per_step / r.bytes_per_step if r.bytes_per_step else float("inf")
-    cells = [r.name, _bytes(r.bytes_per_step), f"{compression:.1f}x",
+    cells = [r.name, units.human_bytes(r.bytes_per_step), f"{compression:.1f}x",
              _ratio(r.median_step_seconds, base.median_step_seconds)]
     if linked:
       cells += [f"{r.link_seconds[r.phases[-1][1]]:.3f} s", clock]

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxcomp.train import fsdp_plan, measured, network, registry, shapes, wire
+from jaxcomp.train import fsdp_plan, measured, network, registry, shapes, units, wire
 
 RATE = 400e12
 """FLOP/s of the compute estimate: 40% of an H100's 989 TFLOP/s dense bfloat16 peak."""
@@ -366,17 +366,6 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
 # ----------------------------------------------------------------------------------------- text
 
 
-def _bytes(b: float) -> str:
-  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if b >= size:
-      return f"{b / size:.1f} {unit}"
-  return f"{b:.0f} B"
-
-
-def _ms(ms: float) -> str:
-  return f"{ms:.0f} ms" if ms >= 100 else f"{ms:#.3g} ms" if ms >= 0.01 else f"{1e3 * ms:.1f} µs"
-
-
 def _speed(kind_g: Optional[tuple], bound: bool = False) -> str:
   if kind_g is None:
     return "-"
@@ -417,7 +406,7 @@ def render(result: Plan, alpha: float, other_dtypes: Sequence[str] = ()) -> str:
           "steps to target [J]", "crossover vs allreduce, per step", "crossover, to target"]
   rows = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
   for r in result.rows:
-    sent = "not computed without compiling" if r.sent is None else _bytes(r.sent)
+    sent = "not computed without compiling" if r.sent is None else units.human_bytes(r.sent)
     compression = "-" if r.compression is None else f"{r.compression:.1f}x"
     ratio = "not measured" if r.step_ratio is None else f"{r.step_ratio:.2f}"
     overhead = "-" if r.overhead_ms is None else f"{r.overhead_ms:+.1f} ms"
@@ -436,9 +425,9 @@ def render(result: Plan, alpha: float, other_dtypes: Sequence[str] = ()) -> str:
     for r in result.rows:
       ring = tree = step = vs = vs16 = target = target16 = "-"
       if g in r.comm_ms:
-        ring, tree = _ms(r.comm_ms[g]["ring"]), _ms(r.comm_ms[g]["doubling"])
+        ring, tree = units.human_ms(r.comm_ms[g]["ring"]), units.human_ms(r.comm_ms[g]["doubling"])
       if g in r.step_ms:
-        step = _ms(r.step_ms[g])
+        step = units.human_ms(r.step_ms[g])
         vs = f"{r.step_ms[g] / base.step_ms[g]:.2f}x"
         if g in bf16.step_ms:
           vs16 = f"{r.step_ms[g] / bf16.step_ms[g]:.2f}x"
