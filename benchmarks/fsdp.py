@@ -18,7 +18,8 @@ W = 8 simulated CPU devices, global batch 64. For each way to train, per device:
 ``--quality STEPS`` instead trains the main job's transformer (``jaxcomp.train.tasks.chars``,
 120,704 parameters; its recipe: clip the global norm to 1, SGD with momentum 0.9, global batch 32,
 W = 8) unsharded (``optax.chain(jaxcomp.allreduce(), ...)``) and fully sharded
-(``sharded_clip_by_global_norm``), its Linen model unchanged: the loss gathers every layer at its
+(``sharded_clip_by_global_norm``) — exactly, int8 both ways, and each int8 half alone — its Linen
+model unchanged: the loss gathers every layer at its
 start (``task.loss(jaxcomp.gather_layer(params), ...)``), so the numbers are FSDP's, not its memory
 per layer. It prints the held-out loss as the main job reports it (the mean of the last 5 of 30
 evaluations) and its difference from the unsharded run's.
@@ -172,7 +173,9 @@ def quality(steps: int) -> str:
   rows = [["allreduce, unsharded", f"{reference:.4f}", ""]]
   loss_fn = lambda p, x, y: task.loss(jaxcomp.gather_layer(p), x, y)  # noqa: E731
   for name, exchange, gather_dtype in (("FSDP exact", jaxcomp.allreduce(), None),
-                                       ("FSDP int8 both ways", jaxcomp.quantized(8), "int8")):
+                                       ("FSDP int8 both ways", jaxcomp.quantized(8), "int8"),
+                                       ("FSDP int8 gather only", jaxcomp.allreduce(), "int8"),
+                                       ("FSDP int8 scatter only", jaxcomp.quantized(8), None)):
     fs = jaxcomp.fully_sharded(loss_fn, mesh, exchange, optax.chain(
         jaxcomp.sharded_clip_by_global_norm(1.0), sgd()), gather_dtype=gather_dtype)
     state, evaluations = fs.make_state(task.init(0)), []
