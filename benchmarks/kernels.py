@@ -44,8 +44,9 @@ from jaxcomp._src import axis, kernels  # noqa: E402
 from jaxcomp._src import tree as tree_lib  # noqa: E402
 
 
-def _joined_row(row, owner, shapes):
-  """``row_into_arrays`` as the flat layout's join of W rows, all zero but the owner's."""
+def _joined_row(arrays, row, owner):
+  """``row_update_arrays`` as the flat layout's join of W rows, all zero but the owner's."""
+  shapes = [x.shape for x in arrays]
   length = sum(math.prod(s) for s in shapes)
   rows = -(-length // row.shape[0])
   full = jnp.where(jnp.arange(rows)[:, None] == owner, row[None], 0.0)
@@ -87,7 +88,7 @@ OBVIOUS = {
          "from_float8_e4m3fn": lambda b: lax.bitcast_convert_type(
              b, jnp.float8_e4m3fn).astype(jnp.float32)},
         ("quantized_fp8",)),
-    "row_into_arrays": ({"row_into_arrays": _joined_row}, ("quantized_int8", "onebit_adam")),
+    "row_update_arrays": ({"row_update_arrays": _joined_row}, ("quantized_int8", "onebit_adam")),
     "row_of_arrays": ({"row_of_arrays": _split_row}, ("quantized_int8", "onebit_adam")),
     "device_mean": ({"device_mean": _stacked_mean}, ("quantized_int8", "sign")),
     "transposed_product": ({"transposed_product": lambda terms, p: sum(t.T @ p for t in terms)},

@@ -230,20 +230,29 @@ def test_the_collectives_of_several_arrays_and_the_device_mean():
 
 def test_one_row_of_the_flat_layout_and_back():
   """row_of_arrays: row d of the arrays raveled, concatenated, zero-padded and cut into rows
-  (the last row all padding here); row_into_arrays: the arrays holding row d there, zeros
-  elsewhere. Each device takes its own row (axis_index, as the exchange's owner does)."""
+  (the last row all padding here); row_update_arrays: arrays holding zeros outside row d (and old
+  values in it) with row d set, zeros elsewhere. Each device takes its own row (axis_index, as
+  the exchange's owner does)."""
   shapes = [(3, 5), (), (7,)]  # 23 values in rows of 8: rows 2 and 3 hold padding
   length = 8
   rng = np.random.default_rng(4)
   arrays = [dyadic(rng, (W,) + s) for s in shapes]
   rows = dyadic(rng, (W, length))
+  old_rows = dyadic(rng, (W, length))  # what each device's row held before
+  olds = []
+  for d in range(W):
+    flat = np.zeros(W * length, np.float32)
+    flat[d * length:(d + 1) * length] = old_rows[d]
+    olds.append(np.split(flat[:23], [15, 16]))
+  olds = [np.stack([olds[d][i].reshape(s) for d in range(W)]) for i, s in enumerate(shapes)]
 
-  def rows_of(rows, *arrays):
+  def rows_of(rows, *arrays_and_olds):
     owner = jax.lax.axis_index("batch")
+    arrays, old = arrays_and_olds[:len(shapes)], arrays_and_olds[len(shapes):]
     return (kernels.row_of_arrays(list(arrays), owner, length, W),
-            kernels.row_into_arrays(rows, owner, shapes))
+            kernels.row_update_arrays(list(old), rows, owner))
 
-  row, placed = fetched(pmapped(rows_of)(rows, *arrays))
+  row, placed = fetched(pmapped(rows_of)(rows, *arrays, *olds))
   for d in range(W):
     flat = np.concatenate([x[d].ravel() for x in arrays] + [np.zeros(W * length - 23, np.float32)])
     np.testing.assert_array_equal(row[d], flat[d * length:(d + 1) * length])

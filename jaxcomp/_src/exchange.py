@@ -306,20 +306,21 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
   rows_of = layout([a.shape for a in x], world, codec.granule)
   me = axis.axis_index(axis_name)
   # 1–4: the owner's mean of its row (padding zeroed), plus its server error (zero at the padding).
-  old_errors = worker_error, server_error
+  old_worker_error = worker_error
   mean, worker_error, _ = scatter_mean(codec, rows_of, x, worker_error, axis_name, key)
   if server_error is not None:
     with kernels.part("error_feedback"):
-      mean = [m + s for m, s in zip(mean, _owner_rows(rows_of, server_error, me, world, mean))]
+      old_rows = _owner_rows(rows_of, server_error, me, world, mean)
+      mean = [m + s for m, s in zip(mean, old_rows)]
   # 5–7: re-encode and gather; s ← mean − decode(encoding), at this device's row.
   whole, decoded, ok = gather_rows(codec, rows_of, mean, rows_of.count(me), axis_name, key)
-  if server_error is not None:
-    with kernels.part("error_feedback"):
-      rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
-      server_error = _own_rows(rows_of, rows, me, world, [a.shape for a in x])
   with kernels.part("error_feedback"):  # 7: both errors kept where not finite (in place)
-    worker_error, server_error = (None if new is None else finite.keep_if_finite(ok, new, old)
-                                  for new, old in zip((worker_error, server_error), old_errors))
+    if server_error is not None:
+      rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
+      server_error = _own_rows(rows_of, server_error, finite.keep_if_finite(ok, rows, old_rows),
+                               me, world)
+    if worker_error is not None:
+      worker_error = finite.keep_if_finite(ok, worker_error, old_worker_error)
   return whole, worker_error, server_error, ok
 
 
@@ -330,11 +331,11 @@ def _owner_rows(rows_of: Layout, arrays: list, owner, world: int, like: list) ->
   return [lax.dynamic_index_in_dim(s, owner, keepdims=True) for s in rows_of.split(arrays)]
 
 
-def _own_rows(rows_of: Layout, rows: list, owner, world: int, shapes: Sequence[tuple]) -> list:
-  """5: the arrays of ``shapes`` holding the owner's ``rows`` (each of shape (1, …)) at its row of
-  ``layout`` and zeros elsewhere."""
-  if not kernels.keeps_leaves():  # the flat layout: one row
-    return kernels.row_into_arrays(rows[0].reshape(-1), owner, shapes)
+def _own_rows(rows_of: Layout, server_error: list, rows: list, owner, world: int) -> list:
+  """5: the server error (zero outside the owner's row of ``layout``) with the owner's ``rows``
+  (each of shape (1, …)) at that row."""
+  if not kernels.keeps_leaves():  # the flat layout: one row, written in place
+    return kernels.row_update_arrays(server_error, rows[0].reshape(-1), owner)
   mine = jnp.arange(world) == owner
   return rows_of.join([jnp.where(mine.reshape((world,) + (1,) * (r.ndim - 1)), r, 0.0)
                        for r in rows])
