@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from jaxcomp.train import link  # noqa: E402
+from jaxcomp.train import link, units  # noqa: E402
 
 from benchmarks import torch_ddp  # noqa: E402
 
@@ -232,7 +232,7 @@ def report(args, runs, result, task, names, rates, world, steps, batch_size, tor
   for r in runs:
     loss, accuracy = r.final
     reached = r.steps_to(target)
-    cells = [r.name, job_lib._bytes(r.bytes_per_step)]
+    cells = [r.name, units.human_bytes(r.bytes_per_step)]
     for rate in rates:
       cells.append(f"{links[rate]['seconds'][steady_key(r)]:.3f}")
     for rate in limited:
