@@ -39,6 +39,19 @@ def run_two(command, logs):
   return codes, [log.read_text() for log in logs]
 
 
+def run_worker(tmp_path, name):
+  """Runs ``tests/workers/NAME.py`` as 2 processes x 2 CPU devices, asserts both exit 0; returns
+  (each process's saved arrays, the log texts)."""
+  port = free_port()
+  outs = [tmp_path / f"p{i}.npz" for i in range(2)]
+  logs = [tmp_path / f"p{i}.log" for i in range(2)]
+  codes, text = run_two(lambda i: [
+      str(ROOT / "tests" / "workers" / f"{name}.py"), "--coordinator", f"127.0.0.1:{port}",
+      "--process-id", str(i), "--out", str(outs[i])], logs)
+  assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
+  return [np.load(out) for out in outs], text
+
+
 def run_job(tmp_path, *extra):
   """Runs examples/multihost.py as 2 processes x 2 CPU devices; returns (exit codes, logs)."""
   port = free_port()
@@ -93,15 +106,9 @@ def test_batchnorm_statistics_follow_each_policy_across_two_processes():
 @pytest.mark.slow  # several processes
 def test_data_parallel_make_state_starts_every_process_from_process_0(tmp_path):
   """tests/workers/data_parallel_start.py: each process initialises from its own seed."""
-  port = free_port()
-  outs, logs = [tmp_path / f"p{i}.npz" for i in range(2)], [tmp_path / f"p{i}.log" for i in range(2)]
-  codes, text = run_two(lambda i: [
-      str(ROOT / "tests" / "workers" / "data_parallel_start.py"), "--coordinator",
-      f"127.0.0.1:{port}", "--process-id", str(i), "--out", str(outs[i])], logs)
-  assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
+  (first, second), text = run_worker(tmp_path, "data_parallel_start")
   for log in text:  # the loss form cannot replace the caller's parameters: it names the leaf
     assert "loss form refused: tree: leaf ['b'] (float32[]) differs between processes" in log, log
-  first, second = np.load(outs[0]), np.load(outs[1])
   assert not np.array_equal(first["start/w"], second["start/w"])  # the starts really differed
   for key in first.files:
     if key.startswith("start/"):

@@ -6,20 +6,13 @@ import numpy as np
 import pytest
 
 from helpers import rounding_tol
-from test_distributed_multihost import ROOT, free_port, run_two
+from test_distributed_multihost import run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.numeric]
 
 
 def test_sharded_optimizer_trains_across_two_processes(tmp_path):
-  port = free_port()
-  outs = [tmp_path / f"p{i}.npz" for i in range(2)]
-  logs = [tmp_path / f"p{i}.log" for i in range(2)]
-  codes, text = run_two(lambda i: [
-      str(ROOT / "tests" / "workers" / "sharded_optimizer.py"), "--coordinator",
-      f"127.0.0.1:{port}", "--process-id", str(i), "--out", str(outs[i])], logs)
-  assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
-  first, second = np.load(outs[0]), np.load(outs[1])
+  (first, second), _ = run_worker(tmp_path, "sharded_optimizer")
   for key in ("w", "b"):
     sharded = first[f"sharded/params/{key}"]
     # The same on both local devices of both processes, bit for bit.

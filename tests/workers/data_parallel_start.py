@@ -13,7 +13,7 @@ error of the loss-function form.
     python tests/workers/data_parallel_start.py --coordinator 127.0.0.1:PORT --process-id I --out F
 """
 
-from two_processes import join
+from two_processes import join, local_rows
 
 args = join()
 
@@ -47,8 +47,7 @@ def copies(tree, prefix):
   """Every local device's copy of every leaf (one row per local device), keyed by path."""
   out = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
-    out[prefix + jax.tree_util.keystr(path)] = np.stack([np.asarray(s.data) for s in shards])
+    out[prefix + jax.tree_util.keystr(path)] = local_rows(leaf)
   return out
 
 

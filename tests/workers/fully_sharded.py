@@ -10,7 +10,7 @@ per local device, with the device's index along the axis).
     python tests/workers/fully_sharded.py --coordinator 127.0.0.1:PORT --process-id I --out F
 """
 
-from two_processes import join
+from two_processes import join, local_rows
 
 args = join()
 
@@ -43,12 +43,6 @@ batches = [(data.normal(size=(4 * W, 5)).astype(np.float32),
             data.normal(size=(4 * W, 3)).astype(np.float32)) for _ in range(3)]
 local = jax.local_device_count()
 mine = slice(jax.process_index() * 4 * local, (jax.process_index() + 1) * 4 * local)
-
-
-def local_rows(leaf):
-  """This process's shards of ``leaf``, one row per local device, by device id."""
-  return np.stack([np.asarray(s.data) for s in sorted(leaf.addressable_shards,
-                                                        key=lambda s: s.device.id)])
 
 
 def whole(tree, name, results):

@@ -1,9 +1,11 @@
 """What every worker of a 2-process test does first: read ``--coordinator``, ``--process-id`` and
-``--out``, give the process 2 CPU devices and join the job (jax.distributed on 127.0.0.1)."""
+``--out``, give the process 2 CPU devices and join the job (jax.distributed on 127.0.0.1); and how
+it reads back its own devices' copies (``local_rows``)."""
 
 import argparse
 
 import jax
+import numpy as np
 
 
 def join() -> argparse.Namespace:
@@ -18,3 +20,9 @@ def join() -> argparse.Namespace:
   jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=2,
                              process_id=args.process_id, heartbeat_timeout_seconds=30)
   return args
+
+
+def local_rows(leaf):
+  """This process's shards of ``leaf``, one row per local device, by device id."""
+  return np.stack([np.asarray(s.data) for s in sorted(leaf.addressable_shards,
+                                                        key=lambda s: s.device.id)])
