@@ -2,7 +2,8 @@
 (``wire.fsdp_messages``, ``wire.zero_messages``) equal to the compiled ``fully_sharded`` and
 ``sharded_optimizer`` steps' ``comm_report`` at W = 4 and 8, its memory figures equal to the state
 each device holds and to the hand formulas at GPT-2 small's shapes, ``--device-gib``'s marks, bad
-values refused, and the command printing the table."""
+values refused by ``plan`` (the command line's: ``tests/test_train.py``), and the command printing
+the table."""
 
 import math
 
@@ -177,23 +178,6 @@ def test_bad_device_gib_is_refused():
     planner.plan(model="gpt2-small", devices=8, gbits=[25], names=[], device_gib="80")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--plan", "--model", "gpt2-small", "--device-gib", "0"],
-     "--device-gib must be a positive number of GiB per device (e.g. 80); got 0"),
-    (["--plan", "--model", "gpt2-small", "--device-gib", "-8"],
-     "--device-gib must be a positive number of GiB per device (e.g. 80); got -8"),
-    (["--plan", "--model", "gpt2-small", "--device-gib", "inf"],
-     "--device-gib must be a positive number of GiB per device (e.g. 80); got inf"),
-    (["--plan", "--model", "gpt2-small", "--device-gib", "lots"],
-     "argument --device-gib: invalid float value: 'lots'"),
-    (["--device-gib", "80"], "--device-gib is an option of --plan"),
-])
-def test_bad_device_gib_gives_one_line_and_exits_2(capsys, args, message):
-  with pytest.raises(SystemExit) as exit_info:
-    job.parse_args(args)
-  assert exit_info.value.code == 2
-  err = capsys.readouterr().err
-  assert message in err and err.count("\n") == 1, err
 
 
 def test_the_plan_command_prints_the_fully_sharded_table(capsys, tmp_path):

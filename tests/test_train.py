@@ -189,6 +189,15 @@ def test_the_jobs_step_trains_as_the_pmap_step_did(digits, name):
     (["--gbits", "1,0"], "--gbits: link speeds must be positive numbers of Gbit/s"),
     (["--gbits", "1,nan"], "--gbits: link speeds must be positive numbers of Gbit/s"),
     (["--gbits", "10,10"], "--gbits: a link speed is given twice: '10,10'"),
+    (["--plan", "--model", "gpt2-small", "--device-gib", "0"],
+     "--device-gib must be a positive number of GiB per device (e.g. 80); got 0"),
+    (["--plan", "--model", "gpt2-small", "--device-gib", "-8"],
+     "--device-gib must be a positive number of GiB per device (e.g. 80); got -8"),
+    (["--plan", "--model", "gpt2-small", "--device-gib", "inf"],
+     "--device-gib must be a positive number of GiB per device (e.g. 80); got inf"),
+    (["--plan", "--model", "gpt2-small", "--device-gib", "lots"],
+     "argument --device-gib: invalid float value: 'lots'"),
+    (["--device-gib", "80"], "--device-gib is an option of --plan"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
   with pytest.raises(SystemExit) as exit_info:
