@@ -36,9 +36,10 @@ travel through jaxcomp's codecs. The steps, per device (the ``# n:`` comments be
 Bytes per device per step (ring): (W−1)/W·N values in the gather dtype and (W−1)/W·N in the
 exchange's wire dtype, each layer's in its own collectives (plus the scales of the 8-bit codes: 4
 bytes per 256 values). Gathered again in the backward pass (``call_layer``, or under
-``jax.checkpoint``), the gather is paid twice. Memory per device: N/W parameters (plus at most W − 1 padding values per leaf), the
-optimizer's state of them, and the exchange's state (``quantized``'s error feedback is the whole
-gradient of a layer, float32, per device: ``quantized(8, error_feedback=False)`` keeps none).
+``jax.checkpoint``), the gather is paid twice. Memory per device: N/W parameters (plus at most
+W − 1 padding values per leaf), the optimizer's state of them, and the exchange's state
+(``quantized``'s error feedback is the whole gradient of a layer, float32, per device:
+``quantized(8, error_feedback=False)`` keeps none).
 
 The step builder, ``jaxcomp.fully_sharded``, is in ``jaxcomp._src.fsdp_step``.
 
@@ -209,10 +210,6 @@ def _gather_fwd(spec: _LayerSpec, shards_: tuple, carriers: tuple):
 _gather.defvjp(_gather_fwd, _scatter)
 
 
-def _floating(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
 def _after(tree, dependency):
   """6: ``tree`` as values computed from ``dependency`` (a pytree): each floating-point array plus
   0·(the first value of ``dependency``), so that the compiler computes them only once that value
@@ -220,11 +217,12 @@ def _after(tree, dependency):
   neither 0·v (NaN where v is not finite, which makes the layer's output and gradient NaN as they
   would be) nor the sum; ``lax.optimization_barrier`` did not hold: XLA:CPU removes it before it
   merges equal instructions."""
-  first = next((x for x in jax.tree.leaves(dependency) if _floating(x) and jnp.size(x)), None)
+  first = next((x for x in jax.tree.leaves(dependency) if tree_lib.is_float(x) and jnp.size(x)),
+               None)
   if first is None:
     return tree
-  zero = jnp.ravel(first)[0] * 0
-  return jax.tree.map(lambda x: x + zero.astype(x.dtype) if _floating(x) else x, tree)
+  naught = jnp.ravel(first)[0] * 0  # 0, or NaN where that value is not finite
+  return jax.tree.map(lambda x: x + naught.astype(x.dtype) if tree_lib.is_float(x) else x, tree)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

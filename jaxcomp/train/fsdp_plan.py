@@ -96,12 +96,6 @@ def memory(tree, world: int, kind: str, exchange: str = "allreduce",
   return 12 * held, kept
 
 
-def _operands(sent, world: int) -> list:
-  """``wire.operands`` with each reduce-scatter as the all-gather it mirrors."""
-  return [("all-gather", m.payload / world, m.share) if m.op == "reduce-scatter"
-          else (m.op, m.payload / (world if m.op == "all-gather" else 1), m.share) for m in sent]
-
-
 def rows(tree, world: int, gbits: Sequence[float], alpha: float = network.ALPHA,
          device_gib: Optional[float] = None) -> list:
   """An ``FsdpRow`` per ``VARIANTS`` entry for ``tree`` on ``world`` devices at each of ``gbits``.
@@ -127,9 +121,10 @@ def rows(tree, world: int, gbits: Sequence[float], alpha: float = network.ALPHA,
       sent = wire.fsdp_messages(tree, world, gather, exchange)
     state, exchange_state = memory(tree, world, kind, exchange, feedback)
     row = FsdpRow(label, state, exchange_state, wire.ring_bytes(sent, world))
+    operands = wire.operands(sent, world)
     for g in gbits:
       beta = network.gbits_to_beta(g)
-      row.comm_ms[g] = {a: 1e3 * network.step_time(_operands(sent, world), world, alpha, beta, a)
+      row.comm_ms[g] = {a: 1e3 * network.step_time(operands, world, alpha, beta, a)
                         for a in network.ALGORITHMS}
     if device_gib is not None:
       row.fits = row.total <= device_gib * GIB

@@ -406,8 +406,11 @@ def bytes_by_op(sent) -> dict:
 
 def operands(sent, world: int) -> list:
   """``[(op, bytes, share)]`` as the α-β model takes them (``network.operands``): an all-gather's
-  per-worker contribution, the others' payload."""
-  return [(m.op, m.payload / (world if m.op == "all-gather" else 1), m.share) for m in sent]
+  per-worker contribution, a reduce-scatter as the all-gather it mirrors (its input's 1/W from
+  each worker), the others' payload."""
+  return [("all-gather" if m.op == "reduce-scatter" else m.op,
+           m.payload / (world if m.op in ("all-gather", "reduce-scatter") else 1), m.share)
+          for m in sent]
 
 
 # -------------------------------------------------------------------------- fully sharded (FSDP)
