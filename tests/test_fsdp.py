@@ -1,7 +1,7 @@
 """``jaxcomp.fully_sharded`` (ZeRO-3 / FSDP) on simulated CPU devices: with the exact gather and
 scatter it trains as ``optax.chain(exchange, optimizer)`` under ``jaxcomp.data_parallel`` does, step
 for step, at W = 1, 2, 4, 8 (leaf sizes no W divides, a 0-d leaf and a leaf smaller than W that stay
-replicated), with layers deeper in the tree, and for a Flax NNX model (slow); bfloat16, int8 and
+replicated), with layers deeper in the tree, and for a Flax NNX model, merged whole or a submodule at a time (slow); bfloat16, int8 and
 float8 gathers with a compressed scatter stay within a stated tolerance of its loss; each device
 stores 1/W of the parameters and of the optimizer's state; the int8 exchange's error feedback is
 kept in the state; int8 both ways sends at most 0.55x the bytes of bfloat16 both ways, each layer's
@@ -314,10 +314,13 @@ def test_bad_arguments_are_refused_naming_them():
                     ungathered.shard(np.ones((2, 3), np.float32)))
 
 
-@pytest.mark.slow  # 11 s on the loaded 2-core machine (Flax's import and two programs)
-def test_a_flax_nnx_model_trains_as_the_unsharded_chain():
-  """An NNX model's parameters as a pure dict (each submodule a layer); the loss gathers them all
-  and merges the model (its code unchanged)."""
+@pytest.mark.slow  # 11 s each on the loaded 2-core machine (Flax's import and two programs)
+@pytest.mark.parametrize("per_layer", [False, True], ids=["all-at-start", "call_layer"])
+def test_a_flax_nnx_model_trains_as_the_unsharded_chain(per_layer):
+  """An NNX model's parameters as a pure dict (each submodule a layer). Either the loss gathers
+  them all and merges the model (its code unchanged), or it runs each submodule through
+  ``call_layer`` on its own parameters (``nnx.merge`` of the submodule's graph), gathered only
+  while it runs."""
   from flax import nnx
 
   class MLP(nnx.Module):
@@ -328,16 +331,26 @@ def test_a_flax_nnx_model_trains_as_the_unsharded_chain():
     def __call__(self, x):
       return self.dense1(jnp.tanh(self.dense0(x)))
 
-  graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+  model = MLP(nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
   params = nnx.to_pure_dict(state)
 
-  def nnx_loss(p, x, y):
+  def merged_loss(p, x, y):
     whole = nnx.State(state)
     nnx.replace_by_pure_dict(whole, jaxcomp.gather_layer(p))
     return jnp.mean((nnx.merge(graphdef, whole)(x) - y) ** 2)
 
+  submodules = {name: nnx.graphdef(getattr(model, name)) for name in ("dense0", "dense1")}
+
+  def run(name, p, x):
+    return jaxcomp.call_layer(lambda q, x: nnx.merge(submodules[name], q)(x), p[name], x)
+
+  def layered_loss(p, x, y):
+    return jnp.mean((run("dense1", p, jnp.tanh(run("dense0", p, x))) - y) ** 2)
+
+  nnx_loss = layered_loss if per_layer else merged_loss
   mesh, data, optimizer = mesh_1d(4), batches(3), optax.adam(0.05)
-  dp = jaxcomp.data_parallel(nnx_loss, mesh, tx=optax.chain(jaxcomp.allreduce(), optimizer))
+  dp = jaxcomp.data_parallel(merged_loss, mesh, tx=optax.chain(jaxcomp.allreduce(), optimizer))
   fs = jaxcomp.fully_sharded(nnx_loss, mesh, jaxcomp.allreduce(), optimizer)
   want, opt_state, got = params, dp.make_state(params), fs.make_state(params)
   assert got.params["dense0"]["kernel"].shape == (4, 1, 20)  # 80 values, a quarter each
@@ -346,6 +359,13 @@ def test_a_flax_nnx_model_trains_as_the_unsharded_chain():
     got, _ = jax.block_until_ready(fs.step(got, *fs.shard(batch)))
   chex.assert_trees_all_close(fs.gather_params(got), want, **rounding_tol(48))
   assert not np.allclose(want["dense0"]["kernel"], params["dense0"]["kernel"])  # it moved
+  report = jaxcomp.comm_report(fs.step, got, *fs.shard(data[0]))
+  assert {"fsdp.gather.dense0", "fsdp.gather.dense1"} <= set(report.phase_names)
+  gathered = sum(c.payload_bytes for c in report.collectives if c.op == "all-gather")
+  layers = 4 * (5 * 16 + 16 + 16 * 3)  # float32; dense1's bias (3 < W values) stays whole
+  # call_layer gathers again in the backward pass what it needs: dense1's kernel, for its input's
+  # gradient (dense0's gradients need neither its kernel nor its bias: its input is data).
+  assert gathered == layers + (4 * 16 * 3 if per_layer else 0)
 
 
 @pytest.mark.slow  # Flax's import and two programs
