@@ -149,44 +149,52 @@ def ways(mesh):
   }
 
 
-def quality(steps: int) -> str:
+def quality(steps: int, seeds: int) -> str:
   """The held-out losses of ``--quality``'s runs (the module docstring)."""
   from jaxcomp.train import job, tasks  # noqa: PLC0415 (Flax: only for this mode)
   task = tasks.chars()
   mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
   sgd = lambda: optax.sgd(task.learning_rate, momentum=0.9)  # noqa: E731
   every = max(steps // job.EVALUATIONS, 1)
-
-  def held_out(evaluations):
-    return float(np.mean(evaluations[-job.WINDOW:]))
-
-  dp = jaxcomp.data_parallel(task.loss, mesh, tx=optax.chain(
-      jaxcomp.allreduce(), optax.clip_by_global_norm(1.0), sgd()))
-  params = task.init(0)
-  opt_state, evaluations = dp.make_state(params), []
-  for t in range(1, steps + 1):
-    params, opt_state, loss = common.block(dp.step(params, opt_state,
-                                                   *dp.shard(task.batch(0, t - 1, 32))))
-    if t % every == 0:
-      evaluations.append(task.evaluate(params)[0])
-  reference = held_out(evaluations)
-  rows = [["allreduce, unsharded", f"{reference:.4f}", ""]]
   loss_fn = lambda p, x, y: task.loss(jaxcomp.gather_layer(p), x, y)  # noqa: E731
-  for name, exchange, gather_dtype in (("FSDP exact", jaxcomp.allreduce(), None),
-                                       ("FSDP int8 both ways", jaxcomp.quantized(8), "int8"),
-                                       ("FSDP int8 gather only", jaxcomp.allreduce(), "int8"),
-                                       ("FSDP int8 scatter only", jaxcomp.quantized(8), None)):
+
+  def unsharded():
+    dp = jaxcomp.data_parallel(task.loss, mesh, tx=optax.chain(
+        jaxcomp.allreduce(), optax.clip_by_global_norm(1.0), sgd()))
+    step = lambda state, batch: common.block(dp.step(*state, *dp.shard(batch)))[:2]  # noqa: E731
+    return lambda params: (params, dp.make_state(params)), step, lambda state: state[0]
+
+  def sharded(exchange, gather_dtype):
     fs = jaxcomp.fully_sharded(loss_fn, mesh, exchange, optax.chain(
         jaxcomp.sharded_clip_by_global_norm(1.0), sgd()), gather_dtype=gather_dtype)
-    state, evaluations = fs.make_state(task.init(0)), []
-    for t in range(1, steps + 1):
-      state, loss = common.block(fs.step(state, *fs.shard(task.batch(0, t - 1, 32))))
-      if t % every == 0:
-        evaluations.append(task.evaluate(fs.gather_params(state))[0])
-    rows.append([name, f"{held_out(evaluations):.4f}",
-                 f"{(held_out(evaluations) / reference - 1) * 100:+.2f}%"])
-    print(f"  {name}: {rows[-1][1]}", file=sys.stderr, flush=True)
-  return common.markdown_table([f"run ({steps} steps)", "held-out loss", "vs unsharded"], rows)
+    step = lambda state, batch: common.block(fs.step(state, *fs.shard(batch)))[0]  # noqa: E731
+    return fs.make_state, step, fs.gather_params
+
+  runs = {"allreduce, unsharded": unsharded(),  # (make_state, step, params_of) of each run
+          "FSDP exact": sharded(jaxcomp.allreduce(), None),
+          "FSDP int8 both ways": sharded(jaxcomp.quantized(8), "int8"),
+          "FSDP int8 gather only": sharded(jaxcomp.allreduce(), "int8"),
+          "FSDP int8 scatter only": sharded(jaxcomp.quantized(8), None)}
+  losses = {name: [] for name in runs}  # per run, the held-out loss of each seed
+  for seed in range(seeds):
+    for name, (make_state, step, params_of) in runs.items():
+      state, evaluations = make_state(task.init(seed)), []
+      for t in range(1, steps + 1):
+        state = step(state, task.batch(seed, t - 1, 32))
+        if t % every == 0:
+          evaluations.append(task.evaluate(params_of(state))[0])
+      losses[name].append(float(np.mean(evaluations[-job.WINDOW:])))
+      print(f"  seed {seed}, {name}: {losses[name][-1]:.4f}", file=sys.stderr, flush=True)
+  reference = np.array(losses["allreduce, unsharded"])
+  rows = []
+  for name, held_out in losses.items():
+    change = (np.array(held_out) / reference - 1) * 100
+    rows.append([name, " ".join(f"{x:.4f}" for x in held_out), f"{np.mean(held_out):.4f}",
+                 "" if name == "allreduce, unsharded" else
+                 " ".join(f"{x:+.2f}%" for x in change) + f" (mean {np.mean(change):+.2f}%)"])
+  return common.markdown_table(
+      [f"run ({steps} steps)", f"held-out loss, seeds 0–{seeds - 1}", "mean",
+       "vs unsharded, same seed"], rows)
 
 
 def main(argv=None) -> None:
@@ -195,13 +203,15 @@ def main(argv=None) -> None:
   p.add_argument("--no-time", action="store_true", help="memory and bytes only")
   p.add_argument("--quality", type=int, default=None, metavar="STEPS",
                  help="train the main job's transformer STEPS steps instead (held-out loss)")
+  p.add_argument("--seeds", type=int, default=1,
+                 help="with --quality: seeds 0 to N-1 (initialisation and batches; default 1)")
   args = common.parse(p, argv)
   if args.write or args.compressors:
     p.error("--write and --compressors do not apply: fsdp.py prints its tables, and "
             "BENCHMARKS.md's section quotes them with the command")
   if args.quality is not None:
     print(f"command: {common.command('fsdp.py', argv)}")
-    print(quality(args.quality))
+    print(quality(args.quality, args.seeds))
     return
   sizes = (784, 256, 256, 256, 10) if args.quick else (784, 1024, 1024, 1024, 10)
   params = common.random_like(common.mlp(sizes))
