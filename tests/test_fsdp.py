@@ -2,11 +2,11 @@
 scatter it trains as ``optax.chain(exchange, optimizer)`` under ``jaxcomp.data_parallel`` does, step
 for step, at W = 1, 2, 4, 8 (leaf sizes no W divides, a 0-d leaf and a leaf smaller than W that stay
 replicated), with layers deeper in the tree, and for a Flax NNX model (merged whole, or a submodule
-at a time; slow); bfloat16, int8 and float8 gathers with a compressed scatter stay within a stated tolerance of its loss; each device
-stores 1/W of the parameters and of the optimizer's state; the int8 exchange's error feedback is
-kept in the state; int8 both ways sends at most 0.55x the bytes of bfloat16 both ways, each layer's
-collectives labelled; ``jax.checkpoint`` around a layer changes nothing; orbax restores the state
-exactly; bad arguments are refused naming them."""
+at a time; slow); bfloat16, int8 and float8 gathers with a compressed scatter stay within a stated
+tolerance of its loss; each device stores 1/W of the parameters and of the optimizer's state; the
+int8 exchange's error feedback is kept in the state; int8 both ways sends at most 0.55x the bytes of
+bfloat16 both ways, each layer's collectives labelled; ``jax.checkpoint`` around a layer changes
+nothing; orbax restores the state exactly; bad arguments are refused naming them."""
 
 import chex
 import jax
