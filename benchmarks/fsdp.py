@@ -18,14 +18,15 @@ W = 8 simulated CPU devices, global batch 64. For each way to train, per device:
 ``--quality STEPS`` instead trains the main job's transformer (``jaxcomp.train.tasks.chars``,
 120,704 parameters; its recipe: clip the global norm to 1, SGD with momentum 0.9, global batch 32,
 W = 8) unsharded (``optax.chain(jaxcomp.allreduce(), ...)``) and fully sharded
-(``sharded_clip_by_global_norm``) — exactly, int8 both ways, and each int8 half alone — its Linen
-model unchanged: the loss gathers every layer at its
-start (``task.loss(jaxcomp.gather_layer(params), ...)``), so the numbers are FSDP's, not its memory
-per layer. It prints the held-out loss as the main job reports it (the mean of the last 5 of 30
-evaluations) and its difference from the unsharded run's.
+(``sharded_clip_by_global_norm``) — exactly, int8 both ways (with and without error feedback),
+and each int8 half alone — its Linen model unchanged: the loss gathers every layer at its start
+(``task.loss(jaxcomp.gather_layer(params), ...)``), so the numbers are FSDP's, not its memory per
+layer. For each seed (``--seeds N``: 0 to N − 1, the initialisation and the batches) it prints the
+held-out loss as the main job reports it (the mean of the last 5 of 30 evaluations) and its
+difference from the unsharded run's of the same seed.
 
   PYTHONPATH=. python benchmarks/fsdp.py [--quick] [--rounds N] [--no-time]
-  PYTHONPATH=. python benchmarks/fsdp.py --quality 400
+  PYTHONPATH=. python benchmarks/fsdp.py --quality 400 [--seeds N]
 """
 
 from __future__ import annotations
@@ -174,7 +175,9 @@ def quality(steps: int, seeds: int) -> str:
           "FSDP exact": sharded(jaxcomp.allreduce(), None),
           "FSDP int8 both ways": sharded(jaxcomp.quantized(8), "int8"),
           "FSDP int8 gather only": sharded(jaxcomp.allreduce(), "int8"),
-          "FSDP int8 scatter only": sharded(jaxcomp.quantized(8), None)}
+          "FSDP int8 scatter only": sharded(jaxcomp.quantized(8), None),
+          "FSDP int8 both ways, no error feedback": sharded(
+              jaxcomp.quantized(8, error_feedback=False), "int8")}
   losses = {name: [] for name in runs}  # per run, the held-out loss of each seed
   for seed in range(seeds):
     for name, (make_state, step, params_of) in runs.items():
