@@ -8,13 +8,16 @@ int8 exchange's error feedback is kept in the state; int8 both ways sends at mos
 bfloat16 both ways, each layer's collectives labelled; ``jax.checkpoint`` around a layer changes
 nothing; orbax restores the state exactly; bad arguments are refused naming them."""
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from helpers import rounding_tol
@@ -421,3 +424,40 @@ def test_orbax_restores_the_sharded_state_and_training_resumes(tmp_path):
     restored, _ = jax.block_until_ready(fs.step(restored, *fs.shard(batch)))
   chex.assert_trees_all_equal(fs.gather_params(restored), fs.gather_params(state))
   assert restored.params["dense0"]["w"].sharding == state.params["dense0"]["w"].sharding
+
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["replicated", "kernel-split"])
+def test_a_mesh_with_a_model_axis_trains_as_the_unsharded_chain(split):
+  """On a (4, 2) mesh ("batch", "model"), the parameters replicated over "model" or a kernel split
+  over it (tensor parallelism): the exact gather and scatter train as the unsharded chain; the
+  split kernel is stored 1/W over "batch" and whole across "model", which make_state says."""
+  mesh = jax.make_mesh((4, 2), ("batch", "model"), axis_types=(AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(8, 6)).astype(np.float32) * 0.5,
+            "v": rng.normal(size=(6, 3)).astype(np.float32) * 0.5}
+  if split:
+    params["w"] = jax.device_put(params["w"], NamedSharding(mesh, P(None, "model")))
+
+  def mlp_loss(p, x, y):
+    p = jaxcomp.gather_layer(p)
+    return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+
+  data = [(rng.normal(size=(16, 8)).astype(np.float32),
+           rng.normal(size=(16, 3)).astype(np.float32)) for _ in range(3)]
+  dp = jaxcomp.data_parallel(mlp_loss, mesh, tx=optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)))
+  fs = jaxcomp.fully_sharded(mlp_loss, mesh, jaxcomp.allreduce(), optax.sgd(0.1))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state = fs.make_state(params)
+  said = [str(w.message) for w in caught if "fully_sharded" in str(w.message)]
+  if split:
+    assert len(said) == 1 and "['w']" in said[0] and "'model'" in said[0]
+  else:
+    assert not said
+  assert state.params["w"].shape == (4, 8, 2)  # by leaf: each "batch" device 2 of the 6 columns
+  want, opt_state = params, dp.make_state(params)
+  for batch in data:
+    want, opt_state, _ = jax.block_until_ready(dp.step(want, opt_state, *dp.shard(batch)))
+    state, _ = jax.block_until_ready(fs.step(state, *fs.shard(batch)))
+  chex.assert_trees_all_close(fs.gather_params(state), want, **rounding_tol(16))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -24,6 +25,7 @@ from jaxcomp._src import axis, fsdp, interface, shards, spmd, validate, zero
 from jaxcomp._src import data_parallel as data_parallel_lib
 from jaxcomp._src import tree as tree_lib
 from jaxcomp._src.fsdp import replicated
+
 
 class FullyShardedState(NamedTuple):
   """State of ``fully_sharded``'s step: everything is per device (stacked along a leading W axis).
@@ -57,6 +59,14 @@ def _step(loss_fn: Callable, exchange, optimizer, gather_dtype, depth: int, axis
   updates, inner = optimizer.update(grads, state.inner, state.params)
   params = optax.apply_updates(state.params, updates)
   return FullyShardedState(params, inner, exchanges, signature), loss
+
+
+def _other_axes(x, axis_name) -> tuple:
+  """The mesh axes other than ``axis_name`` that split the array ``x`` (none for a host array)."""
+  spec = getattr(getattr(x, "sharding", None), "spec", None) or ()
+  named = [a for entry in spec if entry is not None
+           for a in (entry if isinstance(entry, tuple) else (entry,))]
+  return tuple(a for a in named if a not in spmd.axes(axis_name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +110,9 @@ class FullySharded:
     """The step's state from the whole parameters (as made on one device): each device's shards
     of them, the optimizer's state of those and the exchange's state, placed on the mesh.
 
+    A leaf split over another mesh axis (tensor parallelism) is stored 1/W over ``axis_name``
+    and whole across the other axes: its split is not kept (a ``UserWarning`` names the leaves).
+
     Raises:
       TypeError: a leaf of ``params`` is not floating point.
     """
@@ -108,6 +121,16 @@ class FullySharded:
       if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise TypeError(f"params: leaf {path} is {dtype}; fully_sharded shards floating-point "
                         "parameters only (keep other leaves out of the parameters)")
+    split = {str(path): axes for path, x in zip(signature.paths,
+                                                 signature.treedef.flatten_up_to(params))
+             if (axes := _other_axes(x, self.axis_name))}
+    if split:
+      warnings.warn(f"fully_sharded: params {split} are split over other mesh axes than "
+                    f"{self.axis_name!r}; fully_sharded stores each parameter 1/W over "
+                    f"{self.axis_name!r} and whole across the other axes, so that split is not "
+                    "kept (each device holds 1/W of these leaves, not less) and gather_params "
+                    "returns them replicated. Training is the same; to keep a tensor-parallel "
+                    "split, train with jaxcomp.data_parallel", UserWarning, stacklevel=2)
     world, cut = self.world_size, self._layout()
     indices = fsdp.layers_of(signature, self.layer_depth)[0]
     stack = lambda x: jnp.broadcast_to(x, (world,) + jnp.shape(x))
