@@ -24,7 +24,7 @@ travel through jaxcomp's codecs. The steps, per device (the ``# n:`` comments be
    (``fsdp.gather.<layer>``, ``fsdp.scatter.<layer>``);
 4. leaves that cannot be sharded — 0-d leaves and leaves of fewer values than W — stay whole on
    every device (replicated), are not gathered, and their gradient is the exact mean
-   (``axis.mean``, float32);
+   (``axis.mean``, float32), taken after the backward pass and typed the same on every device;
 5. the optimizer runs on the shards (an elementwise one: ``zero.check_elementwise`` refuses the
    others while the step is traced) and the shards move; nothing is gathered after the update: the
    next forward pass gathers;
@@ -180,12 +180,7 @@ def _whole(spec: _LayerSpec, shards_: tuple) -> tuple:
 def _scatter(spec: _LayerSpec, carriers: tuple, cotangents: tuple) -> tuple:
   """3 and 4: this device's shards of the layer's mean gradient, and the exchange's new state as
   carriers: ``(grads, carriers)``."""
-  grads = [None] * len(cotangents)
-  for i, r in enumerate(spec.replicated):  # 4: the exact mean of a replicated leaf's gradient
-    if r:
-      mean = phases.run(phases.Phase(f"fsdp.mean.{spec.name}", 1.0), axis.mean, cotangents[i],
-                        spec.axis_name)
-      grads[i] = _varying(mean, spec.axis_name)
+  grads = list(cotangents)  # 4: a replicated leaf's own gradient; unview averages it
   if spec.sharded:
     # 3: the reduce-scatter through the exchange, its new state carried back.
     state = jax.tree.unflatten(spec.state_treedef,
@@ -369,14 +364,18 @@ def view(signature: tree_lib.TreeSignature, params, exchanges: tuple, depth: int
 
 
 def unview(signature: tree_lib.TreeSignature, view_grads, depth: int) -> tuple:
-  """The gradient of ``view``'s result: ``(grads, exchanges)``, the gradient shards in the
-  parameters' structure and each layer's new exchange state (3)."""
+  """The gradient of ``view``'s result: ``(grads, exchanges)``, the gradient shards (and the
+  replicated leaves' mean gradients, 4) in the parameters' structure and each layer's new exchange
+  state (3)."""
   grads = [None] * len(signature.shapes)
   exchanges = []
   for idx, layer in zip(layers_of(signature, depth)[0],
                         jax.tree.leaves(view_grads, is_leaf=_is_layer)):
-    for i, g in zip(idx, layer.shards):
-      grads[i] = g
+    for i, g, r in zip(idx, layer.shards, layer.spec.replicated):
+      # 4: a replicated leaf's exact mean, the same on every device (typed so: the optimizer's
+      # sharded_clip_by_global_norm counts it once).
+      grads[i] = phases.run(phases.Phase(f"fsdp.mean.{layer.spec.name}", 1.0), axis.mean, g,
+                            layer.spec.axis_name) if r else g
     exchanges.append(jax.tree.unflatten(layer.spec.state_treedef, [
         _uncarry(c, d) for c, d in zip(layer.carriers, layer.spec.state_dtypes)]))
   return signature.unflatten(grads), tuple(exchanges)

@@ -61,12 +61,15 @@ def _step(loss_fn: Callable, exchange, optimizer, gather_dtype, depth: int, axis
   return FullyShardedState(params, inner, exchanges, signature), loss
 
 
-def _other_axes(x, axis_name) -> tuple:
-  """The mesh axes other than ``axis_name`` that split the array ``x`` (none for a host array)."""
-  spec = getattr(getattr(x, "sharding", None), "spec", None) or ()
-  named = [a for entry in spec if entry is not None
-           for a in (entry if isinstance(entry, tuple) else (entry,))]
-  return tuple(a for a in named if a not in spmd.axes(axis_name))
+def _other_spec(x, axis_name) -> PartitionSpec:
+  """How the array ``x`` is split over the mesh axes other than ``axis_name`` (not at all for a
+  host array)."""
+  spec = getattr(getattr(x, "sharding", None), "spec", None)
+  return spmd.without(spec, spmd.axes(axis_name)) if spec is not None else PartitionSpec()
+
+
+def _is_spec(node) -> bool:
+  return isinstance(node, PartitionSpec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,16 +124,6 @@ class FullySharded:
       if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise TypeError(f"params: leaf {path} is {dtype}; fully_sharded shards floating-point "
                         "parameters only (keep other leaves out of the parameters)")
-    split = {str(path): axes for path, x in zip(signature.paths,
-                                                 signature.treedef.flatten_up_to(params))
-             if (axes := _other_axes(x, self.axis_name))}
-    if split:
-      warnings.warn(f"fully_sharded: params {split} are split over other mesh axes than "
-                    f"{self.axis_name!r}; fully_sharded stores each parameter 1/W over "
-                    f"{self.axis_name!r} and whole across the other axes, so that split is not "
-                    "kept (each device holds 1/W of these leaves, not less) and gather_params "
-                    "returns them replicated. Training is the same; to keep a tensor-parallel "
-                    "split, train with jaxcomp.data_parallel", UserWarning, stacklevel=2)
     world, cut = self.world_size, self._layout()
     indices = fsdp.layers_of(signature, self.layer_depth)[0]
     stack = lambda x: jnp.broadcast_to(x, (world,) + jnp.shape(x))
@@ -148,24 +141,41 @@ class FullySharded:
       return FullyShardedState(owned, jax.vmap(self.optimizer.init)(owned), tuple(exchanges),
                                signature)
 
+    # Each shard keeps its leaf's split over the other mesh axes (the by-leaf layout keeps every
+    # axis in place), and so does the optimizer's state of it.
+    stacked = lambda spec: NamedSharding(self.mesh, PartitionSpec(self.axis_name, *spec))  # noqa: E731
+    specs = signature.unflatten([_other_spec(x, self.axis_name)
+                                 for x in signature.treedef.flatten_up_to(params)])
+    shape = jax.eval_shape(make, params)
+    shardings = FullyShardedState(
+        jax.tree.map(stacked, specs, is_leaf=_is_spec),
+        optax.tree_utils.tree_map_params(
+            self.optimizer, lambda _, spec: stacked(spec), shape.inner, specs,
+            transform_non_params=lambda _: stacked(()), is_leaf=_is_spec),
+        jax.tree.map(lambda _: stacked(()), shape.exchange), signature)
     with jax.set_mesh(self.mesh):
-      return jax.jit(make, out_shardings=NamedSharding(self.mesh, PartitionSpec(self.axis_name)))(
-          params)
+      return jax.jit(make, out_shardings=shardings)(params)
 
   def gather_params(self, state: FullyShardedState):
     """The whole parameters from the state's shards, replicated on the mesh: for evaluation and
     export (they take N values on every device)."""
     signature, world, cut = state.signature, self.world_size, self._layout()
 
+    # Each leaf whole over the data axis, split over the others as its shards are.
+    specs = [_other_spec(x, self.axis_name)[1:]
+             for x in signature.treedef.flatten_up_to(state.params)]
+
     def whole(params):
-      everywhere = NamedSharding(self.mesh, PartitionSpec())
-      leaves = [spmd.constrain(x, everywhere) for x in signature.treedef.flatten_up_to(params)]
+      leaves = [spmd.constrain(x, NamedSharding(self.mesh, PartitionSpec(None, *spec)))
+                for x, spec in zip(signature.treedef.flatten_up_to(params), specs)]
       return signature.unflatten([
           x[0] if replicated(shape, world) else cut.join(x, shape)
           for x, shape in zip(leaves, signature.shapes)])
 
+    shardings = signature.unflatten([NamedSharding(self.mesh, PartitionSpec(*spec))
+                                     for spec in specs])
     with jax.set_mesh(self.mesh):
-      return jax.jit(whole, out_shardings=NamedSharding(self.mesh, PartitionSpec()))(state.params)
+      return jax.jit(whole, out_shardings=shardings)(state.params)
 
 
 def fully_sharded(loss_fn: Callable, mesh: Mesh, exchange, optimizer, *,

@@ -45,7 +45,7 @@ def explicit_spec(x) -> Optional[PartitionSpec]:
   return sharding.spec
 
 
-def _without(spec: PartitionSpec, axes: tuple) -> PartitionSpec:
+def without(spec: PartitionSpec, axes: tuple) -> PartitionSpec:
   """``spec`` with ``axes`` removed: inside ``shard_map`` they are manual, not a sharding."""
   def keep(entry):
     names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in axes)
@@ -160,15 +160,14 @@ def global_step(local, mesh: Mesh, axes: tuple, names: tuple, mask_of: Callable,
                        f"got shape {list(np.shape(x))}")
   explicit = has_explicit_axes(mesh)
   specs = [PartitionSpec(axes) if per_device else PartitionSpec() for per_device in masks]
-  # On an Explicit mesh the results get the shardings their inputs had (the per-device leaves:
-  # along the data axis, replicated over the others), pinned inside the body.
-  user_specs = [explicit_spec(x) or PartitionSpec() for x in leaves]
-  out_specs = [spec if per_device else user
-               for spec, per_device, user in zip(specs, masks, user_specs)]
-  pins = None
-  if explicit:
-    pins = [PartitionSpec() if per_device else _without(user, axes)
-            for per_device, user in zip(masks, user_specs)]
+  # On an Explicit mesh the results get the shardings their inputs had over the other axes (a
+  # per-device leaf's entry, after its stacked axis, as a leaf's), pinned inside the body.
+  pins = [without(explicit_spec(x) or PartitionSpec(), axes) for x in leaves]
+  pins = [PartitionSpec(*pin[1:]) if per_device else pin for pin, per_device in zip(pins, masks)]
+  out_specs = [PartitionSpec(axes, *pin) if per_device else pin
+               for pin, per_device in zip(pins, masks)]
+  if not explicit:
+    pins = None
   auto = all_auto(mesh)
   with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
     if explicit:  # every axis Auto inside: the partitioner handles the others

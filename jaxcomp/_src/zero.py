@@ -235,7 +235,10 @@ def sharded_clip_by_global_norm(max_norm: float, *,
 
   Each device sums the squares of its shards (their padding is zero), one 4-byte all-reduce sums
   those over the devices; then every shard is scaled as ``optax.clip_by_global_norm`` scales the
-  whole gradient. A replicated gradient (not sharded) would be counted W times: use optax's there.
+  whole gradient. Under ``jaxcomp.data_parallel`` (``shard_map`` types what differs between
+  devices), a leaf the same on every device — ``fully_sharded``'s replicated leaves — counts once;
+  under ``pmap`` every leaf counts as a shard. A gradient replicated whole (not sharded) would be
+  counted W times: use optax's there.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
@@ -274,8 +277,12 @@ def sharded_clip_by_global_norm(max_norm: float, *,
           f"{axis_name!r}, not sharded, and its squares would be counted once per device. Use "
           "optax.clip_by_global_norm in optax.chain(compressor, ...); this one belongs in "
           "jaxcomp.sharded_optimizer's optimizer")
-    squares = sum((jnp.sum(jnp.square(x)) for x in leaves), jnp.zeros([], jnp.float32))
-    norm = jnp.sqrt(axis.psum(squares, axis_name))
+    # A leaf the same on every device (fully_sharded's replicated leaves) counts once.
+    whole = [axis.vma_checked(axis_name) and not set(names) & axis.varying_axes(x)
+             for x in leaves]
+    squares = lambda once: sum((jnp.sum(jnp.square(x)) for x, w in zip(leaves, whole)  # noqa: E731
+                                if w == once), jnp.zeros([], jnp.float32))
+    norm = jnp.sqrt(axis.psum(squares(False), axis_name) + squares(True))
     trigger = norm < max_norm
     clip = lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
     return tree_lib.map_reduced(clip, updates), state
