@@ -104,10 +104,10 @@ def test_exact_gather_and_scatter_train_as_the_unsharded_chain(world):
 
 
 def test_clipping_the_sharded_gradient_counts_a_replicated_leaf_once():
-  """``sharded_clip_by_global_norm`` on the shards (the 0-d ``scale`` and, at W = 8, ``dense1``'s
+  """``sharded_clip_by_global_norm`` on the shards (the 0-d ``scale`` and, at W = 4, ``dense1``'s
   3 biases replicated) clips as ``optax.clip_by_global_norm`` on the whole gradient: every step
   clipped here (the norm is above 0.05)."""
-  mesh, data = mesh_1d(8), batches(3)
+  mesh, data = mesh_1d(4), batches(3)
   dp = jaxcomp.data_parallel(loss_fn, mesh, tx=optax.chain(
       jaxcomp.allreduce(), optax.clip_by_global_norm(0.05), optax.sgd(1.0)))
   fs = jaxcomp.fully_sharded(loss_fn, mesh, jaxcomp.allreduce(), optax.chain(
