@@ -8,8 +8,6 @@ int8 exchange's error feedback is kept in the state; int8 both ways sends at mos
 bfloat16 both ways, each layer's collectives labelled; ``jax.checkpoint`` around a layer changes
 nothing; orbax restores the state exactly; bad arguments are refused naming them."""
 
-import warnings
-
 import chex
 import jax
 import jax.numpy as jnp

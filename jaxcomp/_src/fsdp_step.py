@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
