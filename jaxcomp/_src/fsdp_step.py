@@ -112,8 +112,8 @@ class FullySharded:
     """The step's state from the whole parameters (as made on one device): each device's shards
     of them, the optimizer's state of those and the exchange's state, placed on the mesh.
 
-    A leaf split over another mesh axis (tensor parallelism) is stored 1/W over ``axis_name``
-    and whole across the other axes: its split is not kept (a ``UserWarning`` names the leaves).
+    A leaf split over other mesh axes (tensor parallelism) keeps that split: its shards, and the
+    optimizer's state of them, are split over those axes too.
 
     Raises:
       TypeError: a leaf of ``params`` is not floating point.
@@ -142,7 +142,8 @@ class FullySharded:
 
     # Each shard keeps its leaf's split over the other mesh axes (the by-leaf layout keeps every
     # axis in place), and so does the optimizer's state of it.
-    stacked = lambda spec: NamedSharding(self.mesh, PartitionSpec(self.axis_name, *spec))  # noqa: E731
+    def stacked(spec):
+      return NamedSharding(self.mesh, PartitionSpec(self.axis_name, *spec))
     specs = signature.unflatten([_other_spec(x, self.axis_name)
                                  for x in signature.treedef.flatten_up_to(params)])
     shape = jax.eval_shape(make, params)
@@ -156,8 +157,9 @@ class FullySharded:
       return jax.jit(make, out_shardings=shardings)(params)
 
   def gather_params(self, state: FullyShardedState):
-    """The whole parameters from the state's shards, replicated on the mesh: for evaluation and
-    export (they take N values on every device)."""
+    """The whole parameters from the state's shards, replicated over the data axis (split over
+    other mesh axes as the leaves were): for evaluation and export (a leaf split over no other
+    axis takes all its values on every device)."""
     signature, world, cut = state.signature, self.world_size, self._layout()
 
     # Each leaf whole over the data axis, split over the others as its shards are.

@@ -278,10 +278,10 @@ def sharded_clip_by_global_norm(max_norm: float, *,
           "optax.clip_by_global_norm in optax.chain(compressor, ...); this one belongs in "
           "jaxcomp.sharded_optimizer's optimizer")
     # A leaf the same on every device (fully_sharded's replicated leaves) counts once.
-    whole = [axis.vma_checked(axis_name) and not set(names) & axis.varying_axes(x)
-             for x in leaves]
-    squares = lambda once: sum((jnp.sum(jnp.square(x)) for x, w in zip(leaves, whole)  # noqa: E731
-                                if w == once), jnp.zeros([], jnp.float32))
+    same = [axis.vma_checked(axis_name) and not set(names) & axis.varying_axes(x) for x in leaves]
+    def squares(once):
+      return sum((jnp.sum(jnp.square(x)) for x, s in zip(leaves, same) if s == once),
+                 jnp.zeros([], jnp.float32))
     norm = jnp.sqrt(axis.psum(squares(False), axis_name) + squares(True))
     trigger = norm < max_norm
     clip = lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
