@@ -178,8 +178,9 @@ def _whole(spec: _LayerSpec, shards_: tuple) -> tuple:
 
 
 def _scatter(spec: _LayerSpec, carriers: tuple, cotangents: tuple) -> tuple:
-  """3 and 4: this device's shards of the layer's mean gradient, and the exchange's new state as
-  carriers: ``(grads, carriers)``."""
+  """3: this device's shards of the layer's mean gradient, and the exchange's new state as
+  carriers: ``(grads, carriers)``; 4: a replicated leaf's gradient as it is (``unview`` takes
+  its mean)."""
   grads = list(cotangents)  # 4: a replicated leaf's own gradient; unview averages it
   if spec.sharded:
     # 3: the reduce-scatter through the exchange, its new state carried back.

@@ -270,15 +270,16 @@ def sharded_clip_by_global_norm(max_norm: float, *,
   def update_fn(updates, state, params=None):
     del params
     leaves = [x for x in jax.tree.leaves(updates) if tree_lib.is_reduced(x)]
-    if axis.vma_checked(axis_name) and leaves and not any(
-        set(names) & axis.varying_axes(x) for x in leaves):
+    # A leaf the same on every device (fully_sharded's replicated leaves) counts once.
+    typed = axis.vma_checked(axis_name)
+    same = [typed and not set(names) & axis.varying_axes(x) for x in leaves]
+    if leaves and all(same):
       raise ValueError(
           "sharded_clip_by_global_norm: the gradient is the same on every device along "
           f"{axis_name!r}, not sharded, and its squares would be counted once per device. Use "
           "optax.clip_by_global_norm in optax.chain(compressor, ...); this one belongs in "
           "jaxcomp.sharded_optimizer's optimizer")
-    # A leaf the same on every device (fully_sharded's replicated leaves) counts once.
-    same = [axis.vma_checked(axis_name) and not set(names) & axis.varying_axes(x) for x in leaves]
+
     def squares(once):
       return sum((jnp.sum(jnp.square(x)) for x, s in zip(leaves, same) if s == once),
                  jnp.zeros([], jnp.float32))
