@@ -48,9 +48,10 @@ SMALL = {
 WRAPPERS = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
 
 # Entries that run another entry's code with other numbers (powersgd_r2 and r4 of powersgd_r1,
-# dion_r4 of dion_r8, diloco_h20_fp16 of diloco_h20 with fp16's exchange): the registry-wide loop and
-# property tests run them in the slow tier, to keep the fast one near ten minutes.
-SETTINGS_VARIANTS = ("powersgd_r2", "powersgd_r4", "dion_r4", "diloco_h20_fp16")
+# dion_r4 of dion_r8, demo_k8 of demo, diloco_h20_fp16 of diloco_h20 with fp16's exchange): the
+# registry-wide loop and property tests run them in the slow tier, to keep the fast one near ten
+# minutes.
+SETTINGS_VARIANTS = ("powersgd_r2", "powersgd_r4", "dion_r4", "demo_k8", "diloco_h20_fp16")
 
 INNER_LEARNING_RATE = 0.1
 

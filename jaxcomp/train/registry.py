@@ -19,8 +19,8 @@ SparseLoCo's papers do: in the main job's default run (``python -m jaxcomp.train
 Streaming DiLoCo H=20 P=2's held-out loss from 2.391 (SGD with momentum inside) to 2.217, reaching
 allreduce's in 1.46x its steps (``benchmarks/quality.py`` measures every entry as registered).
 
-Not every entry is a gradient compressor: ``onebit_adam``, ``dion_r8``, ``dion_r4`` and ``demo``
-are whole optimizers (``is_optimizer``), and local SGD and DiLoCo wrap the whole optimizer
+Not every entry is a gradient compressor: ``onebit_adam``, ``dion_r8``, ``dion_r4``, ``demo`` and
+``demo_k8`` are whole optimizers (``is_optimizer``), and local SGD and DiLoCo wrap the whole optimizer
 (``wraps_optimizer``). ``allreduce_muon`` and ``allreduce_adamw`` are the baselines of Dion and
 DeMo (``baseline``): optax's Muon and AdamW after ``jaxcomp.allreduce``, whole optimizers too.
 ``entry.optimizer(inner)`` builds any of the three kinds around an inner optimizer: the compressor
@@ -327,6 +327,8 @@ _ENTRIES += (
     Compressor("demo", "DeMo (an optimizer, lr 3e-3): top 32 of each 64 x 64 tile's DCT of the "
                "momentum, int16 positions, all-gathered", jaxcomp.demo, {"learning_rate": 3e-3},
                is_optimizer=True),
+    Compressor("demo_k8", "DeMo as demo, top 8 of each tile", jaxcomp.demo,
+               {"learning_rate": 3e-3, "k": 8}, is_optimizer=True),
 )
 
 
