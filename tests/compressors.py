@@ -106,8 +106,8 @@ OPTIMIZERS = tuple(name for name, entry in REGISTRY.items() if entry.is_optimize
 ERROR_FEEDBACK = tuple(name for name, entry in REGISTRY.items() if entry.error_feedback)
 
 
-
 def parameters(names, slow_tier=SETTINGS_VARIANTS, marks=lambda name: ()):
-  """``names`` as pytest parameters, each with ``marks(name)``, those in ``slow_tier`` also ``slow``."""
+  """``names`` as pytest parameters, each with ``marks(name)``; those in ``slow_tier`` also
+  ``slow``."""
   return [pytest.param(name, marks=marks(name) + ((pytest.mark.slow,) if name in slow_tier else ()))
           for name in names]

@@ -20,8 +20,8 @@ Streaming DiLoCo H=20 P=2's held-out loss from 2.391 (SGD with momentum inside) 
 allreduce's in 1.46x its steps (``benchmarks/quality.py`` measures every entry as registered).
 
 Not every entry is a gradient compressor: ``onebit_adam``, ``dion_r8``, ``dion_r4``, ``demo`` and
-``demo_k8`` are whole optimizers (``is_optimizer``), and local SGD and DiLoCo wrap the whole optimizer
-(``wraps_optimizer``). ``allreduce_muon`` and ``allreduce_adamw`` are the baselines of Dion and
+``demo_k8`` are whole optimizers (``is_optimizer``), and local SGD and DiLoCo wrap the whole
+optimizer (``wraps_optimizer``). ``allreduce_muon`` and ``allreduce_adamw`` are the baselines of Dion and
 DeMo (``baseline``): optax's Muon and AdamW after ``jaxcomp.allreduce``, whole optimizers too.
 ``entry.optimizer(inner)`` builds any of the three kinds around an inner optimizer: the compressor
 chained before it, the wrapper around it, or the optimizer alone.
