@@ -21,8 +21,9 @@ allreduce's in 1.46x its steps (``benchmarks/quality.py`` measures every entry a
 
 Not every entry is a gradient compressor: ``onebit_adam``, ``dion_r8``, ``dion_r4``, ``demo`` and
 ``demo_k8`` are whole optimizers (``is_optimizer``), and local SGD and DiLoCo wrap the whole
-optimizer (``wraps_optimizer``). ``allreduce_muon`` and ``allreduce_adamw`` are the baselines of Dion and
-DeMo (``baseline``): optax's Muon and AdamW after ``jaxcomp.allreduce``, whole optimizers too.
+optimizer (``wraps_optimizer``). ``allreduce_muon`` and ``allreduce_adamw`` are the baselines of
+Dion and DeMo (``baseline``): optax's Muon and AdamW after ``jaxcomp.allreduce``, whole optimizers
+too.
 ``entry.optimizer(inner)`` builds any of the three kinds around an inner optimizer: the compressor
 chained before it, the wrapper around it, or the optimizer alone.
 
