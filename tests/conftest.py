@@ -2,12 +2,24 @@
 
 ``--max-test-seconds S`` fails the session if any test (setup, call and teardown together) took longer
 than S seconds, naming them: the fast tier's per-test limit (``.ci/run``).
+
+The fast tier (``-m "not slow"``, README's test command) spends most of its time compiling, so
+where XLA_FLAGS is not set it compiles with LLVM's optimisations off
+(``--xla_backend_optimization_level=0``): XLA's optimised HLO — its fusions, collectives and their
+order — is the same, only the machine code differs (rounding, which the numeric tests' tolerances
+absorb: CI's avx tier reruns them with the optimisations on). Each test process of that tier also
+keeps the programs it compiled in a folder of its own (JAX's persistent cache, removed at the end),
+so that a program compiled again — the same step in another test, or after ``jax.clear_caches`` —
+is read back, not compiled. The tier's 60 slowest tests took 260 s in two workers, 189 s with
+the first, 161 s with both. The slow tier trains for many steps, which such code runs 2–5× slower
+(``benchmarks/step_time.py --models chars``): it keeps XLA's defaults.
 """
 
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "")
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -15,6 +27,23 @@ jax.config.update("jax_platforms", "cpu")
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+FAST_TIER_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def pytest_configure(config):
+  # Before any test starts XLA's CPU backend, which reads XLA_FLAGS once.
+  fast_tier = config.option.markexpr == "not slow"
+  if fast_tier and "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = FAST_TIER_XLA_FLAGS
+  os.environ.setdefault("XLA_FLAGS", "")
+  if fast_tier:
+    programs = tempfile.mkdtemp(prefix="jaxcomp-test-programs-")
+    config.add_cleanup(lambda: shutil.rmtree(programs, ignore_errors=True))
+    jax.config.update("jax_compilation_cache_dir", programs)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 _durations: dict = {}
 
