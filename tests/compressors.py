@@ -19,7 +19,6 @@ identical right after a synchronization (``synced``), not in between.
 import functools
 
 import optax
-import pytest
 
 from jaxcomp.train.registry import REGISTRY
 
@@ -46,12 +45,6 @@ SMALL = {
 
 # The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient compressor.
 WRAPPERS = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
-
-# Entries that run another entry's code with other numbers (powersgd_r2 and r4 of powersgd_r1,
-# dion_r4 of dion_r8, demo_k8 of demo, diloco_h20_fp16 of diloco_h20 with fp16's exchange): the
-# registry-wide loop and property tests run them in the slow tier, to keep the fast one near ten
-# minutes.
-SETTINGS_VARIANTS = ("powersgd_r2", "powersgd_r4", "dion_r4", "demo_k8", "diloco_h20_fp16")
 
 INNER_LEARNING_RATE = 0.1
 
@@ -104,10 +97,3 @@ OPTIMIZERS = tuple(name for name, entry in REGISTRY.items() if entry.is_optimize
 
 # Compressors with torch-style error feedback: output + new error = gradient + old error, per device.
 ERROR_FEEDBACK = tuple(name for name, entry in REGISTRY.items() if entry.error_feedback)
-
-
-def parameters(names, slow_tier=SETTINGS_VARIANTS, marks=lambda name: ()):
-  """``names`` as pytest parameters, each with ``marks(name)``; those in ``slow_tier`` also
-  ``slow``."""
-  return [pytest.param(name, marks=marks(name) + ((pytest.mark.slow,) if name in slow_tier else ()))
-          for name in names]

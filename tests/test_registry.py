@@ -14,8 +14,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import hooks
-from compressors import (COMPRESSORS, OPTIMIZERS, SETTINGS_VARIANTS, WRAPPERS, optimizer,
-                         parameters, synced_leaves)
+from compressors import COMPRESSORS, OPTIMIZERS, WRAPPERS, optimizer, synced_leaves
 from helpers import assert_identical_across_devices, replicate, rounding_tol
 
 pytestmark = pytest.mark.numeric
@@ -193,14 +192,7 @@ STEP_FORM = ("allreduce", "powersgd_r1", "dgc", "quantized_int8", "onebit_adam",
              "streaming_diloco_h20_p2", "dgc_hook")
 
 
-# The built-in hooks share comm_hook's plumbing, and tests/test_hooks.py holds each to its
-# transformation bucket by bucket: two of them (stateless, and stateful with a step-form run) go
-# through every loop in the fast tier, the others in the slow one.
-SLOW_HOOKS = tuple(sorted(set(HOOKS) - {"allreduce_hook", "dgc_hook"}))
-
-
-@pytest.mark.parametrize("name", parameters(sorted(COMPRESSORS) + sorted(HOOKS),
-                                            slow_tier=SETTINGS_VARIANTS + SLOW_HOOKS))
+@pytest.mark.parametrize("name", sorted(COMPRESSORS) + sorted(HOOKS))
 def test_every_loop_gives_the_pmap_parameters_and_identical_replicas(name):
   reference = run_pmap(whole_optimizer(name))
   assert_synced_replicas(name, reference)
