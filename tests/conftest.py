@@ -15,18 +15,16 @@ the first, 161 s with both. The slow tier trains for many steps, which such code
 (``benchmarks/step_time.py --models chars``): it keeps XLA's defaults.
 """
 
+import gc
 import os
 import shutil
 import tempfile
 
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
-
-import gc  # noqa: E402
-
-import pytest  # noqa: E402
 
 FAST_TIER_XLA_FLAGS = "--xla_backend_optimization_level=0"
 

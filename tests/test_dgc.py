@@ -385,7 +385,7 @@ def test_state_checkpoints_with_orbax(tmp_path):
   params = make_params()
   state = tx.init(params)
   grads = {k: np.ones_like(p) for k, p in params.items()}
-  _, state = jax.jit(tx.update)(grads, state)  # eagerly, op by op: 265 small compiles
+  _, state = jax.jit(tx.update)(grads, state)  # jitted: eagerly it is 265 op-by-op compiles
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp_path / "dgc", state)
     checkpointer.wait_until_finished()
