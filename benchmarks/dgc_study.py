@@ -22,7 +22,6 @@ not; ``_local_clip`` clips each device's gradient before accumulation instead, a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -128,23 +127,6 @@ def study_task(task: tasks.Task, names) -> StudyTask:
   return StudyTask(**fields, unclipped=frozenset(n for n in names if not VARIANTS[n].clipped))
 
 
-@contextlib.contextmanager
-def registered(names):
-  """The variants ``names`` added to ``registry.REGISTRY`` (``job.train`` looks entries up there)
-  while the block runs; the registry's own entries are left as they are."""
-  added = [n for n in names if n not in registry.REGISTRY]
-  for name in added:
-    registry.REGISTRY[name] = VARIANTS[name].entry(name)
-  for name in set(names) - set(added):
-    if VARIANTS[name] != Variant(VARIANTS[name].about, base=name):
-      raise ValueError(f"variant {name} shares the registry entry's name: it must be the entry")
-  try:
-    yield
-  finally:
-    for name in added:
-      del registry.REGISTRY[name]
-
-
 def variant_names(text: str) -> list:
   """The variants of ``--variants`` (allreduce first, always); an unknown one exits."""
   names = [n.strip() for n in text.split(",") if n.strip()]
@@ -173,7 +155,7 @@ def main(argv=None) -> int:
   devices = job.setup_devices(args.devices or (2 if args.quick else 8))
   task = study_task(tasks.chars(quick=args.quick), names)
   start = time.perf_counter()
-  with registered(names):
+  with registry.registered([VARIANTS[n].entry(n) for n in names]):
     runs = job.train(task, names, steps=steps, devices=devices, batch_size=32, seed=0,
                      max_steps=steps, progress=not args.quick, schedule="cosine")
   trained = time.perf_counter() - start

@@ -375,7 +375,7 @@ def test_dgc_study_variants_change_only_what_they_name():
   assert [first for first, _, _ in recipe.phases(1000)] == [0, 62, 124, 186, 248]
   assert dgc_study.warmup_recipe(0) is None
   names = ["allreduce", "dgc", "dgc_unclipped", "dgc_1pct"]
-  with dgc_study.registered(names):
+  with registry.registered([dgc_study.VARIANTS[n].entry(n) for n in names]):
     one = registry.REGISTRY["dgc_1pct"]
     assert one.settings == {"ratio": 0.01} and one.recipe is registry.REGISTRY["dgc"].recipe
     # The job's clip_by_global_norm(1) after DGC shrinks an update of norm 100 to the learning

@@ -1,6 +1,7 @@
 """The main job, ``python -m jaxcomp.train``: its table, files and command-line errors, and its
 step — ``jaxcomp.data_parallel``'s, training as the pmap step did."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -198,6 +199,22 @@ def test_the_jobs_step_trains_as_the_pmap_step_did(digits, name):
     (["--plan", "--model", "gpt2-small", "--device-gib", "lots"],
      "argument --device-gib: invalid float value: 'lots'"),
     (["--device-gib", "80"], "--device-gib is an option of --plan"),
+    (["--variant", "dion_r16"], "--variant dion_r16: expected NAME=ENTRY,KEY=VALUE,..."),
+    (["--variant", "d=dion_r9,rank=16"], "--variant d=dion_r9,rank=16: unknown registry entry "
+                                         "'dion_r9'"),
+    (["--variant", "dion_r4=dion_r8"], "'dion_r4' is a registry entry's name; give the variant a "
+                                       "name of its own"),
+    (["--variant", "d=dion_r8,rnk=16", "--compressors", "d"],
+     "--variant d=dion_r8,rnk=16: dion_r8: dion() got an unexpected keyword argument 'rnk'"),
+    (["--variant", "d=dion_r8,rank=0", "--compressors", "d"],
+     "--variant d=dion_r8,rank=0: dion_r8: rank must be a positive int; got 0"),
+    (["--variant", "p=powersgd_r2,start_iter=0", "--compressors", "p"],
+     "powersgd_r2's recipe sets start_iter for the run's length; a variant cannot change it"),
+    (["--variant", "d=dion_r8,rank=16"], "--variant d is not in --compressors: name it there"),
+    (["--variant", "d=dion_r8,rank=16", "--compressors", "d", "--link", "1gbit"],
+     "--variant does not apply to --link"),
+    (["--plan", "--model", "gpt2-small", "--variant", "d=dion_r8"],
+     "--variant does not apply to --plan"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
   with pytest.raises(SystemExit) as exit_info:
@@ -228,9 +245,43 @@ def test_help_explains_each_option():
   text = _run("--help").stdout
   for option in ("--task", "--steps", "--max-steps", "--devices", "--compressors", "--gbits",
                  "--out", "--batch-size", "--seed", "--quick", "--link", "--plan", "--model",
-                 "--params", "--step-ms", "--from-run"):
+                 "--params", "--step-ms", "--from-run", "--variant"):
     assert option in text
   assert "standard library" in text and "8x8 digits" in text
+
+
+def test_a_variant_trains_with_its_settings_under_its_own_name_and_leaves_the_registry(tmp_path):
+  out = tmp_path / "out"
+  assert job.main(["--task", "digits", "--quick", "--steps", "2", "--devices", "2",
+                   "--variant", "powersgd_r3=powersgd_r1,rank=3", "--compressors",
+                   "allreduce,powersgd_r1,powersgd_r3", "--out", str(out)]) == 0
+  assert "powersgd_r3" not in registry.REGISTRY
+  results = json.loads((out / "results.json").read_text())
+  sent = {run["name"]: run["bytes_per_step"] for run in results["runs"]}
+  assert list(sent) == ["allreduce", "powersgd_r1", "powersgd_r3"]
+  # Rank 3 sends three P and three Q columns per matrix where rank 1 sends one of each; the
+  # vectors travel dense in both.
+  matrices = [leaf.shape for leaf in jax.tree.leaves(tasks.get("digits", quick=True).init(0))
+              if leaf.ndim == 2]
+  columns = sum(m + n for m, n in matrices)
+  assert sent["powersgd_r3"] - sent["powersgd_r1"] == (3 - 1) * 4 * columns  # ring bytes, W = 2
+  assert "--variant powersgd_r3=powersgd_r1,rank=3" in (out / "results.md").read_text()
+
+
+def test_registered_entries_leave_the_registry_when_the_block_fails():
+  entry = registry.variant("dion_r16", "dion_r8", {"rank": 16})
+  assert entry.settings == {**registry.REGISTRY["dion_r8"].settings, "rank": 16}
+  assert entry.about.endswith("; rank=16") and not entry.is_mean and entry.is_optimizer
+  with pytest.raises(RuntimeError):
+    with registry.registered([entry, registry.REGISTRY["allreduce"]]):
+      assert registry.REGISTRY["dion_r16"] is entry
+      raise RuntimeError
+  assert "dion_r16" not in registry.REGISTRY and "allreduce" in registry.REGISTRY
+  other = registry.variant("x", "dion_r8", {})
+  with pytest.raises(ValueError, match="'dion_r8' is a registry entry's name and the entry differs"):
+    with registry.registered([dataclasses.replace(other, name="dion_r8", settings={"rank": 2})]):
+      pass
+  assert registry.REGISTRY["dion_r8"].settings["rank"] == 8
 
 
 def test_recipes_name_their_phases():

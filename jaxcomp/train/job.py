@@ -118,6 +118,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
            "from: "
            + "; ".join(f"{k} ({v.about})" for k, v in registry.REGISTRY.items()).replace("%", "%%"))
   parser.add_argument(
+      "--variant", action="append", default=[], metavar="NAME=ENTRY,KEY=VALUE,...",
+      help="an entry with other settings, trained as NAME where --compressors names it (repeat "
+           "for more): e.g. --variant dion_r16=dion_r8,rank=16 --compressors "
+           "allreduce_muon,dion_r8,dion_r16; each VALUE a Python literal (16, 0.95, None, "
+           "'adamw'), over the entry's own settings")
+  parser.add_argument(
       "--gbits", default=",".join(map(str, GBITS)),
       help="link speeds per worker (Gbit/s, comma-separated) at which the table and the plot show "
            "the wall-clock to target modelled for the run's devices: the step measured in the run "
@@ -167,6 +173,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
            "and add wall-clock columns (needs root and the ip and tc commands)")
   args = parser.parse_args(argv)
   defaults = parser.parse_args([])
+  variants = []
+  for text in args.variant:
+    try:
+      variants.append(registry.parse_variant(text))
+    except ValueError as e:
+      parser.error(f"--variant {text}: {e}")
+  args.variant = variants
   planning = ("--model", "--params", "--step-ms", "--from-run", "--device-gib")
   if not args.plan:
     given = [o for o in planning if getattr(args, o[2:].replace("-", "_")) is not None]
@@ -175,7 +188,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    f"{given[0]} ...)")
   else:
     trained = [o for o in ("--task", "--steps", "--max-steps", "--batch-size", "--seed", "--quick",
-                           "--link")
+                           "--link", "--variant")
                if getattr(args, o[2:].replace("-", "_")) != getattr(defaults,
                                                                    o[2:].replace("-", "_"))]
     if trained:
@@ -213,6 +226,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   if args.max_steps < args.steps:
     parser.error(f"--max-steps must be at least --steps {args.steps}; got {args.max_steps}")
   if args.link is not None:
+    if args.variant:
+      parser.error("--variant does not apply to --link (its processes train the registry's "
+                   "entries)")
     from jaxcomp.train import link
     try:
       link.check_rate(args.link)
@@ -229,7 +245,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.gbits = parse_gbits(args.gbits)
   except ValueError as e:
     parser.error(f"--gbits: {e}")
-  args.compressors = _names(parser, args.compressors or ",".join(registry.JOB_DEFAULT))
+  with registry.registered(args.variant):
+    args.compressors = _names(parser, args.compressors or ",".join(registry.JOB_DEFAULT))
+  unnamed = [v.name for v in args.variant if v.name not in args.compressors]
+  if unnamed:
+    parser.error(f"--variant {unnamed[0]} is not in --compressors: name it there to train it")
   return args
 
 
@@ -241,7 +261,7 @@ def _names(parser: argparse.ArgumentParser, text: str) -> list:
   unknown = [n for n in names if n not in registry.REGISTRY]
   if unknown or not names:
     parser.error(f"--compressors: unknown compressor {', '.join(map(repr, unknown)) or '(none)'}; "
-                 f"choose from {', '.join(registry.REGISTRY)}")
+                 f"choose from {', '.join(registry.REGISTRY)} (or a --variant)")
   if len(set(names)) != len(names):
     parser.error(f"--compressors lists a compressor twice: {text}")
   return names
@@ -771,6 +791,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.plan:
     args.argv = argv
     return run_plan(args)
+  with registry.registered(args.variant):
+    return _run(args, argv)
+
+
+def _run(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
+  """``main``'s training run, with the ``--variant``s in the registry."""
   if args.link:
     from jaxcomp.train import link
     reason = link.unavailable_reason()

@@ -37,8 +37,10 @@ bytes and the wall-clock of a whole run can be added up phase by phase (``entry.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import jax
 import optax
@@ -395,6 +397,79 @@ held-out loss 2.069 in 600 steps, so the lowest held-out loss decided): PowerSGD
 values 2.414 (DGC 2.427, coarse 2.816), Streaming DiLoCo H=20 in 2 fragments 2.394 (DiLoCo H=20
 2.449, its float16 2.441 and PowerSGD 2.693 variants, Streaming DiLoCo H=100 int8 2.473,
 SparseLoCo 2.516)."""
+
+
+
+def variant(name: str, base: str, settings: dict) -> Compressor:
+  """``REGISTRY[base]`` with ``settings`` over its own, named ``name``: a run of other settings
+  that the job and the benchmarks train, time and tabulate as an entry (``registered``).
+
+  Raises:
+    ValueError: ``base`` is not an entry, ``name`` is one, the entry's recipe sets one of the
+      ``settings`` for the run's length, or the factory refuses them (its own message).
+  """
+  if base not in REGISTRY:
+    raise ValueError(f"unknown registry entry {base!r}; choose from {', '.join(REGISTRY)}")
+  if name in REGISTRY:
+    raise ValueError(f"{name!r} is a registry entry's name; give the variant a name of its own")
+  entry = REGISTRY[base]
+  fitted = sorted(set(entry.recipe(1000)) & set(settings)) if entry.recipe else []
+  if fitted:
+    raise ValueError(f"{base}'s recipe sets {', '.join(fitted)} for the run's length; a variant "
+                     "cannot change it")
+  changed = ", ".join(f"{key}={value!r}" for key, value in settings.items())
+  entry = dataclasses.replace(entry, name=name, settings={**entry.settings, **settings},
+                              about=f"{entry.about}; {changed}" if changed else entry.about)
+  try:  # the factory checks the settings now, not after the other entries' runs
+    entry.optimizer(optax.identity())
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{base}: {e}") from None
+  return entry
+
+
+def parse_variant(text: str) -> Compressor:
+  """The ``variant`` of ``"NAME=ENTRY,KEY=VALUE,..."`` (the main job's ``--variant``), each VALUE
+  a Python literal (``16``, ``0.95``, ``None``, ``'adamw'``) or else the text itself.
+
+  Raises:
+    ValueError: not of that form, or as ``variant``.
+  """
+  head, *pairs = [part.strip() for part in text.split(",")]
+  name, _, base = head.partition("=")
+  if not (name.strip() and base.strip()) or not all("=" in pair for pair in pairs):
+    raise ValueError(f"expected NAME=ENTRY,KEY=VALUE,... (e.g. dion_r16=dion_r8,rank=16); got "
+                     f"{text!r}")
+  settings = {}
+  for pair in pairs:
+    key, _, value = pair.partition("=")
+    try:
+      settings[key.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      settings[key.strip()] = value.strip()
+  return variant(name.strip(), base.strip(), settings)
+
+
+@contextlib.contextmanager
+def registered(entries: Sequence[Compressor]) -> Iterator[None]:
+  """``entries`` in ``REGISTRY`` while the block runs (the job, the benchmarks and the recipes'
+  phases look entries up by name), then removed; an entry equal to the registry's own is left.
+
+  Raises:
+    ValueError: an entry has a registry entry's name and differs from it.
+  """
+  added = []
+  try:
+    for entry in entries:
+      if entry.name not in REGISTRY:
+        REGISTRY[entry.name] = entry
+        added.append(entry.name)
+      elif REGISTRY[entry.name] != entry:
+        raise ValueError(f"{entry.name!r} is a registry entry's name and the entry differs from it")
+    yield
+  finally:
+    for name in added:
+      del REGISTRY[name]
+
 
 PERIODIC = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
 """Local SGD and DiLoCo: they wrap the optimizer and communicate once every H steps. The bytes
