@@ -211,6 +211,8 @@ def test_the_jobs_step_trains_as_the_pmap_step_did(digits, name):
     (["--variant", "p=powersgd_r2,start_iter=0", "--compressors", "p"],
      "powersgd_r2's recipe sets start_iter for the run's length; a variant cannot change it"),
     (["--variant", "d=dion_r8,rank=16"], "--variant d is not in --compressors: name it there"),
+    (["--variant", "d=dion_r8,rank=16", "--variant", "d=dion_r8,rank=2", "--compressors", "d"],
+     "--variant names d twice: give each variant a name of its own"),
     (["--variant", "d=dion_r8,rank=16", "--compressors", "d", "--link", "1gbit"],
      "--variant does not apply to --link"),
     (["--plan", "--model", "gpt2-small", "--variant", "d=dion_r8"],

@@ -179,6 +179,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
       variants.append(registry.parse_variant(text))
     except ValueError as e:
       parser.error(f"--variant {text}: {e}")
+    if [v.name for v in variants].count(variants[-1].name) > 1:
+      parser.error(f"--variant names {variants[-1].name} twice: give each variant a name of its own")
   args.variant = variants
   planning = ("--model", "--params", "--step-ms", "--from-run", "--device-gib")
   if not args.plan:
