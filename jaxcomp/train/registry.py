@@ -25,7 +25,9 @@ optimizer (``wraps_optimizer``). ``allreduce_muon`` and ``allreduce_adamw`` are 
 Dion and DeMo (``baseline``): optax's Muon and AdamW after ``jaxcomp.allreduce``, whole optimizers
 too.
 ``entry.optimizer(inner)`` builds any of the three kinds around an inner optimizer: the compressor
-chained before it, the wrapper around it, or the optimizer alone.
+chained before it, the wrapper around it, or the optimizer alone. ``variant(name, base, settings)``
+is an entry with other settings, in ``REGISTRY`` while ``registered`` (the main job's
+``--variant``).
 
 A recipe also names its phases — which steps behave like which steady-state program — so that the
 bytes and the wall-clock of a whole run can be added up phase by phase (``entry.phases(steps)``)::
@@ -399,10 +401,15 @@ values 2.414 (DGC 2.427, coarse 2.816), Streaming DiLoCo H=20 in 2 fragments 2.3
 SparseLoCo 2.516)."""
 
 
+PERIODIC = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
+"""Local SGD and DiLoCo: they wrap the optimizer and communicate once every H steps. The bytes
+benchmark compares them with ``DEFAULT``; the per-step benchmarks compare gradient compressors
+only (``--compressors`` picks any entry)."""
+
 
 def variant(name: str, base: str, settings: dict) -> Compressor:
-  """``REGISTRY[base]`` with ``settings`` over its own, named ``name``: a run of other settings
-  that the job and the benchmarks train, time and tabulate as an entry (``registered``).
+  """``REGISTRY[base]`` with ``settings`` over its own, named ``name``: other settings of an entry,
+  which the main job (``--variant``) trains and tabulates beside the others while ``registered``.
 
   Raises:
     ValueError: ``base`` is not an entry, ``name`` is one, the entry's recipe sets one of the
@@ -469,9 +476,3 @@ def registered(entries: Sequence[Compressor]) -> Iterator[None]:
   finally:
     for name in added:
       del REGISTRY[name]
-
-
-PERIODIC = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
-"""Local SGD and DiLoCo: they wrap the optimizer and communicate once every H steps. The bytes
-benchmark compares them with ``DEFAULT``; the per-step benchmarks compare gradient compressors
-only (``--compressors`` picks any entry)."""
