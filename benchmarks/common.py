@@ -22,7 +22,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -180,20 +180,26 @@ def random_like(tree, seed: int = 0):
 # ---------------------------------------------------------------------------------- compressors
 
 
-def compressors(names: Optional[str] = None) -> list:
+def compressors(names: Optional[str] = None, variants: Sequence = ()) -> list:
   """Registry entries to compare (``jaxcomp.train.registry``): its ``DEFAULT`` list, every entry
-  (``"all"``), or the comma-separated ``names``, in that order."""
+  (``"all"``), or the comma-separated ``names``, in that order; ``names`` may name the
+  ``variants`` (``add_variant_option``), and must name each."""
   from jaxcomp.train.registry import DEFAULT, REGISTRY
+  known = {**REGISTRY, **{v.name: v for v in variants}}
   if not names:
-    return [REGISTRY[n] for n in DEFAULT]
-  if names.strip() == "all":
-    return list(REGISTRY.values())
-  wanted = [n.strip() for n in names.split(",") if n.strip()]
-  unknown = [n for n in wanted if n not in REGISTRY]
+    wanted = list(DEFAULT)
+  elif names.strip() == "all":
+    wanted = list(known)
+  else:
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+  unknown = [n for n in wanted if n not in known]
   if unknown:
     raise SystemExit(f"--compressors: unknown {', '.join(unknown)}; choose from "
-                     f"{', '.join(REGISTRY)}")
-  return [REGISTRY[n] for n in wanted]
+                     f"{', '.join(known)}")
+  unnamed = [v.name for v in variants if v.name not in wanted]
+  if unnamed:
+    raise SystemExit(f"--variant {unnamed[0]} is not in --compressors: name it there to measure it")
+  return [known[n] for n in wanted]
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -248,6 +254,15 @@ def parser(description: str) -> argparse.ArgumentParser:
   return p
 
 
+def add_variant_option(p: argparse.ArgumentParser) -> None:
+  """``--variant``, as the main job's: an entry with other settings, measured under its own name
+  (``parse`` reads it into ``registry.variant``s; pass them to ``compressors``)."""
+  p.add_argument("--variant", action="append", default=[], metavar="NAME=ENTRY,KEY=VALUE,...",
+                 help="an entry with other settings, measured as NAME where --compressors names "
+                      "it (repeat for more): e.g. --variant dion_r16=dion_r8,rank=16; each VALUE "
+                      "a Python literal, over the entry's own settings")
+
+
 def add_device_options(p: argparse.ArgumentParser, default_devices: str = "8") -> None:
   """``--platform``, ``--devices`` and ``--out``: where a script runs, where it saves its rows."""
   p.add_argument("--platform", default=None,
@@ -285,6 +300,19 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.quick and args.write:
     p.error("--quick runs are for CI: they do not write BENCHMARKS.md (drop --write)")
+  if getattr(args, "variant", None):
+    from jaxcomp.train import registry
+    if args.write:
+      p.error("--write records the registry's entries in BENCHMARKS.md: drop --variant or --write")
+    texts, args.variant = args.variant, []
+    for text in texts:
+      try:
+        args.variant.append(registry.parse_variant(text))
+      except ValueError as e:
+        p.error(f"--variant {text}: {e}")
+    names = [v.name for v in args.variant]
+    if len(set(names)) != len(names):
+      p.error("--variant: a name is given twice: give each variant a name of its own")
   return args
 
 

@@ -166,9 +166,10 @@ def main(argv=None) -> int:
   p.add_argument("--no-sharded", action="store_true",
                  help="leave out the second table (the sharded optimizer's state, W = 8)")
   common.add_device_options(p, str(W))
+  common.add_variant_option(p)
   args = common.parse(p, argv)
   devices = common.devices(int(args.devices), args.platform)
-  compressor_list = common.compressors(args.compressors)
+  compressor_list = common.compressors(args.compressors, args.variant)
   if compressor_list[0].name != "allreduce":
     compressor_list = common.compressors("allreduce") + compressor_list
   header = ["model", "compressor", "state", "temporaries", "state / grad", "temp / grad",

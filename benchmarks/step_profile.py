@@ -211,13 +211,14 @@ def main(argv=None) -> int:
                  help="also list each entry's N costliest instructions, with their op_name")
   p.add_argument("--devices", type=int, default=step_time.MAX_DEVICES,
                  help=f"data-parallel devices, 1 to {step_time.MAX_DEVICES}")
+  common.add_variant_option(p)
   args = common.parse(p, argv)
   if args.write:
     p.error("the profile is printed, not written to BENCHMARKS.md")
   if not 1 <= args.devices <= step_time.MAX_DEVICES:
     p.error(f"--devices takes 1 to {step_time.MAX_DEVICES}")
   repeats = args.repeats or (1 if args.quick else 4)
-  compressor_list = common.compressors(args.compressors)
+  compressor_list = common.compressors(args.compressors, args.variant)
   if compressor_list[0].name != "allreduce":
     compressor_list = common.compressors("allreduce") + compressor_list
   (model, (task, batch_size)), = step_time.model_tasks(args.quick, ["mlp"]).items()

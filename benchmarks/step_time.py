@@ -155,6 +155,7 @@ def main(argv=None) -> int:
   common.add_device_options(p, str(MAX_DEVICES))
   p.add_argument("--hlo-dir", default=None,
                  help="save each step's compiled HLO text in this folder (<model>__<entry>.hlo)")
+  common.add_variant_option(p)
   args = common.parse(p, argv)
   repeats = args.repeats or (2 if args.quick else 40)
   models = [m.strip() for m in (args.models or ",".join(MODELS)).split(",") if m.strip()]
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
   counts = [int(d) for d in args.devices.split(",")]
   if set(models) - set(MODELS) or not all(1 <= d <= MAX_DEVICES for d in counts):
     p.error(f"--models takes {', '.join(MODELS)}; --devices 1 to {MAX_DEVICES}")
-  compressor_list = common.compressors(args.compressors)
+  compressor_list = common.compressors(args.compressors, args.variant)
   if compressor_list[0].name != "allreduce":
     compressor_list = common.compressors("allreduce") + compressor_list
   header = ["model", "compressor", "settings", "step ms", "step / allreduce", "W", "global batch"]

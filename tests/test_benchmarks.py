@@ -98,6 +98,23 @@ def test_step_time_of_the_wrappers_of_the_optimizer():
   assert [r[1] for r in rows] == names
 
 
+def test_a_variant_is_measured_under_its_own_name_with_its_settings():
+  rows = table_rows(run_script("memory.py", "--no-sharded", "--variant",
+                               "dion_r16=dion_r8,rank=16", "--compressors", "dion_r8,dion_r16"))
+  assert [r[1] for r in rows] == ["allreduce", "dion_r8", "dion_r16"]
+  by_name = {r[1]: r for r in rows}
+  assert float(by_name["dion_r16"][4]) > float(by_name["dion_r8"][4])  # twice the P and Q columns
+  p = common.parser("a benchmark")
+  common.add_variant_option(p)
+  args = common.parse(p, ["--variant", "dion_r16=dion_r8,rank=16", "--compressors", "dion_r16"])
+  assert common.compressors(args.compressors, args.variant)[0].settings["rank"] == 16
+  assert "dion_r16" not in registry.REGISTRY
+  with pytest.raises(SystemExit, match="--variant dion_r16 is not in --compressors"):
+    common.compressors("dion_r8", args.variant)
+  with pytest.raises(SystemExit):  # argparse's exit: the message goes to stderr
+    common.parse(p, ["--variant", "d=dion_r8,rank=16", "--compressors", "d", "--write"])
+
+
 @pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_memory_of_every_registry_entry():
   rows = table_rows(run_script("memory.py", "--compressors", "all"))
