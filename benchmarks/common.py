@@ -256,7 +256,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def add_variant_option(p: argparse.ArgumentParser) -> None:
   """``--variant``, as the main job's: an entry with other settings, measured under its own name
-  (``parse`` reads it into ``registry.variant``s; pass them to ``compressors``)."""
+  (``parse`` reads it with ``registry.parse_variants``; pass them to ``compressors``)."""
   p.add_argument("--variant", action="append", default=[], metavar="NAME=ENTRY,KEY=VALUE,...",
                  help="an entry with other settings, measured as NAME where --compressors names "
                       "it (repeat for more): e.g. --variant dion_r16=dion_r8,rank=16; each VALUE "
@@ -304,15 +304,10 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     from jaxcomp.train import registry
     if args.write:
       p.error("--write records the registry's entries in BENCHMARKS.md: drop --variant or --write")
-    texts, args.variant = args.variant, []
-    for text in texts:
-      try:
-        args.variant.append(registry.parse_variant(text))
-      except ValueError as e:
-        p.error(f"--variant {text}: {e}")
-    names = [v.name for v in args.variant]
-    if len(set(names)) != len(names):
-      p.error("--variant: a name is given twice: give each variant a name of its own")
+    try:
+      args.variant = registry.parse_variants(args.variant)
+    except ValueError as e:
+      p.error(f"--variant {e}")
   return args
 
 

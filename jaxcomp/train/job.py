@@ -173,15 +173,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
            "and add wall-clock columns (needs root and the ip and tc commands)")
   args = parser.parse_args(argv)
   defaults = parser.parse_args([])
-  variants = []
-  for text in args.variant:
-    try:
-      variants.append(registry.parse_variant(text))
-    except ValueError as e:
-      parser.error(f"--variant {text}: {e}")
-    if [v.name for v in variants].count(variants[-1].name) > 1:
-      parser.error(f"--variant names {variants[-1].name} twice: give each variant a name of its own")
-  args.variant = variants
+  try:
+    args.variant = registry.parse_variants(args.variant)
+  except ValueError as e:
+    parser.error(f"--variant {e}")
   planning = ("--model", "--params", "--step-ms", "--from-run", "--device-gib")
   if not args.plan:
     given = [o for o in planning if getattr(args, o[2:].replace("-", "_")) is not None]

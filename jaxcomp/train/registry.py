@@ -434,13 +434,30 @@ def variant(name: str, base: str, settings: dict) -> Compressor:
   return entry
 
 
-def parse_variant(text: str) -> Compressor:
-  """The ``variant`` of ``"NAME=ENTRY,KEY=VALUE,..."`` (the main job's ``--variant``), each VALUE
-  a Python literal (``16``, ``0.95``, ``None``, ``'adamw'``) or else the text itself.
+def parse_variants(texts: Sequence[str]) -> list:
+  """The ``variant`` of each ``"NAME=ENTRY,KEY=VALUE,..."`` (``--variant`` of the main job and of
+  the benchmarks), each VALUE a Python literal (``16``, ``0.95``, ``None``, ``'adamw'``) or else the
+  text itself.
 
   Raises:
-    ValueError: not of that form, or as ``variant``.
+    ValueError: a text not of that form or refused by ``variant`` (the message starts with the
+      text), or a NAME given twice.
   """
+  variants = []
+  for text in texts:
+    try:
+      variants.append(_parse_variant(text))
+    except ValueError as e:
+      raise ValueError(f"{text}: {e}") from None
+  names = [v.name for v in variants]
+  twice = [n for n in names if names.count(n) > 1]
+  if twice:
+    raise ValueError(f"names {twice[0]} twice: give each variant a name of its own")
+  return variants
+
+
+def _parse_variant(text: str) -> Compressor:
+  """``parse_variants`` of one text."""
   head, *pairs = [part.strip() for part in text.split(",")]
   name, _, base = head.partition("=")
   if not (name.strip() and base.strip()) or not all("=" in pair for pair in pairs):
