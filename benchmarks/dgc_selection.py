@@ -144,5 +144,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  jax.config.update("jax_num_cpu_devices", 8)  # --kernels runs a DGC update on W = 8
+  from jaxcomp.train import job
+  job.simulate_cpu_devices(8)  # --kernels runs a DGC update on W = 8
   sys.exit(main())

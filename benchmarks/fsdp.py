@@ -39,8 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from jaxcomp.train import job  # noqa: E402
+
 W = 8
-jax.config.update("jax_num_cpu_devices", W)
+job.simulate_cpu_devices(W)  # before JAX starts its backends
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -152,7 +154,7 @@ def ways(mesh):
 
 def quality(steps: int, seeds: int) -> str:
   """The held-out losses of ``--quality``'s runs (the module docstring)."""
-  from jaxcomp.train import job, tasks  # noqa: PLC0415 (Flax: only for this mode)
+  from jaxcomp.train import tasks  # noqa: PLC0415 (Flax: only for this mode)
   task = tasks.chars()
   mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
   sgd = lambda: optax.sgd(task.learning_rate, momentum=0.9)  # noqa: E731

@@ -32,8 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from jaxcomp.train import job  # noqa: E402
+
 W = 8
-jax.config.update("jax_num_cpu_devices", W)
+job.simulate_cpu_devices(W)  # before JAX starts its backends
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
   count = args.devices or (2 if args.quick else 8)
   if count == 1:  # also args.bytes_devices CPU devices, to read the bytes from
     try:
-      jax.config.update("jax_num_cpu_devices", args.bytes_devices)
+      job.simulate_cpu_devices(args.bytes_devices)
     except RuntimeError:
       pass  # JAX has already started: bytes_over_cpu_devices says if it has too few
     devices = jax.devices()[:1]

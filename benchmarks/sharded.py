@@ -31,8 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from jaxcomp.train import job  # noqa: E402
+
 W = 8
-jax.config.update("jax_num_cpu_devices", W)
+job.simulate_cpu_devices(W)  # before JAX starts its backends
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -40,7 +42,7 @@ from jax.sharding import AxisType  # noqa: E402
 
 import jaxcomp  # noqa: E402
 from benchmarks import common  # noqa: E402
-from jaxcomp.train import job, tasks  # noqa: E402
+from jaxcomp.train import tasks  # noqa: E402
 
 BATCH = 32
 # name: (exchange factory, gather dtype of the sharded step)

@@ -46,8 +46,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from jaxcomp.train import job  # noqa: E402
+
 MAX_DEVICES = 8
-jax.config.update("jax_num_cpu_devices", MAX_DEVICES)
+job.simulate_cpu_devices(MAX_DEVICES)  # before JAX starts its backends
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -13,7 +13,6 @@ Choices, briefly:
   devices — the same world the test suite runs in.
 """
 
-import os
 import pathlib
 import sys
 
@@ -25,7 +24,9 @@ sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 # doctests run in this process).
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+from jaxcomp.train import job  # noqa: E402
+
+job.simulate_cpu_devices(8)
 jax.config.update("jax_platforms", "cpu")
 
 import jaxcomp  # noqa: E402

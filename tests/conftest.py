@@ -23,7 +23,9 @@ import tempfile
 import jax
 import pytest
 
-jax.config.update("jax_num_cpu_devices", 8)
+from jaxcomp.train import job
+
+job.simulate_cpu_devices(8)
 jax.config.update("jax_platforms", "cpu")
 
 FAST_TIER_XLA_FLAGS = "--xla_backend_optimization_level=0"

@@ -94,6 +94,33 @@ def test_digits_task_trains_without_torch(tmp_path, without_torch):
   assert imported.returncode == 0, imported.stderr
 
 
+_LAPACK_THREADS = """
+import sys
+import jax
+import threadpoolctl
+from jaxcomp.train import job
+job.simulate_cpu_devices(int(sys.argv[1]))
+jax.numpy.linalg.qr(jax.numpy.ones((4, 3)))  # loads jaxlib's LAPACK
+lapack = [p["num_threads"] for p in threadpoolctl.threadpool_info() if "scipy.libs" in p["filepath"]]
+print(len(jax.devices()), lapack)
+"""
+
+
+@pytest.mark.parametrize("count, preset, expected", [
+    (4, None, "4 [1]"),  # simulated devices: LAPACK on one thread per device
+    (4, "2", "4 [2]"),  # the environment's setting wins
+    (1, "2", "1 [2]"),  # one device: left as it is
+])
+def test_simulate_cpu_devices_runs_lapack_on_one_thread(count, preset, expected):
+  env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+  env.update({"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
+             **({} if preset is None else {"OPENBLAS_NUM_THREADS": preset}))
+  proc = subprocess.run([sys.executable, "-c", _LAPACK_THREADS, str(count)], env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == expected
+
+
 @pytest.fixture(scope="module")
 def digits():
   return tasks.get("digits", quick=True)
