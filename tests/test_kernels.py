@@ -85,8 +85,8 @@ def test_kernels_against_their_obvious_forms():
 
 
 def test_the_matrix_kernels_are_the_products_they_stand_for():
-  """product, transposed_product, low_rank_product (as outer products up to rank 8, a matrix
-  product beyond), zero_padded and in_place, per device, against NumPy in float64."""
+  """product, transposed_product and low_rank_product (the last two in their forms up to rank 8
+  and beyond), zero_padded and in_place, per device, against NumPy in float64."""
   rng = np.random.default_rng(0)
   n, m = 12, 7
   g, e = (rng.standard_normal((W, n, m)).astype(np.float32) for _ in range(2))
@@ -99,6 +99,7 @@ def test_the_matrix_kernels_are_the_products_they_stand_for():
   def kernels_of(g, e, q, p, p9, q9, scalar):
     return dict(product=kernels.product((g, e), q),
                 transposed=kernels.transposed_product((g, e), p),
+                transposed_9=kernels.transposed_product((g, e), p9),
                 low_rank=kernels.low_rank_product(p, q),
                 low_rank_9=kernels.low_rank_product(p9, q9),
                 padded=kernels.zero_padded([g, scalar, q], 2 * n * m),
@@ -110,8 +111,8 @@ def test_the_matrix_kernels_are_the_products_they_stand_for():
     m_d = f64(g[d]) + f64(e[d])
     # Sums of m (or n) products of unit-scale terms, and of 2 terms: a rounding per term.
     np.testing.assert_allclose(out["product"][d], m_d @ f64(q[d]), **rounding_tol(2 * m + 2, 4))
-    np.testing.assert_allclose(out["transposed"][d], m_d.T @ f64(p[d]),
-                               **rounding_tol(2 * n + 2, 4))
+    for key, factor in (("transposed", p), ("transposed_9", p9)):
+      np.testing.assert_allclose(out[key][d], m_d.T @ f64(factor[d]), **rounding_tol(2 * n + 2, 4))
     np.testing.assert_allclose(out["low_rank"][d], f64(p[d]) @ f64(q[d]).T, **rounding_tol(4, 4))
     np.testing.assert_allclose(out["low_rank_9"][d], f64(p9[d]) @ f64(q9[d]).T,
                                **rounding_tol(10, 4))

@@ -54,11 +54,16 @@ def transposed_product(terms: tuple, p: jax.Array) -> jax.Array:
   rank 1 2.30× the time, rank 4 2.26×, the same temporaries; the outputs differ in rounding (the
   dot adds in another order). ``PYTHONPATH=. python benchmarks/kernels.py --repeats 10
   --compressors powersgd_r1,powersgd_r4`` (2 shared cores). Above rank 8 (Dion's ¼ of a matrix's
-  side) one product per column is too many to unroll: the plain ``t.T @ P`` then, as
-  ``low_rank_product`` does.
+  side) one product per column is too many to unroll: one product ``(Pᵀ·M)ᵀ`` then, which also
+  reads M's rows. Not ``t.T @ P``: for that XLA:CPU lays the gradient out transposed as the
+  backward pass writes it, and the error update then reads it across its rows. The MLP's
+  ``data_parallel`` step against allreduce's, rank 16, two alternating rounds: Dion 2.66–2.70 →
+  2.06–2.07, PowerSGD 2.24–2.36 → 1.54–1.65 (``PYTHONPATH=. python benchmarks/step_time.py
+  --models mlp --devices 8 --repeats 6 --variant dion_r16=dion_r8,rank=16 --variant
+  psgd_r16=powersgd_r4,rank=16 --compressors allreduce,dion_r8,dion_r16,psgd_r16``).
   """
   if p.shape[1] > 8:
-    return sum(t.T @ p for t in terms)
+    return sum((p.T @ t).T for t in terms)
   return sum(jnp.stack([p[:, j] @ t for j in range(p.shape[1])], axis=1) for t in terms)
 
 
