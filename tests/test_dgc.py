@@ -222,7 +222,8 @@ def test_sampled_selection_matches_reference_and_stays_in_band(dist):
   for trial in range(12):
     x = (rng.standard_normal(n) if dist == "gaussian" else rng.standard_t(1.5, n)).astype(np.float32)
     key = jax.random.PRNGKey(trial)
-    indices, threshold = select(x, key)
+    indices, threshold, finite = select(x, key)
+    assert bool(finite)
     indices = np.asarray(indices)
     sent = indices[indices < n]
     start = int(jax.random.randint(key, (), 0, plan.stride))
@@ -243,11 +244,11 @@ def test_sampled_selection_resamples_and_handles_ties():
   rng = np.random.default_rng(4)
   # Half the entries tie at the top: far more than the candidate buffer, exact top-k fallback.
   x = np.where(rng.random(n) < 0.5, 1.0, rng.random(n) * 0.1).astype(np.float32)
-  indices, threshold = select(x, jax.random.PRNGKey(0))
+  indices, threshold, _ = select(x, jax.random.PRNGKey(0))
   assert float(threshold) == 1.0 and np.all(np.asarray(indices) < n)
   assert np.all(x[np.asarray(indices)] == 1.0) and len(set(np.asarray(indices).tolist())) == k
   # A zero gradient: threshold 0, every entry a candidate, k distinct zeros sent.
-  indices, threshold = select(np.zeros(n, np.float32), jax.random.PRNGKey(0))
+  indices, threshold, _ = select(np.zeros(n, np.float32), jax.random.PRNGKey(0))
   assert float(threshold) == 0.0 and len(set(np.asarray(indices).tolist())) == k
 
 

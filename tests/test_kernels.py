@@ -136,7 +136,7 @@ def test_first_at_least_is_nonzero_of_the_threshold(n, density, capacity):
   x = np.where(rng.random(n) < density, rng.standard_normal(n) + 5,
                rng.standard_normal(n)).astype(np.float32)
   threshold = np.float32(4.0)
-  select = jax.jit(lambda x: kernels.first_at_least(x, kernels.bits_at_least(x, threshold),
+  select = jax.jit(lambda x: kernels.first_at_least(x, kernels.bits_at_least(x, threshold)[0],
                                                     capacity))
   indices, magnitudes = map(np.asarray, select(x))
   expected = np.flatnonzero(np.abs(x) >= threshold)[:capacity]
@@ -144,8 +144,24 @@ def test_first_at_least_is_nonzero_of_the_threshold(n, density, capacity):
   np.testing.assert_array_equal(indices[len(expected):], n)
   np.testing.assert_array_equal(magnitudes[:len(expected)], np.abs(x[expected]))
   np.testing.assert_array_equal(magnitudes[len(expected):], -1)
-  counts = jax.lax.population_count(kernels.bits_at_least(x, threshold)).sum()
-  assert int(counts) == int(np.sum(np.abs(x) >= threshold))
+  words, finite = kernels.bits_at_least(x, threshold)
+  assert int(jax.lax.population_count(words).sum()) == int(np.sum(np.abs(x) >= threshold))
+  assert bool(finite)
+  # A threshold of 0: every element a candidate, never the padding of a short last block.
+  assert int(jax.lax.population_count(kernels.bits_at_least(x, 0.0)[0]).sum()) == n
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [0, 4098])
+def test_bits_at_least_says_whether_every_element_is_finite(bad, where):
+  # One value not finite, in the first block or in the short last one (4,099 = 128·32 + 3): the
+  # flag from the same pass as the candidates; the other candidates unchanged.
+  x = np.random.default_rng(2).standard_normal(4099).astype(np.float32)
+  x[where] = bad
+  words, finite = jax.jit(kernels.bits_at_least)(x, np.float32(1.0))
+  assert not bool(finite)
+  hits = (np.asarray(words)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+  np.testing.assert_array_equal(hits.reshape(-1)[:x.size].astype(bool), np.abs(x) >= 1.0)
 
 
 def test_the_scatters_kth_largest_and_the_guarded_loop_are_their_obvious_forms():

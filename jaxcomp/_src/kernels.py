@@ -123,15 +123,24 @@ def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
 _BLOCK = 32  # elements per block of ``bits_at_least``: the bits of one uint32
 
 
-def bits_at_least(x: jax.Array, threshold) -> jax.Array:
+def bits_at_least(x: jax.Array, threshold) -> tuple:
   """Per block of 32 elements of the 1-D ``x``, a uint32 whose bit j says ``|x[32·block + j]| >=
   threshold`` (``ceil(x.size / 32)`` words; ``lax.population_count`` gives the blocks' counts): the
-  candidates of ``first_at_least``, in one pass over ``x``."""
+  candidates of ``first_at_least``; and whether every element of ``x`` is finite. Both in one pass
+  over ``x``: one reduction of two operands, the words and ``Σ(x − x)`` (NaN exactly where an
+  element is not finite), which XLA:CPU fuses into one loop; ``isfinite(x).all()`` beside it was a
+  second pass. Returns ``(words, finite)``."""
   num_blocks = -(-x.size // _BLOCK)
-  padded = jnp.pad(x, (0, num_blocks * _BLOCK - x.size), constant_values=jnp.nan)  # NaN: never >=
+  padded = jnp.pad(x, (0, num_blocks * _BLOCK - x.size)).reshape(num_blocks, _BLOCK)
   lanes = jnp.left_shift(jnp.uint32(1), jnp.arange(_BLOCK, dtype=jnp.uint32))
-  hit = jnp.abs(padded.reshape(num_blocks, _BLOCK)) >= threshold
-  return jnp.where(hit, lanes, jnp.uint32(0)).sum(1, dtype=jnp.uint32)
+  hit = jnp.abs(padded) >= threshold
+  if num_blocks * _BLOCK > x.size:  # the zero padding is never a candidate
+    hit &= (lax.broadcasted_iota(jnp.int32, padded.shape, 0) * _BLOCK
+            + lax.broadcasted_iota(jnp.int32, padded.shape, 1)) < x.size
+  words, nan_sums = lax.reduce(
+      (jnp.where(hit, lanes, jnp.uint32(0)), (padded - padded).astype(jnp.float32)),
+      (jnp.uint32(0), jnp.float32(0)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,))
+  return words, ~jnp.isnan(nan_sums.sum())
 
 
 def first_at_least(x: jax.Array, bits: jax.Array, capacity: int) -> tuple:

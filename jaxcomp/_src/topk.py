@@ -70,8 +70,9 @@ def sampled_topk(x: Union[jax.Array, Callable[[], jax.Array]], plan: SamplingPla
   computes it from its terms, and it is never written to memory of its own.
 
   Returns:
-    ``(indices, threshold)``: int32 indices of shape ``(k,)``, each with ``|x| >= threshold``;
-    slots left empty hold ``numel`` (out of range: scatters drop them).
+    ``(indices, threshold, finite)``: int32 indices of shape ``(k,)``, each with ``|x| >=
+    threshold``, slots left empty holding ``numel`` (out of range: scatters drop them); whether
+    every entry of ``x`` is finite, from the first pass over it (``kernels.bits_at_least``).
   """
   value = x if callable(x) else lambda: x
   n, k = plan.numel, plan.k
@@ -81,7 +82,8 @@ def sampled_topk(x: Union[jax.Array, Callable[[], jax.Array]], plan: SamplingPla
         plan.num_samples + 1)
     samples = jnp.where(taken < n, jnp.abs(value().at[taken].get(mode="clip")), -1)
   threshold = kernels.kth_largest(samples, plan.top_k_samples)
-  carry = (threshold, kernels.bits_at_least(value(), threshold), jnp.int32(0))
+  bits, finite = kernels.bits_at_least(value(), threshold)
+  carry = (threshold, bits, jnp.int32(0))
 
   def count(bits):
     return lax.population_count(bits).sum(dtype=jnp.int32)
@@ -92,7 +94,7 @@ def sampled_topk(x: Union[jax.Array, Callable[[], jax.Array]], plan: SamplingPla
 
   def lower(carry):
     threshold, _, iters = carry
-    return (threshold * lower_bound, kernels.bits_at_least(value(), threshold * lower_bound),
+    return (threshold * lower_bound, kernels.bits_at_least(value(), threshold * lower_bound)[0],
             iters + 1)
 
   if plan.num_samples < n:  # adaptation: lower the threshold while too few reach it
@@ -107,4 +109,4 @@ def sampled_topk(x: Union[jax.Array, Callable[[], jax.Array]], plan: SamplingPla
 
   # The reference counts again only if the loop stopped before its last iteration.
   resample = (total > upper_bound * k) & (iters < max_adaptation_iters)
-  return lax.cond(resample, top_k_of_candidates, lambda: candidates[:k]), threshold
+  return lax.cond(resample, top_k_of_candidates, lambda: candidates[:k]), threshold, finite
