@@ -32,6 +32,17 @@ wall-clock time of a traced step, ``step / allreduce`` the median of the per-rou
 devices share the host's cores, so a device's ops take longer than on a core of its own: compare
 shares and compressors, not the ms with another machine's.
 
+A second table gives the bytes each phase moves per device and step, in passes over the gradient
+(bytes ÷ the gradient's float32 bytes): every executed instruction's operands read and output
+written, from the shapes in the compiled HLO, as many times as it ran (an instruction inside a
+conditional branch or a loop counts each time it executed, not at all where it did not). Two
+refinements of that count, for what XLA:CPU does in place or computes in part (``bytes_moved``): a
+loop fusion computes each output element once, so it reads at most as many elements of an operand
+as it writes (a fusion that computes one row of a larger expression reads that row); a
+dynamic-update-slice or a scatter writes only its update into its operand's buffer. An
+algorithm that reads the gradient and its state once and writes its state and output once moves
+2 + 2·state / gradient; the plain mean moves 4 (the all-reduce's input and output, the ÷W).
+
   PYTHONPATH=. python benchmarks/step_profile.py [--quick] [--compressors allreduce,quantized_int8]
       [--devices 8] [--repeats 4]
 """
@@ -40,11 +51,13 @@ from __future__ import annotations
 
 import collections
 import glob
+import math
 import os
 import re
 import sys
 import tempfile
 import time
+from typing import NamedTuple, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,6 +86,14 @@ _OP_NAME = re.compile(r'op_name="(?P<op_name>[^"]*)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _SCOPE = re.compile("|".join(re.escape(s) for s in PARTS) + r"|\b(?:jvp|transpose)\(")
+_DEFINITION = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s"
+                         r"(?P<op>[a-z][a-z0-9\-]*)\((?P<operands>[^)]*)\)(?P<rest>.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_KIND = re.compile(r"\bkind=(k\w+)")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "bf16": 2, "f8e4m3fn": 1, "f8e5m2": 1,
+                **{f"{k}{b}": b // 8 for k in "suf" for b in (8, 16, 32, 64)}}
+_IN_PLACE = ("dynamic-update-slice", "scatter")
 
 
 def scoped(tx: optax.GradientTransformation, name: str) -> optax.GradientTransformation:
@@ -109,6 +130,81 @@ def instructions(hlo_text: str) -> dict:
   for name, computation in called.items():
     out[name] = (out[name][0], inside.get(computation, ""))
   return out
+
+
+class _Instruction(NamedTuple):
+  opcode: str
+  operands: list  # the names of its operands
+  elements: list  # (count, bytes per element) of each array of its output
+  calls: Optional[str]  # the computation a fusion calls
+  fusion_kind: str
+  root: bool
+
+
+def _arrays(shape: str) -> list:
+  """``(count, bytes per element)`` of each array of an HLO shape (a tuple has several)."""
+  return [(math.prod(int(d) for d in dims.split(",") if d), _DTYPE_BYTES[dtype])
+          for dtype, dims in _ARRAY.findall(shape)]
+
+
+def _nbytes(arrays: list) -> int:
+  return sum(count * size for count, size in arrays)
+
+
+def _parsed(hlo_text: str) -> dict:
+  """``{computation: {instruction name: _Instruction}}`` of a compiled HLO module."""
+  computations, computation = {}, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = computations.setdefault(header.group("name"), {})
+      continue
+    m = _DEFINITION.match(line)
+    if m and computation is not None:
+      calls, kind = _CALLS.search(m.group("rest")), _KIND.search(m.group("rest"))
+      computation[m.group("name")] = _Instruction(
+          m.group("op"), _OPERAND.findall(m.group("operands")), _arrays(m.group("shape")),
+          calls.group(1) if calls else None, kind.group(1) if kind else "", bool(m.group("root")))
+  return computations
+
+
+def bytes_moved(hlo_text: str) -> dict:
+  """``{instruction name: bytes}`` each instruction of the module's computations (but fused ones)
+  reads and writes when it runs: its operands and its output, with two refinements (the module
+  docstring): a loop fusion reads at most as many elements of each operand as it writes, and a
+  dynamic-update-slice or scatter (alone, or the root of a fusion) writes its update only, in place
+  of its first operand, which it does not read."""
+  computations = _parsed(hlo_text)
+  shapes = {name: i.elements for c in computations.values() for name, i in c.items()}
+  fused = {i.calls for c in computations.values() for i in c.values() if i.opcode == "fusion"}
+  moved = {}
+  for computation in (c for name, c in computations.items() if name not in fused):
+    for name, i in computation.items():
+      if i.opcode in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast") \
+         or i.opcode in _CONTROL:
+        continue
+      operands = [shapes.get(o, []) for o in i.operands]
+      root = i
+      if i.calls in computations:  # a fusion: what its root does (through bitcasts)
+        fused = computations[i.calls]
+        root = next((f for f in fused.values() if f.root), i)
+        while root.opcode == "bitcast" and root.operands and root.operands[0] in fused:
+          root = fused[root.operands[0]]
+      if root.opcode in _IN_PLACE:  # the update written into the buffer, which is not read
+        update = [a for o in root.operands[1 if root.opcode == "dynamic-update-slice" else 2:][:1]
+                  for a in shapes.get(o, [])]
+        written, buffer = _nbytes(update), _nbytes(i.elements)
+        if buffer in [_nbytes(o) for o in operands]:
+          operands.pop([_nbytes(o) for o in operands].index(buffer))
+        limit = sum(count for count, _ in update)
+      elif i.fusion_kind == "kLoop":  # one read of an operand's element per output element
+        written, limit = _nbytes(i.elements), sum(count for count, _ in i.elements)
+      else:
+        written, limit = _nbytes(i.elements), None
+      moved[name] = written + sum(
+          _nbytes(o) if limit is None or len(o) != 1 else min(_nbytes(o), limit * o[0][1])
+          for o in operands)
+  return moved
 
 
 def phase_of(opcode: str, op_name: str) -> str:
@@ -168,37 +264,45 @@ class Traced:
       self.run()
     text = step.run.lower(*self.args).compile().as_text()
     self.module = re.match(r"HloModule (\S+?),", text).group(1)
-    self.ops = instructions(text)
+    self.ops, self.moved = instructions(text), bytes_moved(text)
 
   def run(self):
     self.args[0], self.args[1], loss = self.step.run(*self.args)
     jax.block_until_ready((self.args[0], self.args[1], loss))
 
   def __call__(self) -> tuple:
-    """``({(phase, instruction): ms per device}, wall-clock ms)`` of one traced step."""
+    """``({(phase, instruction): ms per device}, {phase: bytes per device}, wall-clock ms)`` of
+    one traced step."""
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
         start = time.perf_counter()
         self.run()
         wall = time.perf_counter() - start
-      return instruction_times(events(trace_dir, self.module), self.ops, self.world), 1e3 * wall
+      trace = list(events(trace_dir, self.module))
+    moved = collections.Counter()
+    for hlo_op, *_ in trace:
+      moved[phase_of(*self.ops.get(hlo_op, ("", "")))] += self.moved.get(hlo_op, 0) / self.world
+    return instruction_times(trace, self.ops, self.world), moved, 1e3 * wall
 
 
 def profile(traced: dict, repeats: int) -> tuple:
-  """``({name: {(phase, instruction): ms}}, {name: wall-clock ms}, {name: step / first's})``: the
-  means over ``repeats`` rounds in which every entry's step is traced once, in an order that rotates
-  from round to round (as ``common.interleaved`` times them); the ratio is the median of the
-  per-round ratios of the wall-clock times to the first entry's."""
+  """``({name: {(phase, instruction): ms}}, {name: {phase: bytes}}, {name: wall-clock ms}, {name:
+  step / first's})``: the means over ``repeats`` rounds in which every entry's step is traced once,
+  in an order that rotates from round to round (as ``common.interleaved`` times them); the ratio is
+  the median of the per-round ratios of the wall-clock times to the first entry's."""
   names = list(traced)
   costs = {n: collections.Counter() for n in names}
+  moved = {n: collections.Counter() for n in names}
   walls = {n: [] for n in names}
   for r in range(repeats):
     for name in names[r % len(names):] + names[:r % len(names)]:
-      cost, wall = traced[name]()
+      cost, step_moved, wall = traced[name]()
       costs[name].update(cost)
+      moved[name].update(step_moved)
       walls[name].append(wall)
   first = np.asarray(walls[names[0]])
   return ({n: {k: v / repeats for k, v in c.items()} for n, c in costs.items()},
+          {n: {k: v / repeats for k, v in c.items()} for n, c in moved.items()},
           {n: common.median(w) for n, w in walls.items()},
           {n: float(np.median(np.asarray(w) / first)) for n, w in walls.items()})
 
@@ -226,7 +330,7 @@ def main(argv=None) -> int:
   steps = step_time.make_steps(task, compressor_list, jax.devices()[:args.devices],
                                lambda inner: scoped(inner, OPTIMIZER_SCOPE))
   traced = {name: Traced(step, task, batch, args.devices) for name, step in steps.items()}
-  costs, walls, ratios = profile(traced, repeats)
+  costs, moved, walls, ratios = profile(traced, repeats)
   columns = {n: {p: sum(ms for (q, _), ms in c.items() if q == p) for p in PHASES}
              for n, c in costs.items()}
   rows = []
@@ -241,6 +345,14 @@ def main(argv=None) -> int:
           "in ms per device and step and as a share of the phases' sum; the wall-clock step is the "
           "median, its ratio the median of the per-round ratios (`benchmarks/step_profile.py`'s "
           "docstring says how events are assigned).\n\n" + table)
+  gradient = 4 * common.num_params(task.init(0))
+  passes = [[phase] + [f"{moved[n].get(phase, 0) / gradient:.2f}" for n in columns]
+            for phase in PHASES if phase != "waiting at collectives"
+            and any(moved[n].get(phase, 0) > 0 for n in columns)]
+  passes.append(["sum"] + [f"{sum(moved[n].values()) / gradient:.2f}" for n in columns])
+  body += ("\n\nBytes moved per device and step, in passes over the gradient (bytes ÷ its float32 "
+           "bytes; the docstring says how they are counted):\n\n"
+           + common.markdown_table(["phase, passes over the gradient"] + list(columns), passes))
   tops = [[name, phase, hlo_op, f"{ms:.3g}", _short(traced[name].ops.get(hlo_op, ("", ""))[1])]
           for name, c in costs.items()
           for (phase, hlo_op), ms in sorted(c.items(), key=lambda kv: -kv[1])[:args.top]]

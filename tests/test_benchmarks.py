@@ -273,6 +273,31 @@ def test_step_profile_assigns_instructions_to_phases():
   assert phase("copy", "") == "other"
 
 
+def test_step_profile_counts_the_bytes_each_instruction_moves():
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax import lax  # noqa: PLC0415
+
+  from benchmarks import step_profile  # noqa: PLC0415
+  x = jnp.ones((8, 4096), jnp.float32)
+
+  def moved(fn, *args, **jit):
+    text = jax.jit(fn, **jit).lower(*args).compile().as_text()
+    ops = step_profile.instructions(text)
+    return {name: (ops[name][0], b) for name, b in step_profile.bytes_moved(text).items()}
+
+  # A reduction reads all it is given.
+  (op, b), = [v for v in moved(lambda x: x.sum(1), x).values() if v[0] in ("fusion", "reduce")]
+  assert b == x.size * 4 + 8 * 4
+  # A loop fusion computing one row of a larger expression reads that row (8 of them here).
+  rows = moved(lambda x: [(x * 2)[i].astype(jnp.int8) for i in range(8)], x)
+  assert sorted(b for op, b in rows.values() if op == "fusion") == [4096 * 4 + 4096] * 8
+  # An update in place (donated) writes its update and reads what it is made of, not the buffer.
+  updates = moved(lambda x, y, i: lax.dynamic_update_slice(x, y * 3, (i, 0)), x,
+                  jnp.ones((1, 4096), jnp.float32), 3, donate_argnums=0)
+  assert [b for op, b in updates.values()] == [2 * 4096 * 4 + 4]  # y read, its row written, i
+
+
 @pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_step_profile():
   out = run_script("step_profile.py", "--compressors", "quantized_int8")
@@ -285,6 +310,14 @@ def test_step_profile():
   # int8 reads whether the gradient is finite from the scales it sends: no gate of its own.
   assert "non-finite gate" not in rows or float(rows["non-finite gate"][1].split()[0]) == 0, out
   assert rows["step / allreduce"][0] == "1.00"
+  # The bytes moved: the mean's all-reduce reads the gradient and writes the sum; int8's
+  # collectives move codes (a quarter of float32 each way, and the scales); error feedback reads
+  # and writes the errors.
+  passes = {r[0]: r[1:] for r in table_rows(out.split("Bytes moved per device", 1)[1])}
+  assert float(passes["collectives"][0]) == pytest.approx(2.0, abs=0.01), out
+  assert 0.5 < float(passes["collectives"][1]) < 1.0, out
+  assert float(passes["error feedback"][1]) >= 4.0, out
+  assert passes["forward+backward"][0] == passes["forward+backward"][1], out  # the same model
   totals = ("sum of the phases", "step (wall clock)", "step / allreduce")
   for column in range(2):
     phases = [float(cells[column].split()[0]) for name, cells in rows.items() if name not in totals]
