@@ -132,13 +132,13 @@ def test_a_synchronization_sends_one_uint8_all_gather_of_the_coded_chunks():
   # b (6,): 2 of 6 (l = 1: 2 + 4 bits) and 2 codes: 10 bits, 2 bytes, then 4 bytes of centroids;
   # w (8, 6): 3 chunks, each 3 of 16 (l = 2: 6 + 6 bits) and 3 codes: 18 bits, 3 bytes, then 4.
   assert sent == (2 + 4) + 3 * (3 + 4)
-  assert sorted((c.op, c.dtypes, c.payload_bytes, c.phase) for c in sync.collectives) == [
-      ("all-gather", ("u8",), n * sent, "sparseloco.sync"), ("all-reduce", ("s32",), 4, "sparseloco.sync")]
-  assert sync.phase("sparseloco.sync").payload_bytes == n * sent + 4
+  assert [(c.op, c.dtypes, c.payload_bytes, c.phase) for c in sync.collectives] == [
+      ("all-gather", ("u8",), n * sent, "sparseloco.sync")]
+  assert sync.phase("sparseloco.sync").payload_bytes == n * sent
   # Amortised over the H steps of a period, against the float32 all-reduce of every step.
   dense = report(optax.chain(jaxcomp.allreduce(), optax.sgd(LR)))
   assert dense.payload_bytes == 4 * numel
-  ring = (n - 1) * sent + 2 * (n - 1) / n * 4  # all-gather of n rows, the 4-byte flag
+  ring = (n - 1) * sent  # the all-gather of n rows
   assert sync.ring_bytes == pytest.approx(ring / H)
   assert dense.ring_bytes / sync.ring_bytes == pytest.approx(2 * (n - 1) / n * 4 * numel * H / ring)
 

@@ -32,7 +32,12 @@ The steps, per device and per reduced leaf (the ``# n:`` comments below point he
 6. one ``all_gather`` of the bytes;
 7. every device decodes the W devices' rows and adds each device's ê ÷ W in device order, each
    device's positions distinct (no scatter collisions: the sum is the same on every backend and every
-   device), and casts the mean back to the leaf's dtype.
+   device), and casts the mean back to the leaf's dtype;
+8. non-finite values (``jaxcomp._src.finite``'s policy), seen in what is sent, with no pass of their
+   own: a NaN or an infinity has the largest magnitude of its chunk (``lax.top_k`` ranks NaN above
+   every number), so 2 selects it; a device whose selected values are not all finite sends every
+   centroid of the leaf as NaN, every device decodes NaN values from it, and on such a step every
+   output is NaN and the error is kept.
 
 Bytes per device per step: each chunk's row is ceil((k_c·l + k_c + ((c − 1) >> l) + k_c·bits) / 8)
 + 2·L bytes, l = floor(log2(c / k_c)) (``payload_bytes``). For the default 64 of 4,096 at 2 bits:
@@ -43,9 +48,8 @@ values under the ring algorithm, against 2·(W − 1)/W·16,384 for a float32 al
 (W·84)`` = 49× fewer at W = 8 (the ratio falls as W grows: sparse supports differ from device to
 device, so they cannot be summed on the wire).
 
-State: the error ``e`` of each reduced leaf, per device (``PER_DEVICE_FIELDS``). On a step whose
-gradient is non-finite on any device the adapter keeps it exactly and outputs NaN (jaxcomp's
-non-finite policy).
+State: the error ``e`` of each reduced leaf, per device (``PER_DEVICE_FIELDS``), kept exactly on a
+step whose gradient is non-finite on any device (8).
 
 References:
   Sarfi, Thérien, Lidin, Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo",
@@ -65,7 +69,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._src import axis, bitpack, compressor, kernels, validate
+from jaxcomp._src import axis, bitpack, compressor, finite, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
 _CENTROID_DTYPE = jnp.bfloat16  # float32's range (no overflow to clamp), 2 bytes; 8 bits of
@@ -258,35 +262,58 @@ def step(config: ChunkedTopKConfig, state: ChunkedTopKState, leaves: list, axis_
   """Steps 1–7 on the reduced ``leaves``: ``(means, new state)``; nothing to send without any."""
   del phase
   if not leaves:
-    return [], state
+    return [], state, jnp.array(True)
   layouts = [layout(config, g.size) for g in leaves]
-  errors, rows = [], []
-  for g, e, lay in zip(leaves, state.signature.pick(state.error), layouts):
+  errors = state.signature.pick(state.error)
+  selected, rows = [], []
+  for g, e, lay in zip(leaves, errors, layouts):
     # 1: e ← β·e + g.
-    acc = _chunks(config.error_decay * e.astype(jnp.float32) + g.astype(jnp.float32), lay)
+    acc = _chunks(_error_fed(config, e, g), lay)
     # 2: the k_c largest per chunk.
     positions = _select(acc, lay)
-    # 3: sign and magnitude bin, centroids in bfloat16.
-    codes, centroids = _quantize(jnp.take_along_axis(acc, positions, axis=-1), config.bits)
-    sent = _dequantize(codes, centroids)
-    # 4: e ← e − ê, subtracted where it was sent (in place: e − 0 elsewhere is e).
-    errors.append(_leaf(acc.at[jnp.arange(lay.rows)[:, None], positions].add(-sent), lay, e))
+    # 3: sign and magnitude bin, centroids in bfloat16; 8: NaN centroids for values not finite.
+    values = jnp.take_along_axis(acc, positions, axis=-1)
+    codes, centroids = _quantize(values, config.bits)
+    centroids = jnp.where(jnp.isfinite(values).all(), centroids, jnp.nan)
+    selected.append((positions, _dequantize(codes, centroids)))
     # 5: the chunks' rows of bytes.
     rows.append(_encode(positions, codes, centroids, lay, config.bits).reshape(-1))
   # 6: one all-gather of every leaf's bytes.
   gathered = axis.all_gather(jnp.concatenate(rows), axis_name)
   # 7: decode every device's rows, the mean in device order.
-  means, start = [], 0
-  for g, lay in zip(leaves, layouts):
+  decoded, start = [], 0
+  for lay in layouts:
     part = gathered[:, start:start + lay.rows * lay.row_bytes]
     start += lay.rows * lay.row_bytes
-    positions, values = _decode(part.reshape(-1, lay.rows, lay.row_bytes), lay, config)
-    means.append(_leaf(_mean_in_device_order(positions, values, lay), lay, g))
-  return means, state._replace(error=state.signature.place(errors))
+    decoded.append(_decode(part.reshape(-1, lay.rows, lay.row_bytes), lay, config))
+  ok = finite.reduced_finite([values for _, values in decoded])  # 8: alike on every device
+  means = [_leaf(_mean_in_device_order(positions, values, lay), lay, g)
+           for (positions, values), lay, g in zip(decoded, layouts, leaves)]
+  # 4, 8: e ← β·e + g − ê where every device's values were finite, else e as it was.
+  errors = [_new_error(config, e, g, *sent, lay, ok)
+            for e, g, sent, lay in zip(errors, leaves, selected, layouts)]
+  return (finite.nan_unless_finite(ok, means), state._replace(error=state.signature.place(errors)),
+          ok)
+
+
+def _error_fed(config: ChunkedTopKConfig, e: jax.Array, g: jax.Array) -> jax.Array:
+  """1: β·e + g in float32."""
+  return config.error_decay * e.astype(jnp.float32) + g.astype(jnp.float32)
+
+
+def _new_error(config: ChunkedTopKConfig, e: jax.Array, g: jax.Array, positions: jax.Array,
+               sent: jax.Array, lay: ChunkLayout, ok: jax.Array) -> jax.Array:
+  """4: ``e ← β·e + g − ê``, ê subtracted where it was sent; 8: ``e`` as it was where ``ok`` is
+  false. Written after the exchange, from ``e`` and ``g`` (not from the chunks the selection read),
+  so that nothing of the leaf's size waits for the flag, and in place where the state is donated."""
+  fed = jnp.where(ok, _error_fed(config, e, g).reshape(e.shape), e.astype(jnp.float32))
+  at = (jnp.arange(lay.rows)[:, None] * lay.width + positions).ravel()  # padding: ≥ size, dropped
+  return kernels.subtract_at(fed, jnp.where(ok, at, lay.size), sent.ravel()).astype(e.dtype)
 
 
 CHUNKED_TOPK = compressor.Algorithm("chunked_topk", ChunkedTopKState, ChunkedTopKConfig, init,
-                                    step, traceable=("error_decay",))
+                                    step, traceable=("error_decay",),
+                                    nonfinite="own")  # 8: from the centroids it sends anyway
 
 
 def chunked_topk(k: int = 64, *, chunk: int = 4096, bits: int = 2, error_decay: Any = 1.0,

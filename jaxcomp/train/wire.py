@@ -31,7 +31,7 @@ Gradients are float32 (4 bytes a value). Per entry (r a rank, L the reduced valu
   4-byte scale per device through each;
 * chunked top-k (SparseLoCo's exchange): per chunk of c values (leaves cut in ceil(numel/4096)
   near-equal chunks) keeping k_c = ceil(64·c/4096), a row of Elias–Fano positions and 2-bit codes
-  plus 4 bytes of centroids, all-gathered, and a 4-byte flag;
+  plus 4 bytes of centroids, all-gathered (no finiteness flag: the centroids carry it);
 * Dion: per matrix (a, b) (Flax's 3-D query/key/value kernels as (in, heads·head_dim), other
   kernels (prod(shape[:-1]), shape[-1]); not the embeddings) 4·r·(a + b) — P with the dense mean of
   the other leaves, R alone — where that is less than 4·a·b; DeMo: per leaf as (a, b), tiles of the
@@ -65,7 +65,7 @@ import jaxcomp
 from jaxcomp.train import registry
 
 F32 = 4  # bytes of a float32 gradient value
-FLAG = 4  # the int32 finiteness all-reduce of chunked top-k and comm_hook
+FLAG = 4  # an int32 finiteness all-reduce: comm_hook's, an FSDP int8 reduce-scatter's
 _MIB = 1024 * 1024
 
 
@@ -223,7 +223,7 @@ def _chunked_topk_bytes(items, world, k=64, chunk=4096, bits=2) -> int:
 def _chunked_topk(items, world, settings, share=1.0):
   sent = _chunked_topk_bytes(items, world, settings.get("k", 64), settings.get("chunk", 4096),
                              settings.get("bits", 2))
-  return _ag(sent, share) + _ar(FLAG, share)
+  return _ag(sent, share)
 
 
 _ATTENTION = ("['query']", "['key']", "['value']")
