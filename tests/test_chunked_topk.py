@@ -145,10 +145,12 @@ def test_sends_one_uint8_all_gather_of_the_coded_chunks_and_nothing_else():
   assert chunked_topk_lib.payload_bytes(chunked_topk_lib.ChunkedTopKConfig(), [(4096,)]) == 84
 
 
-def test_a_non_finite_gradient_on_one_device_keeps_every_state_and_outputs_nan_everywhere():
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_gradient_on_one_device_keeps_every_state_and_outputs_nan_everywhere(bad):
+  # No flag of its own: the selection sends the value (a NaN ranked as ∞), its centroids NaN.
   tx = jaxcomp.chunked_topk(K, chunk=CHUNK, error_decay=0.9)
   grads = gradients(2)
-  grads[1]["w"][2, 3, 4] = np.nan
+  grads[1]["w"][2, 3, 4] = bad
   outputs, states = run(tx, grads)
   assert np.isnan(outputs[1]["w"]).all() and np.isnan(outputs[1]["b"]).all()
   np.testing.assert_array_equal(outputs[1]["n"], grads[1]["n"])

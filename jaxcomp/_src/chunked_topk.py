@@ -34,8 +34,8 @@ The steps, per device and per reduced leaf (the ``# n:`` comments below point he
    device's positions distinct (no scatter collisions: the sum is the same on every backend and every
    device), and casts the mean back to the leaf's dtype;
 8. non-finite values (``jaxcomp._src.finite``'s policy), seen in what is sent, with no pass of their
-   own: a NaN or an infinity has the largest magnitude of its chunk (``lax.top_k`` ranks NaN above
-   every number), so 2 selects it; a device whose selected values are not all finite sends every
+   own: a NaN or an infinity has the largest magnitude of its chunk (2 ranks a NaN as ∞, whatever
+   order a backend's ``top_k`` gives NaN), so 2 selects it; a device whose selected values are not all finite sends every
    centroid of the leaf as NaN, every device decodes NaN values from it, and on such a step every
    output is NaN and the error is kept.
 
@@ -199,7 +199,8 @@ def _leaf(chunks: jax.Array, lay: ChunkLayout, like: jax.Array) -> jax.Array:
 def _select(chunks: jax.Array, lay: ChunkLayout) -> jax.Array:
   """2: the positions of each row's k_c largest magnitudes, increasing; padding after the rest."""
   real = jnp.arange(lay.rows * lay.width).reshape(lay.rows, lay.width) < lay.size
-  _, positions = lax.top_k(jnp.where(real, jnp.abs(chunks), -1.0), lay.k)
+  magnitude = jnp.where(jnp.isnan(chunks), jnp.inf, jnp.abs(chunks))  # 8: NaN as large as ∞
+  _, positions = lax.top_k(jnp.where(real, magnitude, -1.0), lay.k)
   return jnp.sort(positions, axis=-1)
 
 
