@@ -493,6 +493,8 @@ def donated(mesh: Mesh, donate: bool) -> bool:
   Not on CPU devices: XLA:CPU (jaxlib 0.10.2) segfaults in its in-process all-reduce
   (InProcessCommunicator's ReduceScatter<F32> reads a null buffer) when the step donates its
   inputs — PowerSGD rank 1 on the main job's transformer, 8 devices, crashed within 5 steps in
-  every run; the same steps without donation run. On CPU the donation saves host memory only.
+  every run; the same steps without donation run. Undonated, a state that the step updates in
+  place is copied first: two passes over it per step (``benchmarks/step_profile.py``'s bytes, in
+  "other": the 8-bit exchange's two errors, three of 1-bit Adam's states).
   """
   return donate and mesh.devices.flat[0].platform != "cpu"
