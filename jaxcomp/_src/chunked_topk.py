@@ -25,7 +25,7 @@ The steps, per device and per reduced leaf (the ``# n:`` comments below point he
    ``TopKCompressor`` bins a whole tensor's kept values over ±3σ about their mean and sends the bins'
    means); here the bins are per chunk and symmetric in the sign, so the quantizer is odd;
 4. ``e ← e − ê``, ê being v̂ at the selected positions and 0 elsewhere (what was not sent stays, as
-   does the quantization error of what was);
+   does the quantization error of what was), written once the exchange has said whether to (8);
 5. encoding: one byte row per chunk — the positions in Elias–Fano code (``jaxcomp._src.bitpack``),
    then the codes (sign · L + bin, ``bits`` bits each), packed least significant bit first, then the
    L centroids as bfloat16 bytes; every row of every leaf in one ``uint8`` vector;
@@ -35,9 +35,9 @@ The steps, per device and per reduced leaf (the ``# n:`` comments below point he
    device), and casts the mean back to the leaf's dtype;
 8. non-finite values (``jaxcomp._src.finite``'s policy), seen in what is sent, with no pass of their
    own: a NaN or an infinity has the largest magnitude of its chunk (2 ranks a NaN as ∞, whatever
-   order a backend's ``top_k`` gives NaN), so 2 selects it; a device whose selected values are not all finite sends every
-   centroid of the leaf as NaN, every device decodes NaN values from it, and on such a step every
-   output is NaN and the error is kept.
+   order a backend's ``top_k`` gives NaN), so 2 selects it; a device whose selected values are not
+   all finite sends every centroid of the leaf as NaN, every device decodes NaN values from it, and
+   on such a step every output is NaN and the error is kept.
 
 Bytes per device per step: each chunk's row is ceil((k_c·l + k_c + ((c − 1) >> l) + k_c·bits) / 8)
 + 2·L bytes, l = floor(log2(c / k_c)) (``payload_bytes``). For the default 64 of 4,096 at 2 bits:
@@ -260,7 +260,8 @@ def _mean_in_device_order(positions: jax.Array, values: jax.Array, lay: ChunkLay
 
 def step(config: ChunkedTopKConfig, state: ChunkedTopKState, leaves: list, axis_name,
          phase) -> tuple:
-  """Steps 1–7 on the reduced ``leaves``: ``(means, new state)``; nothing to send without any."""
+  """Steps 1–8 on the reduced ``leaves``: ``(means, new state, finite)``; nothing to send without
+  any."""
   del phase
   if not leaves:
     return [], state, jnp.array(True)
