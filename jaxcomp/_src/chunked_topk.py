@@ -308,9 +308,11 @@ def _new_error(config: ChunkedTopKConfig, e: jax.Array, g: jax.Array, positions:
   """4: ``e ← β·e + g − ê``, ê subtracted where it was sent; 8: ``e`` as it was where ``ok`` is
   false. Written after the exchange, from ``e`` and ``g`` (not from the chunks the selection read),
   so that nothing of the leaf's size waits for the flag, and in place where the state is donated."""
-  fed = jnp.where(ok, _error_fed(config, e, g).reshape(e.shape), e.astype(jnp.float32))
+  shape = e.shape or (1,)  # a scalar as one value
+  fed = jnp.where(ok, _error_fed(config, e, g), e.astype(jnp.float32)).reshape(shape)
   at = (jnp.arange(lay.rows)[:, None] * lay.width + positions).ravel()  # padding: ≥ size, dropped
-  return kernels.subtract_at(fed, jnp.where(ok, at, lay.size), sent.ravel()).astype(e.dtype)
+  return kernels.subtract_at(fed, jnp.where(ok, at, lay.size), sent.ravel()).reshape(
+      e.shape).astype(e.dtype)
 
 
 CHUNKED_TOPK = compressor.Algorithm("chunked_topk", ChunkedTopKState, ChunkedTopKConfig, init,

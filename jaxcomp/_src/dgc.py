@@ -18,9 +18,8 @@ take the dense mean, then momentum ``u ← m·u + mean(g)``, output ``u``):
 5. ``v ← 0`` at the sent coordinates, and ``u ← 0`` there too with momentum factor masking;
 6. non-finite values (``jaxcomp._src.finite``'s policy), seen in what is sent, no flag: 2's ``v`` is
    computed where it is read, the state written after the exchange and kept if any device's ``v``
-   was not finite (``dgc`` sends that device's values as NaN, knowing it from the pass that finds
-   the candidates, ``kernels.bits_at_least``; ``coarse_dgc``'s norms and the dense means show it);
-   every output is then NaN. Donated, ``g``, ``u`` and ``v`` are copied once.
+   was not finite (``dgc`` sends that device's values as NaN; ``coarse_dgc``'s norms and the dense
+   means show it); every output is then NaN. Donated, ``g``, ``u`` and ``v`` are copied once.
 
 Warm-up ramps the density through stages, one phase of the step each. Where a stage's sparse exchange
 would send at least a leaf's dense all-reduce (``dgc``: ``W·density·2 ≥ 1`` for float32 values), the
@@ -296,25 +295,24 @@ def _topk_exchange(exchange: TopKExchange, vs, density, keys, wires, axis_name, 
   computing each ``v``) and ``ok`` (the dense means'); one all-gather of values per dtype, one of
   indices. (A finite value overflowing its wire dtype is sent as ∞ and does not stop the step.)"""
   flats = [lambda v=v: v().ravel() for v in vs]
-  if exchange.selection == "exact":  # 3; 6: whether each v is finite
-    mine = [topk.exact_topk(flat(), math.ceil(flat().size * density)) for flat in flats]
-    finites = [jnp.isfinite(flat()).all() for flat in flats]
-  else:  # the selection's first pass over v says whether it is finite
+  if exchange.selection == "exact":  # 3, and 6: a pass over v for whether it is finite
+    selected = [(topk.exact_topk(flat(), math.ceil(flat().size * density)), None,
+                 jnp.isfinite(flat()).all()) for flat in flats]
+  else:  # 3, and 6: the selection's first pass over v says whether it is finite
     selected = [topk.sampled_topk(
         flat, topk.sampling_plan(flat().size, density, exchange.sample_ratio), key,
         upper_bound=exchange.upper_bound, lower_bound=exchange.lower_bound,
         max_adaptation_iters=exchange.max_adaptation_iters) for flat, key in zip(flats, keys)]
-    mine, finites = [s[0] for s in selected], [s[2] for s in selected]
   sent = [jnp.where(finite, flat().at[i].get(mode="fill", fill_value=0), jnp.nan)
-          for flat, i, finite in zip(flats, mine, finites)]  # 6
+          for flat, (i, _, finite) in zip(flats, selected)]  # 6
   values = axis.all_gather_many([x.astype(d) for x, d in zip(sent, wires)], axis_name)  # 4
-  indices = axis.all_gather_many(mine, axis_name)
+  indices = axis.all_gather_many([i for i, _, _ in selected], axis_name)
   ok = functools.reduce(jnp.logical_and, [~jnp.isnan(x).any() for x in values], ok)  # 6
   # ÷W before they are added (duplicates sum), into zeros (NaN where not finite) alike everywhere.
   means = [kernels.scatter_add(v().shape, i.ravel(), axis.divide_by_world(
       x.ravel().astype(v().dtype), axis_name), jnp.where(ok, 0.0, jnp.nan))
            for v, i, x in zip(vs, indices, values)]
-  return list(zip(means, mine, sent)), ok
+  return list(zip(means, [i for i, _, _ in selected], sent)), ok
 
 
 def _chunk_exchange(exchange: ChunkExchange, vs, density, _, wires, axis_name, ok) -> tuple:
@@ -388,9 +386,8 @@ def _unbucketable(config: DGCConfig) -> Optional[str]:
 
 
 DGC = compressor.Algorithm("dgc", DGCState, functools.partial(_configure, TopKExchange), init,
-                           step, phases, phase_of, traceable=("momentum", "clip_norm",
-                                                              "clip_exponent"),
-                           unbucketable=_unbucketable,
+                           step, phases, phase_of, unbucketable=_unbucketable,
+                           traceable=("momentum", "clip_norm", "clip_exponent"),
                            nonfinite="own")  # 6: from the values (or norms) it sends anyway
 COARSE_DGC = dataclasses.replace(DGC, name="coarse_dgc",
                                  configure=functools.partial(_configure, ChunkExchange))
