@@ -186,16 +186,16 @@ def bytes_moved(hlo_text: str) -> dict:
       operands = [shapes.get(o, []) for o in i.operands]
       root = i
       if i.calls in computations:  # a fusion: what its root does (through bitcasts)
-        fused = computations[i.calls]
-        root = next((f for f in fused.values() if f.root), i)
-        while root.opcode == "bitcast" and root.operands and root.operands[0] in fused:
-          root = fused[root.operands[0]]
-      if root.opcode in _IN_PLACE:  # the update written into the buffer, which is not read
-        update = [a for o in root.operands[1 if root.opcode == "dynamic-update-slice" else 2:][:1]
-                  for a in shapes.get(o, [])]
-        written, buffer = _nbytes(update), _nbytes(i.elements)
-        if buffer in [_nbytes(o) for o in operands]:
-          operands.pop([_nbytes(o) for o in operands].index(buffer))
+        body = computations[i.calls]
+        root = next((f for f in body.values() if f.root), i)
+        while root.opcode == "bitcast" and root.operands and root.operands[0] in body:
+          root = body[root.operands[0]]
+      at = 1 if root.opcode == "dynamic-update-slice" else 2  # the update among its operands
+      if root.opcode in _IN_PLACE and len(root.operands) > at:  # written into a buffer not read
+        update = shapes.get(root.operands[at], [])
+        written, sizes = _nbytes(update), [_nbytes(o) for o in operands]
+        if _nbytes(i.elements) in sizes:
+          operands.pop(sizes.index(_nbytes(i.elements)))
         limit = sum(count for count, _ in update)
       elif i.fusion_kind == "kLoop":  # one read of an operand's element per output element
         written, limit = _nbytes(i.elements), sum(count for count, _ in i.elements)
