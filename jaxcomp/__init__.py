@@ -14,10 +14,9 @@ from jaxcomp._src.axis import UnboundAxisError
 from jaxcomp._src.buckets import CommHookState
 from jaxcomp._src.buckets import GradBucket
 from jaxcomp._src.buckets import comm_hook
+from jaxcomp._src.compressor import ErrorFeedbackState
 from jaxcomp._src.chunked_topk import ChunkedTopKConfig
-from jaxcomp._src.chunked_topk import ChunkedTopKState
 from jaxcomp._src.chunked_topk import chunked_topk
-from jaxcomp._src.data_parallel import DataParallel
 from jaxcomp._src.data_parallel import data_parallel
 from jaxcomp._src.dense import DenseState
 from jaxcomp._src.dense import allreduce
@@ -60,10 +59,12 @@ from jaxcomp._src.local_sgd import LocalSGDConfig
 from jaxcomp._src.local_sgd import LocalSGDState
 from jaxcomp._src.local_sgd import local_sgd
 from jaxcomp._src.local_steps import Assign
+from jaxcomp._src.misuse import check
 from jaxcomp._src.onebit_adam import OneBitAdamConfig
 from jaxcomp._src.onebit_adam import OneBitAdamState
 from jaxcomp._src.onebit_adam import onebit_adam
 from jaxcomp._src.onebit_adam import scale_by_onebit_adam
+from jaxcomp._src.placement import DataParallel
 from jaxcomp._src.powersgd import PowerSGDConfig
 from jaxcomp._src.powersgd import PowerSGDState
 from jaxcomp._src.powersgd import batched_powersgd
@@ -79,7 +80,6 @@ from jaxcomp._src.sharding import PerDevice
 from jaxcomp._src.sharding import per_device_mask
 from jaxcomp._src.sharding import state_partition_specs
 from jaxcomp._src.sign import SignConfig
-from jaxcomp._src.sign import SignState
 from jaxcomp._src.sign import sign_compress
 from jaxcomp._src.sparseloco import sparseloco
 from jaxcomp._src.streaming_diloco import StreamingDiLoCoConfig
@@ -98,7 +98,6 @@ __all__ = (
     "Assign",
     "ChunkExchange",
     "ChunkedTopKConfig",
-    "ChunkedTopKState",
     "Collective",
     "CommHookState",
     "CommReport",
@@ -112,6 +111,7 @@ __all__ = (
     "DiLoCoState",
     "DionConfig",
     "DionState",
+    "ErrorFeedbackState",
     "FullySharded",
     "FullyShardedState",
     "GradBucket",
@@ -128,7 +128,6 @@ __all__ = (
     "QuantizedState",
     "ReplicaMismatchError",
     "SignConfig",
-    "SignState",
     "ShardedOptimizerState",
     "SkipIfNonfiniteState",
     "StreamingDiLoCoConfig",
@@ -145,6 +144,7 @@ __all__ = (
     "bf16_compress",
     "bf16_compress_wrapper",
     "broadcast_replicated",
+    "check",
     "check_replicated",
     "chunked_topk",
     "coarse_dgc",

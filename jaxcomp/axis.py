@@ -16,7 +16,7 @@ from jaxcomp._src.axis import all_to_all
 from jaxcomp._src.axis import all_to_all_many
 from jaxcomp._src.axis import axis_index
 from jaxcomp._src.axis import axis_size
-from jaxcomp._src.axis import bound_axis_names
+from jaxcomp._src.jax_internals import bound_axis_names
 from jaxcomp._src.axis import mean
 from jaxcomp._src.axis import pmax
 from jaxcomp._src.axis import psum

@@ -1,8 +1,10 @@
-"""The compressor adapter itself: what it derives from an algorithm's config, init and step, for both
-families (a cross-device mean; an optimizer that owns the parameters), on toy algorithms whose
-results are known exactly, and that every public factory is built by it."""
+"""The two protocols' adapters: what they derive from an algorithm's config, init and step (a
+cross-device mean, ``compressor.transformation``; an optimizer that owns the parameters,
+``local_steps.transformation``), on toy algorithms whose results are known exactly, and that every
+public factory is built by one of them."""
 
 import dataclasses
+import functools
 import inspect
 from typing import NamedTuple
 
@@ -28,15 +30,39 @@ W = 4
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class ToyConfig:
-  scale: float = 1.0
-  warmup: int = 1
+class ToyConfig(compressor.MeanConfig):
+  name = "toy"
 
-  def __post_init__(self):
-    object.__setattr__(self, "scale", validate.traceable(
-        self.scale, lambda v: validate.number(v, "scale", 0, low_open=True)))
-    object.__setattr__(self, "warmup", validate.integer(self.warmup, "warmup", 0,
-                                                        static="fixes the phases"))
+  scale: float = validate.setting(1.0, check=functools.partial(validate.number, low=0,
+                                                               low_open=True), traceable=True)
+  warmup: int = validate.setting(1, check=functools.partial(validate.integer,
+                                                            static="fixes the phases"))
+
+  def phases(self):
+    return ((phases.Phase("toy.warmup", 0.0),) if self.warmup else ()) + (
+        phases.Phase("toy.steady", 1.0),)
+
+  def phase_of(self, count):
+    return (count >= self.warmup).astype(jnp.int32)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class OwnToyConfig(ToyConfig):
+  NONFINITE = "own"
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class SelectToyConfig(ToyConfig):
+  NONFINITE = "select"
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class WholeTreeToyConfig(ToyConfig):
+  def unbucketable(self):
+    return "needs the whole tree"
 
 
 class ToyState(NamedTuple):
@@ -48,9 +74,6 @@ class ToyState(NamedTuple):
   PER_DEVICE_FIELDS = ()
 
 
-WARMUP, STEADY = phases.Phase("warmup", 0.0), phases.Phase("steady", 1.0)
-
-
 def toy_init(config, signature):
   return ToyState(jnp.zeros([], jnp.int32),
                   tuple(jnp.zeros(s.shape, s.dtype) for s in signature.reduced_structs()),
@@ -58,7 +81,7 @@ def toy_init(config, signature):
 
 
 def toy_step(config, state, leaves, axis_name, phase):
-  factor = 2.0 if phase.name == "warmup" else 1.0
+  factor = 2.0 if phase.name == "toy.warmup" else 1.0
   means = [factor * config.scale * axis.mean(g, axis_name) for g in leaves]
   return means, state._replace(last=tuple(means))
 
@@ -70,12 +93,9 @@ def toy_own_step(config, state, leaves, axis_name, phase):
   return finite.nan_unless_finite(ok, means), finite.keep_if_finite(ok, new_state, state), ok
 
 
-def toy(nonfinite="skip", step=toy_step):
-  return compressor.Algorithm(
-      "toy", ToyState, ToyConfig, toy_init, step,
-      phases=lambda c: ((WARMUP,) if c.warmup else ()) + (STEADY,),
-      phase_of=lambda c, count: (count >= c.warmup).astype(jnp.int32),
-      traceable=("scale",), nonfinite=nonfinite)
+def toy(config=None, step=toy_step, **transformation_settings):
+  return compressor.transformation(config or ToyConfig(), toy_init, step, "batch",
+                                   **transformation_settings)
 
 
 def grads(seed=0, nan_on=None):
@@ -100,7 +120,7 @@ def run(tx, steps):
 
 
 def test_a_mean_is_a_declared_transformation_with_its_scatter():
-  tx = compressor.transformation(toy(), "batch")
+  tx = toy()
   assert isinstance(tx, jaxcomp.Transformation) and isinstance(tx, optax.GradientTransformation)
   assert (tx.name, tx.axis_name, tx.output, tx.owns_params) == ("toy", "batch", "gradient", False)
   g = grads()
@@ -113,8 +133,8 @@ def test_a_mean_is_a_declared_transformation_with_its_scatter():
   np.testing.assert_array_equal(np.asarray(shard).reshape(W, -1), padded)
 
 
-def test_phases_count_and_labels():
-  tx = compressor.transformation(toy(), "batch")
+def test_phases_run_in_turn_count_the_steps_and_label_the_report():
+  tx = toy()
   outs, state = run(tx, [grads(0), grads(1)])
   mean = lambda s: grads(s)["w"].mean(0)  # noqa: E731
   np.testing.assert_allclose(outs[0]["w"][0], 2 * mean(0), rtol=1e-6)  # the warm-up phase
@@ -122,7 +142,7 @@ def test_phases_count_and_labels():
   np.testing.assert_array_equal(outs[1]["n"], grads(1)["n"])  # integer leaves pass through
   assert np.asarray(state.count).tolist() == [2] * W
   assert_identical_across_devices(outs[1])
-  # The adapter qualifies the algorithm's phase names with its public name.
+  # The configuration names its phases after the transformation.
   step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
   report = jaxcomp.comm_report(step, grads(), replicate(tx.init(jax.tree.map(lambda x: x[0],
                                                                             grads())), W))
@@ -131,8 +151,9 @@ def test_phases_count_and_labels():
 
 @pytest.mark.parametrize("nonfinite", ["skip", "select", "own"])
 def test_each_way_of_the_nonfinite_policy_keeps_the_state_and_returns_nan_everywhere(nonfinite):
-  tx = compressor.transformation(toy(nonfinite, toy_own_step if nonfinite == "own" else toy_step),
-                                 "batch", warmup=0)
+  config = {"skip": ToyConfig, "select": SelectToyConfig, "own": OwnToyConfig}[nonfinite](warmup=0)
+  assert config.NONFINITE == nonfinite
+  tx = toy(config, toy_own_step if nonfinite == "own" else toy_step)
   outs, state = run(tx, [grads(0), grads(1, nan_on=2), grads(2)])
   assert np.isnan(np.asarray(outs[1]["w"])).all()  # every device, every element
   assert np.asarray(state.count).tolist() == [2] * W  # the non-finite step was not counted
@@ -143,42 +164,43 @@ def test_each_way_of_the_nonfinite_policy_keeps_the_state_and_returns_nan_everyw
 
 def test_traceable_settings_are_arrays_and_static_ones_are_refused_with_every_static_name():
   tx = optax.inject_hyperparams(
-      lambda scale, warmup: compressor.transformation(toy(), "batch", scale=scale, warmup=warmup),
+      lambda scale, warmup: toy(ToyConfig(scale=scale, warmup=warmup)),
       static_args=("warmup",))(scale=3.0, warmup=0)
-  (out,), _ = run(tx, [grads()])
+  (out,), state = run(tx, [grads()])
   np.testing.assert_allclose(out["w"][0], 3 * grads()["w"].mean(0), rtol=1e-6)
+  assert state.inner_state.config.scale is validate.TRACED  # the array stays out of the state
   with pytest.raises(TypeError, match=r"^toy: warmup is static .*not an array. Under "
                                       r"optax.inject_hyperparams pass static_args=\('warmup',\); "
                                       r"only scale may be scheduled$"):
-    compressor.transformation(toy(), "batch", warmup=jnp.asarray(1))
-  with pytest.raises(TypeError, match=r"toy: no setting named 'rank'"):
-    compressor.transformation(toy(), "batch", rank=2)
+    ToyConfig(warmup=jnp.asarray(1))
+  with pytest.raises(TypeError, match=r"toy_state: no setting named 'rank'"):
+    compressor.config_of(ToyConfig, "toy", rank=2)
 
 
 def test_the_hook_runs_the_same_step_on_a_bucket():
-  algorithm = toy()
-
   def hook(state, bucket):
-    return compressor.run_hook(algorithm, state, bucket)
+    return compressor.run_hook(toy_step, state, bucket, "toy")
 
-  tx = jaxcomp.comm_hook(hook, compressor.hook_state(algorithm, {"warmup": 0}))
-  plain = compressor.transformation(algorithm, "batch", warmup=0)
+  tx = jaxcomp.comm_hook(hook, compressor.hook_state("toy", ToyConfig(warmup=0), toy_init))
+  plain = toy(ToyConfig(warmup=0))
   g = {"w": grads()["w"]}
   np.testing.assert_allclose(run(tx, [g])[0][0]["w"], run(plain, [g])[0][0]["w"], rtol=1e-6)
   with pytest.raises(TypeError, match=r"toy_hook needs the per-bucket state made by "
                                       r"jaxcomp.hooks.toy_state"):
     run(jaxcomp.comm_hook(hook, optax.EmptyState()), [g])
   with pytest.raises(ValueError, match="bucket_cap_mb cannot be used here: needs the whole tree"):
-    compressor.transformation(dataclasses.replace(algorithm, unbucketable=lambda c: "needs the "
-                                                  "whole tree"), "batch", bucket_cap_mb=1.0)
+    toy(WholeTreeToyConfig(), bucket_cap_mb=1.0)
 
 
 # --------------------------------------------------------------- an optimizer that owns the params
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class MoveConfig:
-  step_size: float = 0.5
+class MoveConfig(validate.Config):
+  name = "move"
+  output = "assign"
+
+  step_size: float = validate.setting(0.5, check=validate.number)
 
 
 class MoveState(NamedTuple):
@@ -193,19 +215,19 @@ class MoveState(NamedTuple):
 def move_step(config, state, grads_, params, axis_name):
   """Each device moves its own parameters; every 2nd step they are set to their mean."""
   moved = jax.tree.map(lambda p, g: p - config.step_size * g, params, grads_)
-  averaged = phases.when(state.count % 2 == 1, phases.Phase("sync", 0.5),
+  averaged = phases.when(state.count % 2 == 1, phases.Phase("move.sync", 0.5),
                          lambda t: local_steps.varying_like(local_steps.mean_reduced(t, axis_name),
                                                             t), moved)
   return averaged, state
 
 
-MOVE = compressor.Algorithm("move", MoveState, MoveConfig,
-                            lambda c, s, p: MoveState(jnp.zeros([], jnp.int32), c, s), move_step,
-                            output="assign")
+def move_init(config, signature, params):
+  del params
+  return MoveState(jnp.zeros([], jnp.int32), config, signature)
 
 
 def test_an_optimizer_that_owns_the_parameters_returns_assign_and_needs_them():
-  tx = compressor.transformation(MOVE, "batch")
+  tx = local_steps.transformation(MoveConfig(), move_init, move_step, "batch")
   assert tx.owns_params and tx.scatter is None
   params = {"w": np.ones((3,), np.float32)}
   g = [{"w": np.arange(W * 3, dtype=np.float32).reshape(W, 3) * s} for s in (1, 2)]
@@ -227,8 +249,8 @@ def test_an_optimizer_that_owns_the_parameters_returns_assign_and_needs_them():
   assert np.asarray(s.count).tolist() == [2] * W
   with pytest.raises(ValueError, match=r"move sets the parameters, so its update needs them"):
     tx.update({"w": jnp.ones(3)}, tx.init(params))
-  with pytest.raises(TypeError, match=r"move: update needs the state move's init made, a "
-                                      r"MoveState; got EmptyState"):
+  with pytest.raises(TypeError, match=r"move: update needs the state move's init made; got "
+                                      r"EmptyState"):
     tx.update({"w": jnp.ones(3)}, optax.EmptyState(), params)
 
 
@@ -258,22 +280,6 @@ def test_every_built_in_hook_is_a_module_level_function_with_a_docstring():
       assert inspect.isfunction(hook) and hook.__qualname__ == name, name
       assert hook.__doc__ and len(hook.__doc__) > 40, name
       assert list(inspect.signature(hook).parameters) == ["state", "bucket"], name
-
-
-def test_the_optax_wrapper_check_runs_once_per_update_trace_not_in_collectives():
-  # jaxcomp.axis' collectives no longer look at the Python stack: a user's own transformation
-  # that calls them inside optax.apply_if_finite is the user's to guard.
-  def user_update(updates, state, params=None):
-    return jax.tree.map(lambda g: jaxcomp.axis.mean(g, "batch"), updates), state
-
-  user = optax.GradientTransformation(lambda p: optax.EmptyState(), user_update)
-  guarded = optax.apply_if_finite(user, 3)
-  g = {"w": grads()["w"]}
-  out, _ = run(guarded, [g])
-  np.testing.assert_allclose(out[0]["w"][0], g["w"].mean(0), rtol=1e-6)
-  with pytest.raises(ValueError, match=r"optax.apply_if_finite wraps jaxcomp.toy, which "
-                                       r"communicates over axis 'batch'"):
-    run(optax.apply_if_finite(compressor.transformation(toy(), "batch"), 3), [g])
 
 
 def test_a_chain_holding_jaxcomp_transformations_keeps_their_declarations_out_of_the_state():

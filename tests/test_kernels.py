@@ -97,9 +97,9 @@ def test_the_matrix_kernels_are_the_products_they_stand_for():
   scalar = rng.standard_normal((W,)).astype(np.float32)
 
   def kernels_of(g, e, q, p, p9, q9, scalar):
-    return dict(product=kernels.product((g, e), q),
-                transposed=kernels.transposed_product((g, e), p),
-                transposed_9=kernels.transposed_product((g, e), p9),
+    return dict(product=kernels.product(kernels.Sum((g, e)), q),
+                transposed=kernels.transposed_product(kernels.Sum((g, e)), p),
+                transposed_9=kernels.transposed_product(kernels.Sum((g, e)), p9),
                 low_rank=kernels.low_rank_product(p, q),
                 low_rank_9=kernels.low_rank_product(p9, q9),
                 padded=kernels.zero_padded([g, scalar, q], 2 * n * m),

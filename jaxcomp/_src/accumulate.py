@@ -1,13 +1,15 @@
 """Communicate every k micro-batches: DDP's ``no_sync`` for any optax chain that holds a compressor.
 
-``optax.MultiSteps`` accumulates the *updates* of its inner transformation, so a jaxcomp compressor inside
-it averages — and communicates — on every micro-step. ``accumulate`` instead sums this device's raw
-gradients for k − 1 micro-steps without any collective, and on the k-th runs the inner transformation,
-its collectives included, once, on the mean of the k local gradients. The inner update sits in the
-branch that runs once per k steps, labelled as the phase ``accumulate.communicate`` with a share of
-1/k: ``jaxcomp.comm_report`` counts its collectives once per k micro-steps.
+``optax.MultiSteps`` accumulates the *updates* of its inner transformation, so a jaxcomp compressor
+inside it averages — and communicates — on every micro-step. ``accumulate`` instead sums this
+device's raw gradients for k − 1 micro-steps without any collective, and on the k-th runs the inner
+transformation, its collectives included, once, on the mean of the k local gradients. The inner
+update sits in the branch that runs once per k steps, labelled as the phase
+``accumulate.communicate`` with a share of 1/k: ``jaxcomp.comm_report`` counts its collectives once
+per k micro-steps.
 
-With micro-batches of equal size, k micro-steps give the update of one step on the k-times-larger batch.
+With micro-batches of equal size, k micro-steps give the update of one step on the k-times-larger
+batch.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ class AccumulateState(NamedTuple):
 
 
 def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.GradientTransformation:
-  """Runs ``inner`` (and so its collectives) once every ``every_k`` calls, on the mean local gradient.
+  """Runs ``inner`` (and so its collectives) once every ``every_k`` calls, on the mean local
+  gradient.
 
   On micro-steps 1..k−1 the local gradient is added to a per-device sum and the update leaves the
   parameters as they are (zero; ``Assign`` of the parameters for an optimizer that sets them, such
-  as ``jaxcomp.diloco``, whose local steps then run on k micro-batches each) — no communication. On the k-th the inner
-  transformation receives the mean of the k local gradients and its update is returned. Leaves that are
-  not accumulated (integers, booleans) reach ``inner`` as they were on the k-th micro-step.
+  as ``jaxcomp.diloco``, whose local steps then run on k micro-batches each) — no communication. On
+  the k-th the inner transformation receives the mean of the k local gradients and its update is
+  returned. Leaves that are not accumulated (integers, booleans) reach ``inner`` as they were on the
+  k-th micro-step.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
@@ -102,10 +106,9 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
       shapes = jax.eval_shape(run_inner)[0]
       return local_steps.unchanged(shapes, params), state.inner_state, acc
 
-    with phases.owned_by("accumulate"):
-      new_updates, inner_state, acc = phases.cond(
-          state.micro_step == every_k - 1, phases.Phase("communicate", 1 / every_k),
-          communicate, hold)
+    new_updates, inner_state, acc = phases.cond(
+        state.micro_step == every_k - 1, phases.Phase("accumulate.communicate", 1 / every_k),
+        communicate, hold)
     return new_updates, AccumulateState((state.micro_step + 1) % every_k, acc, inner_state,
                                         state.signature)
 

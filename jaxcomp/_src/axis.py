@@ -1,8 +1,8 @@
 """Named-axis helpers: every collective jaxcomp runs goes through this module.
 
-A jaxcomp transformation names the mapped axis it averages over (pmap's ``axis_name``, a ``shard_map``
-mesh axis, or a tuple of them). Inside a mapped context that binds it, the helpers below are
-``jax.lax`` collectives. The axis rules, in one place:
+A jaxcomp transformation names the mapped axis it averages over (pmap's ``axis_name``, a
+``shard_map`` mesh axis, or a tuple of them). Inside a mapped context that binds it, the helpers
+below are ``jax.lax`` collectives. The axis rules, in one place:
 
 * bound: the collectives run over it;
 * not bound, but another named axis is (a ``pmap(..., axis_name="data")`` around a transformation on
@@ -13,8 +13,8 @@ mesh axis, or a tuple of them). Inside a mapped context that binds it, the helpe
   trace (every compilation), however often that trace calls the helpers.
   ``axis_name=None`` asks for that explicitly and silently.
 
-A float16 sum over devices runs on XLA:CPU as an all-to-all and an all-gather, which XLA:CPU computes faster
-than its all-reduce, bit for bit the same (``sum_in_rows``).
+A float16 sum over devices runs on XLA:CPU as an all-to-all and an all-gather, which XLA:CPU
+computes faster than its all-reduce, bit for bit the same (``sum_in_rows``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp._src import jax_internals
 from jaxcomp._src import tree as tree_lib
 
 AxisName = Optional[Union[Hashable, tuple]]
@@ -61,31 +62,14 @@ def check_axis_name(axis_name: Any) -> AxisName:
       f"got {axis_name!r} of type {type(axis_name).__name__}")
 
 
-def bound_axis_names() -> list:
-  """The named axes bound in the current trace (pmap, shard_map, vmap with ``axis_name``)."""
-  try:
-    from jax._src import core  # the only way JAX offers to list them (jax 0.4.36 – 0.10)
-    return [n for n in core.unsafe_get_axis_names() if isinstance(n, (str, tuple))]
-  except (ImportError, AttributeError):  # a future JAX: fall back to probing the axis alone
-    return []
-
-
 def warn_once_per_trace(key, message: str) -> None:
   """Warns once per trace (per jit compilation; once for eager code) and ``key``.
 
   Python's own filter would show it only once per process; ``warn_explicit`` with a fresh registry
   shows it again for every new trace, at the first frame outside JAX and jaxcomp (the user's line).
   """
-  try:
-    from jax._src import core
-    trace = core.trace_ctx.trace
-    # The outermost trace: a cond's or a scan's branches are traced as child traces of it.
-    while isinstance(getattr(trace, "parent_trace", None), core.Trace) and not isinstance(
-        trace.parent_trace, core.EvalTrace):
-      trace = trace.parent_trace
-    seen = _warned.setdefault(trace, set())
-  except (ImportError, AttributeError, TypeError):
-    seen = set()
+  trace = jax_internals.trace_key()
+  seen = set() if trace is None else _warned.setdefault(trace, set())
   if key in seen:
     return
   seen.add(key)
@@ -110,7 +94,7 @@ def bound_axis(axis_name: AxisName) -> AxisName:
     pass
   else:
     return axis_name
-  bound = bound_axis_names()
+  bound = jax_internals.bound_axis_names()
   named = [n for n in bound if not (isinstance(n, str) and n.startswith("_"))]
   if bound and not named:  # only JAX's own names: jax.pmap(f) without axis_name
     raise UnboundAxisError(
@@ -122,9 +106,10 @@ def bound_axis(axis_name: AxisName) -> AxisName:
         f"{', '.join(map(repr, named))}. Pass the mapped axis, e.g. axis_name={named[0]!r} "
         "(a transformation averages over its own axis_name, not over whichever axis is mapped).")
   warn_once_per_trace(axis_name, (
-      f"jaxcomp: axis {axis_name!r} is not bound here (no pmap/shard_map axis at all), so nothing is "
-      "averaged over devices: this runs as world size 1. Under jax.jit on a mesh, build the step with "
-      "jaxcomp.data_parallel(loss_fn, mesh, tx=tx), which maps it over the data axis; on one device "
+      f"jaxcomp: axis {axis_name!r} is not bound here (no pmap/shard_map axis at all), so nothing "
+      "is averaged over devices: this runs as world size 1. Under jax.jit on a mesh, build the "
+      "step with jaxcomp.data_parallel(loss_fn, mesh, tx=tx), which maps it over the data axis; on "
+      "one device "
       "on purpose, pass axis_name=None to do this without the warning."))
   return None
 
@@ -141,8 +126,9 @@ def is_bound(axis_name: AxisName) -> bool:
 
 
 def varying_axes(x) -> frozenset:
-  """The manual axes along which ``x`` differs from device to device (``shard_map(check_vma=True)``'s
-  type of it); empty elsewhere (pmap, ``check_vma=False``, no mapping)."""
+  """The manual axes along which ``x`` differs from device to device
+  (``shard_map(check_vma=True)``'s type of it); empty elsewhere (pmap, ``check_vma=False``, no
+  mapping)."""
   aval = jax.typeof(x)
   vma = getattr(aval, "vma", None)  # jax 0.6 – 0.9
   if vma is None:  # jax 0.10: the aval's manual-axis type
@@ -165,8 +151,8 @@ def refuse_summed_gradient(leaves: Sequence, axis_name: AxisName, name: str) -> 
   """Raises if every leaf is already invariant along a vma-checked axis: autodiff summed it.
 
   Under ``shard_map(check_vma=True)`` the gradient of replicated (invariant) parameters is the
-  transpose of their implicit ``pvary``, a ``psum``: the SUM of every device's gradient, sent in full
-  precision before any compressor sees it. Averaged again, the update is W times too large.
+  transpose of their implicit ``pvary``, a ``psum``: the SUM of every device's gradient, sent in
+  full precision before any compressor sees it. Averaged again, the update is W times too large.
 
   Raises:
     ValueError: naming ``name`` (the transformation) and the fix.
@@ -275,11 +261,12 @@ def sum_in_rows(x, axis_name: AxisName):
   all-reduce. The main job's training step (the MLP 784-1024×3-10, W = 8) over allreduce's, the
   all-reduce before and this after: ``fp16_compress`` 1.91–1.95 → 1.24–1.27,
   ``fp16_compress_wrapper(allreduce_hook)`` 2.06–2.10 → 1.23–1.31 (BENCHMARKS.md, "Training step
-  time against allreduce"; ``benchmarks/kernels.py --compressors fp16,hook_fp16_allreduce`` runs the update with
-  either, side by side). The padding goes in front: at the end, XLA:CPU slices the first row straight
-  from ``x``'s producer, which it then writes out whole beside the padded rows (a bucket's float32
-  concatenation, where the cast to float16 is otherwise fused into it). The collectives carry
-  ``stands_for_label``, so ``jaxcomp.comm_report`` counts them as the all-reduce they replace.
+  time against allreduce"; ``benchmarks/kernels.py --compressors fp16,hook_fp16_allreduce`` runs the
+  update with either, side by side). The padding goes in front: at the end, XLA:CPU slices the first
+  row straight from ``x``'s producer, which it then writes out whole beside the padded rows (a
+  bucket's float32 concatenation, where the cast to float16 is otherwise fused into it). The
+  collectives carry ``stands_for_label``, so ``jaxcomp.comm_report`` counts them as the all-reduce
+  they replace.
   """
   name = bound_axis(axis_name)
   world = 1 if name is None else lax.axis_size(name)
@@ -316,17 +303,6 @@ def _from_bits(x, dtype):
   return x if dtype is None else lax.bitcast_convert_type(x, dtype)
 
 
-def _all_gather_invariant():
-  """JAX's all-gather whose result is invariant along the axis (the same on every device), so that
-  ``shard_map(check_vma=True)`` accepts what is computed from it as replicated; ``lax.all_gather``'s
-  result is typed varying. Private in JAX 0.10: the public one where it is missing."""
-  try:
-    from jax._src.lax import parallel
-    return parallel.all_gather_invariant
-  except (ImportError, AttributeError):
-    return lax.all_gather
-
-
 def all_gather(x, axis_name: AxisName):
   """Stacks every device's ``x`` along a new leading axis of size W (float8 travels as its bits).
 
@@ -336,7 +312,8 @@ def all_gather(x, axis_name: AxisName):
   if name is None:
     return x[None]
   bits, dtype = _as_bits(x)
-  gather = _all_gather_invariant() if vma_checked(name) else lax.all_gather  # vmap has no pvary
+  # vmap has no pvary: there, the plain all-gather.
+  gather = jax_internals.all_gather_invariant() if vma_checked(name) else lax.all_gather
   return _from_bits(gather(bits, name), dtype)
 
 

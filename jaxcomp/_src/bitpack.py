@@ -1,9 +1,9 @@
 """Bit-level wire formats: fixed-width fields and Elias–Fano index sets, packed into bytes.
 
-A sparse exchange sends, for each chunk of a vector, which ``k`` of its ``n`` positions it keeps and a
-short code for each kept value. Collectives move whole bytes of a fixed size, so every format here has
-a length fixed by ``(n, k)`` alone, and everything travels as ``uint8`` (XLA keeps ``u8`` collectives
-narrow on every backend).
+A sparse exchange sends, for each chunk of a vector, which ``k`` of its ``n`` positions it keeps and
+a short code for each kept value. Collectives move whole bytes of a fixed size, so every format here
+has a length fixed by ``(n, k)`` alone, and everything travels as ``uint8`` (XLA keeps ``u8``
+collectives narrow on every backend).
 
 * **Fields**: non-negative integers of ``width`` bits, least significant bit first (``to_bits`` /
   ``from_bits``); rows of bits become bytes with ``pack`` / ``unpack`` (little bit order).
@@ -101,5 +101,5 @@ class EliasFano(NamedTuple):
 
 
 def information_bound(n: int, k: int) -> float:
-  """``log2 C(n, k)``: the fewest bits that can tell every set of ``k`` positions in ``[0, n)`` apart."""
+  """``log2 C(n, k)``: the fewest bits telling every set of ``k`` positions in ``[0, n)`` apart."""
   return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)

@@ -1,16 +1,16 @@
 """Gradient pytrees as DDP sees them: flat, single-dtype buckets, and ``comm_hook``.
 
-``comm_hook`` is the port of ``DistributedDataParallel.register_comm_hook``: the floating-point leaves
-of the gradient pytree are packed into flat, single-dtype buckets by DDP's rule, a user hook reduces
-each bucket, and the results are unpacked into the pytree again.
+``comm_hook`` is the port of ``DistributedDataParallel.register_comm_hook``: the floating-point
+leaves of the gradient pytree are packed into flat, single-dtype buckets by DDP's rule, a user hook
+reduces each bucket, and the results are unpacked into the pytree again.
 
 DDP's bucket rule (torch 2.13 after its first-iteration rebuild, recorded from torch in
 ``tests/golden/ddp_buckets.json``): parameters are taken in reverse order (the order their gradients
-become ready); each dtype fills its own open bucket, and a bucket closes as soon as its size reaches the
-cap (so it may exceed it by one tensor); the first bucket of each dtype is capped by
-``first_bucket_cap_mb``. Buckets are numbered in the order they close; the buckets still open at the end
-follow, the dtype seen last first. Bucket 0 therefore holds the last parameters; ``is_last`` is true for
-the bucket with the highest index, the last to be reduced.
+become ready); each dtype fills its own open bucket, and a bucket closes as soon as its size reaches
+the cap (so it may exceed it by one tensor); the first bucket of each dtype is capped by
+``first_bucket_cap_mb``. Buckets are numbered in the order they close; the buckets still open at the
+end follow, the dtype seen last first. Bucket 0 therefore holds the last parameters; ``is_last`` is
+true for the bucket with the highest index, the last to be reduced.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import axis, finite, interface, optax_wrappers, validate
+from jaxcomp._src import axis, finite, interface, validate
 from jaxcomp._src import tree as tree_lib
 from jaxcomp._src.sharding import PerDevice
 
@@ -51,7 +51,7 @@ class GradBucket:
   axis_name: axis.AxisName
 
   def gradients(self, buffer: Optional[jax.Array] = None) -> list:
-    """Per-parameter views of ``buffer`` (default: this bucket's), reshaped to the parameter shapes."""
+    """Per-parameter views of ``buffer`` (default: this bucket's), in the parameters' shapes."""
     return tree_lib.unflatten(self.buffer if buffer is None else buffer, self.shapes)
 
   def replace(self, **changes) -> "GradBucket":
@@ -99,12 +99,12 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
               first_bucket_cap_mb: Optional[float] = None) -> interface.Transformation:
   """Runs a DDP-style communication hook on DDP-style buckets of the gradient pytree.
 
-  A hook is a function ``hook(state, bucket) -> (reduced_buffer, new_state)``. It receives the bucket
-  of this device's gradients, not divided by the world size, and returns the buffer every device
-  should use, of the same shape and dtype. Each bucket keeps its own hook state: ``state`` is either a
-  pytree (every bucket starts from it) or a function ``bucket -> pytree`` called once per bucket at
-  ``init`` (the bucket's buffer is zeros there). On a step whose gradient is non-finite on any device,
-  a stateful hook's state is kept and the output is NaN (jaxcomp's non-finite policy).
+  A hook is a function ``hook(state, bucket) -> (reduced_buffer, new_state)``. It receives the
+  bucket of this device's gradients, not divided by the world size, and returns the buffer every
+  device should use, of the same shape and dtype. Each bucket keeps its own hook state: ``state`` is
+  either a pytree (every bucket starts from it) or a function ``bucket -> pytree`` called once per
+  bucket at ``init`` (the bucket's buffer is zeros there). On a step whose gradient is non-finite on
+  any device, a stateful hook's state is kept and the output is NaN (jaxcomp's non-finite policy).
 
   A hook state that differs from device to device (error feedback, say) must say so for
   ``shard_map`` and ``jaxcomp.data_parallel``: a NamedTuple declares its ``PER_DEVICE_FIELDS``; a
@@ -162,7 +162,6 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
 
   def update_fn(updates, hook_state: CommHookState, params=None):
     del params
-    optax_wrappers.check("comm_hook", axis_name)
     tree_lib.check_state(hook_state, init_fn, "comm_hook")
     leaves = list(hook_state.signature.check(updates))
     axis.refuse_summed_gradient([leaves[i] for i in hook_state.signature.reduced], axis_name,
@@ -175,7 +174,8 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
       bucket_state = PerDevice(bucket_state) if declared else bucket_state
       if reduced.shape != bucket.buffer.shape or reduced.dtype != bucket.buffer.dtype:
         raise ValueError(f"hook {getattr(hook, '__name__', hook)!r} returned a buffer of "
-                         f"{reduced.dtype}{list(reduced.shape)} for bucket {bucket.index}; expected "
+                         f"{reduced.dtype}{list(reduced.shape)} for bucket {bucket.index}; "
+                         "expected "
                          f"{bucket.buffer.dtype}{list(bucket.buffer.shape)}")
       for i, grad in zip(members, bucket.gradients(reduced)):
         leaves[i] = grad

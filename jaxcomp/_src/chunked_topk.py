@@ -8,8 +8,8 @@ steps; as a gradient compressor (``optax.chain(chunked_topk(...), optax.sgd(lr))
 sparsification with error feedback (Stich et al. 2018) and low-bit values.
 
 Chunks: a reduced leaf of n elements is cut into m = ceil(n / ``chunk``) chunks of c = ceil(n / m) ≤
-``chunk`` consecutive elements (row-major; the last chunk zero-padded, never by more than m − 1), and
-each chunk keeps k_c = min(c, ceil(``k``·c / ``chunk``)) coordinates: the density ``k / chunk``
+``chunk`` consecutive elements (row-major; the last chunk zero-padded, never by more than m − 1),
+and each chunk keeps k_c = min(c, ceil(``k``·c / ``chunk``)) coordinates: the density ``k / chunk``
 everywhere, a leaf smaller than one chunk keeping at least one.
 
 The steps, per device and per reduced leaf (the ``# n:`` comments below point here):
@@ -18,12 +18,12 @@ The steps, per device and per reduced leaf (the ``# n:`` comments below point he
 2. selection: in each chunk, the k_c positions of largest ``|e|`` (ties to the lower position;
    padding only after every real coordinate), in increasing order;
 3. quantization of the selected values v: a sign bit, and ``bits − 1`` bits for the magnitude: the
-   range [min ``|v|``, max ``|v|``] of the chunk's selected magnitudes is cut into L = 2^(bits−1) equal bins
-   (the top edge in the last bin), and each bin's magnitude is the mean of the magnitudes in it
-   (its centroid), rounded to bfloat16; ``v̂ = ±centroid``. With ``bits=1`` that is the sign times
-   the mean magnitude. Sending each bin's mean follows SparseLoCo's reference code (templar's
-   ``TopKCompressor`` bins a whole tensor's kept values over ±3σ about their mean and sends the bins'
-   means); here the bins are per chunk and symmetric in the sign, so the quantizer is odd;
+   range [min ``|v|``, max ``|v|``] of the chunk's selected magnitudes is cut into L = 2^(bits−1)
+   equal bins (the top edge in the last bin), and each bin's magnitude is the mean of the magnitudes
+   in it (its centroid), rounded to bfloat16; ``v̂ = ±centroid``. With ``bits=1`` that is the sign
+   times the mean magnitude. Sending each bin's mean follows SparseLoCo's reference code (templar's
+   ``TopKCompressor`` bins a whole tensor's kept values over ±3σ about their mean and sends the
+   bins' means); here the bins are per chunk and symmetric in the sign, so the quantizer is odd;
 4. ``e ← e − ê``, ê being v̂ at the selected positions and 0 elsewhere (what was not sent stays, as
    does the quantization error of what was), written once the exchange has said whether to (8);
 5. encoding: one byte row per chunk — the positions in Elias–Fano code (``jaxcomp._src.bitpack``),
@@ -31,8 +31,8 @@ The steps, per device and per reduced leaf (the ``# n:`` comments below point he
    L centroids as bfloat16 bytes; every row of every leaf in one ``uint8`` vector;
 6. one ``all_gather`` of the bytes;
 7. every device decodes the W devices' rows and adds each device's ê ÷ W in device order, each
-   device's positions distinct (no scatter collisions: the sum is the same on every backend and every
-   device), and casts the mean back to the leaf's dtype;
+   device's positions distinct (no scatter collisions: the sum is the same on every backend and
+   every device), and casts the mean back to the leaf's dtype;
 8. non-finite values (``jaxcomp._src.finite``'s policy), seen in what is sent, with no pass of their
    own: a NaN or an infinity has the largest magnitude of its chunk (2 ranks a NaN as ∞, whatever
    order a backend's ``top_k`` gives NaN), so 2 selects it; a device whose selected values are not
@@ -53,14 +53,16 @@ step whose gradient is non-finite on any device (8).
 
 References:
   Sarfi, Thérien, Lidin, Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo",
-  2025 (https://arxiv.org/abs/2508.15706): chunked top-k of the decayed error feedback, 2-bit values.
-  Lidin et al., "Covenant-72B", 2026 (https://arxiv.org/abs/2603.08163): 64 of every 4,096, β = 0.95.
-  Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018 (top-k with error feedback).
+  2025 (https://arxiv.org/abs/2508.15706): chunked top-k of the decayed error feedback, 2-bit
+  values. Lidin et al., "Covenant-72B", 2026 (https://arxiv.org/abs/2603.08163): 64 of every 4,096,
+  β = 0.95. Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018 (top-k with error
+  feedback).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -78,7 +80,7 @@ _CENTROID_DTYPE = jnp.bfloat16  # float32's range (no overflow to clamp), 2 byte
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class ChunkedTopKConfig:
+class ChunkedTopKConfig(compressor.MeanConfig):
   """``chunked_topk``'s settings, validated; a static node of the state.
 
   Attributes:
@@ -95,25 +97,25 @@ class ChunkedTopKConfig:
       (classic error feedback); below 1 the buffer is SparseLoCo's stand-in for DiLoCo's outer
       momentum, which forgets old pseudo-gradients (Covenant-72B: 0.95).
   """
-  k: int = 64
-  chunk: int = 4096
-  bits: int = 2
-  error_decay: Any = 1.0
+  name = "chunked_topk"
+  NONFINITE = "own"  # 8: from the centroids it sends anyway
 
-  def __post_init__(self):
-    k = validate.integer(self.k, "k", 1, static="fixes how many coordinates a chunk sends")
-    chunk = validate.integer(self.chunk, "chunk", 1, static="fixes the chunks' shape")
-    if k > chunk:
+  k: int = validate.setting(64, check=functools.partial(
+      validate.integer, minimum=1, static="fixes how many coordinates a chunk sends"))
+  chunk: int = validate.setting(4096, check=functools.partial(
+      validate.integer, minimum=1, static="fixes the chunks' shape"))
+  bits: int = validate.setting(2, check=functools.partial(
+      validate.integer, minimum=1, static="fixes the codes' width"))
+  error_decay: Any = validate.setting(1.0, check=functools.partial(validate.number, low=0, high=1),
+                                      traceable=True)
+
+  def check(self):
+    if self.k > self.chunk:
       raise ValueError(f"k must be at most chunk (it counts coordinates kept per chunk); got "
-                       f"k={k}, chunk={chunk}. Lower k or raise chunk")
-    bits = validate.integer(self.bits, "bits", 1, static="fixes the codes' width")
-    if bits > 4:
+                       f"k={self.k}, chunk={self.chunk}. Lower k or raise chunk")
+    if self.bits > 4:
       raise ValueError(f"bits must be 1, 2, 3 or 4 (a sign and up to 3 bits of magnitude, with "
-                       f"2^(bits-1) centroids per chunk); got {bits}")
-    decay = validate.traceable(self.error_decay,
-                               lambda v: validate.number(v, "error_decay", 0, 1))
-    for name, value in dict(k=k, chunk=chunk, bits=bits, error_decay=decay).items():
-      object.__setattr__(self, name, value)
+                       f"2^(bits-1) centroids per chunk); got {self.bits}")
 
   @property
   def levels(self) -> int:
@@ -163,27 +165,11 @@ def payload_bytes(config: ChunkedTopKConfig, shapes: Sequence[tuple]) -> int:
   return sum(lay.rows * lay.row_bytes for lay in (layout(config, math.prod(s)) for s in shapes))
 
 
-class ChunkedTopKState(NamedTuple):
-  """State of ``chunked_topk``.
-
-  Attributes:
-    count: steps taken (int32); the same on every device.
-    error: the error feedback e, with the gradient's structure (``optax.MaskedNode()`` at leaves that
-      are not reduced), in each leaf's dtype. PER DEVICE.
-    config: the static settings.
-    signature: the gradient pytree's signature.
-  """
-  count: jax.Array
-  error: Any
-  config: ChunkedTopKConfig
-  signature: tree_lib.TreeSignature
-
-  PER_DEVICE_FIELDS = ("error",)  # see jaxcomp.sharding
-
-
-def init(config: ChunkedTopKConfig, signature: tree_lib.TreeSignature) -> ChunkedTopKState:
+def init(config: ChunkedTopKConfig,
+         signature: tree_lib.TreeSignature) -> compressor.ErrorFeedbackState:
+  """Zero error feedback, in each leaf's dtype."""
   error = signature.place([jnp.zeros(s.shape, s.dtype) for s in signature.reduced_structs()])
-  return ChunkedTopKState(jnp.zeros([], jnp.int32), error, config, signature)
+  return compressor.ErrorFeedbackState(jnp.zeros([], jnp.int32), error, config, signature)
 
 
 def _chunks(x: jax.Array, lay: ChunkLayout) -> jax.Array:
@@ -206,7 +192,8 @@ def _select(chunks: jax.Array, lay: ChunkLayout) -> jax.Array:
 
 def _quantize(values: jax.Array, bits: int) -> tuple:
   """3: ``(codes, centroids)`` of each row of ``values`` (float32, ``(R, k)``): int32 codes
-  ``sign · L + bin`` and ``(R, L)`` bfloat16 centroids, the mean magnitude in each bin (0 if empty)."""
+  ``sign · L + bin`` and ``(R, L)`` bfloat16 centroids, the mean magnitude in each bin (0 if
+  empty)."""
   levels = 2 ** (bits - 1)
   magnitude = jnp.abs(values)
   low = magnitude.min(-1, keepdims=True)
@@ -258,8 +245,8 @@ def _mean_in_device_order(positions: jax.Array, values: jax.Array, lay: ChunkLay
                                   (lay.rows, lay.width))
 
 
-def step(config: ChunkedTopKConfig, state: ChunkedTopKState, leaves: list, axis_name,
-         phase) -> tuple:
+def step(config: ChunkedTopKConfig, state: compressor.ErrorFeedbackState, leaves: list,
+         axis_name, phase) -> tuple:
   """Steps 1–8 on the reduced ``leaves``: ``(means, new state, finite)``; nothing to send without
   any."""
   del phase
@@ -315,11 +302,6 @@ def _new_error(config: ChunkedTopKConfig, e: jax.Array, g: jax.Array, positions:
       e.shape).astype(e.dtype)
 
 
-CHUNKED_TOPK = compressor.Algorithm("chunked_topk", ChunkedTopKState, ChunkedTopKConfig, init,
-                                    step, traceable=("error_decay",),
-                                    nonfinite="own")  # 8: from the centroids it sends anyway
-
-
 def chunked_topk(k: int = 64, *, chunk: int = 4096, bits: int = 2, error_decay: Any = 1.0,
                  axis_name: axis.AxisName = "batch",
                  bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
@@ -355,12 +337,12 @@ def chunked_topk(k: int = 64, *, chunk: int = 4096, bits: int = 2, error_decay: 
     bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one all-gather per bucket.
 
   Returns:
-    A ``GradientTransformation`` with a ``ChunkedTopKState`` (per-bucket states under
+    A ``GradientTransformation`` with a ``jaxcomp.ErrorFeedbackState`` (per-bucket states under
     ``bucket_cap_mb``).
 
   References:
     Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo", 2025.
     Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
   """
-  return compressor.transformation(CHUNKED_TOPK, axis_name, bucket_cap_mb, k=k, chunk=chunk,
-                                   bits=bits, error_decay=error_decay)
+  config = ChunkedTopKConfig(k=k, chunk=chunk, bits=bits, error_decay=error_decay)
+  return compressor.transformation(config, init, step, axis_name, bucket_cap_mb=bucket_cap_mb)

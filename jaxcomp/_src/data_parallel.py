@@ -1,4 +1,5 @@
-"""jit-first data parallelism: a loss function (or a per-device step) and a ``Mesh`` → one jitted step.
+"""jit-first data parallelism: a loss function (or a per-device step) and a ``Mesh`` → one jitted
+step.
 
 Under plain ``jax.jit`` with a batch sharded over a mesh axis, the SPMD partitioner averages the
 gradient itself, in full precision, before any optimizer sees it: a compressor has nothing left to
@@ -10,8 +11,8 @@ compress. ``data_parallel`` builds the step that lets it work, from what a jit u
    the replicated parameters, autodiff would insert a full float32 all-reduce of it (the transpose
    of the implicit ``pvary``), which ``jaxcomp.comm_report`` would show;
 3. the state's specs come from ``jaxcomp.per_device_mask``: per-device leaves (error feedback,
-   momenta, accumulators) are stored as ``jax.pmap`` stores them, stacked along a new leading axis of
-   size W and sharded along it (which also holds 0-d leaves), the rest replicated; ``make_state``
+   momenta, accumulators) are stored as ``jax.pmap`` stores them, stacked along a new leading axis
+   of size W and sharded along it (which also holds 0-d leaves), the rest replicated; ``make_state``
    creates them that way;
 4. the batch is sharded along its leading axis over the data axis (``shard`` places it);
 5. meshes from ``jax.make_mesh`` work with Explicit or Auto axes: inside the step every axis but the
@@ -21,11 +22,11 @@ compress. ``data_parallel`` builds the step that lets it work, from what a jit u
 
 The loss form takes a Flax NNX model as the parameters (with its ``nnx.Optimizer`` as the optimizer
 state). The step splits the model into the parameters the optimizer updates (its ``wrt``) and the
-other Variables, takes the gradient of a per-device copy of the former (2 above), and writes back what
-the forward pass writes in the latter — BatchNorm statistics, RNG counters — which differ from device
-to device: by the ``buffers`` policy their mean or device 0's, the same on every device, or kept per
-device, stacked like per-device optimizer state. Flax is the caller's dependency, not jaxcomp's:
-``flax.nnx`` is looked up where the caller imported it.
+other Variables, takes the gradient of a per-device copy of the former (2 above), and writes back
+what the forward pass writes in the latter — BatchNorm statistics, RNG counters — which differ from
+device to device: by the ``buffers`` policy their mean or device 0's, the same on every device, or
+kept per device, stacked like per-device optimizer state. Flax is the caller's dependency, not
+jaxcomp's: ``flax.nnx`` is looked up where the caller imported it.
 
 ``shard_map`` runs with ``check_vma=True``: a value that differs from device to device but would be
 returned as replicated — parameters a transformation did not average (``optax.masked`` around a
@@ -69,46 +70,17 @@ target).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxcomp._src import axis, distributed, nnx_step, spmd, validate
-from jaxcomp._src.sharding import params_per_device, per_device_mask
-from jaxcomp._src.zero import holds_sharded_state
+from jaxcomp._src import axis, nnx_step, placement, spmd, validate
 
 _LOSS_FORM = ("params", "opt_state")
-_Optimizer = Union[optax.GradientTransformation, optax.MultiSteps]
 BUFFER_POLICIES = ("mean", "first", "per_device")
-
-
-def _step_form_masks(states) -> list:
-  """The per-device bool tree of the per-device-step form's state: what its states declare."""
-  return [per_device_mask(states[0])]
-
-
-def _loss_form_masks(buffers: str, states) -> list:
-  """The per-device bool trees of the loss form's ``(params, opt_state)``.
-
-  The parameters are all per device under an optimizer that moves them between synchronizations
-  (a state declares ``PARAMS_PER_DEVICE``); of an nnx model, with ``buffers="per_device"``, the
-  Variables other than ``nnx.Param``.
-  """
-  params, opt_state = states
-  if params_per_device(opt_state):
-    params_mask = jax.tree.map(lambda _: True, params)
-  elif nnx_step.is_module(params):
-    params_mask = nnx_step.model_mask(params, buffers == "per_device")
-  else:
-    params_mask = per_device_mask(params)
-  return [params_mask, per_device_mask(opt_state)]
 
 
 def _loss_step(loss_fn, tx, axes, has_aux, buffers, params, opt_state, *batch):
@@ -121,218 +93,10 @@ def _loss_step(loss_fn, tx, axes, has_aux, buffers, params, opt_state, *batch):
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, value
 
-
-@dataclasses.dataclass(frozen=True)
-class DataParallel:
-  """A jitted data-parallel step and how to place what it takes; made by ``jaxcomp.data_parallel``.
-
-  Attributes:
-    step: the jitted global step. Loss-function form: ``step(params, opt_state, *batch) -> (params,
-      opt_state, loss)`` (``(params, opt_state, (loss, aux))`` with ``has_aux``); per-device-step
-      form: ``step(state, *batch) -> (state, out)``. Per-device results (``loss``, ``aux``, ``out``)
-      come back stacked, one entry per device along a new leading axis: no collective is spent on
-      them (``loss.mean()`` is the batch's mean loss for equal shards). Under ``local_sgd`` or
-      ``diloco`` the parameters, too, come back stacked, one copy per device (see
-      ``make_params``). With an nnx model as the parameters: ``step(model, optimizer, *batch) ->
-      (model, optimizer, loss)``.
-    mesh: the mesh, as given.
-    axis_name: the data axis (or tuple of axes) the step is mapped over and the compressor averages
-      over.
-    tx: the optimizer of the loss-function form, else None.
-    buffers: what an nnx model's Variables that the forward pass writes become (loss-function
-      form): ``"mean"``, ``"first"`` or ``"per_device"`` (see ``jaxcomp.data_parallel``).
-  """
-  step: Callable
-  mesh: Mesh
-  axis_name: Any
-  tx: Optional[_Optimizer]
-  buffers: str = "mean"
-
-  @property
-  def world_size(self) -> int:
-    """The number of devices along ``axis_name``."""
-    return math.prod(self.mesh.shape[a] for a in spmd.axes(self.axis_name))
-
-  @property
-  def batch_sharding(self) -> NamedSharding:
-    """Batches are split along their leading axis over ``axis_name``."""
-    return NamedSharding(self.mesh, PartitionSpec(self.axis_name))
-
-  def shard(self, batch):
-    """``batch`` (any pytree) placed with ``batch_sharding``; with several processes each passes
-    its own part (``jax.make_array_from_process_local_data``)."""
-    if jax.process_count() > 1:
-      return jax.tree.map(
-          lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
-          batch)
-    return jax.device_put(batch, self.batch_sharding)
-
-  def make_state(self, tree):
-    """The state ``step`` takes, placed on the mesh.
-
-    Loss-function form: ``tree`` is the parameters as made on one device, and the result is
-    ``tx.init(params)``; for an nnx model it is ``nnx.Optimizer(model, tx, wrt=nnx.Param)``, and an
-    ``nnx.Optimizer`` of ``tx`` made otherwise (another ``wrt``, restored from a checkpoint) is
-    placed as it is. Per-device-step form: ``tree`` is the state as made on one device (e.g.
-    ``(params, opt_state)``, a Flax ``(model, nnx.Optimizer)``, or for ``local_sgd`` / ``diloco``
-    ``(jaxcomp.PerDevice(params), opt_state)``). Either way every per-device leaf is stacked along a
-    new leading axis, one copy per device (every device starts from the same state), and sharded
-    along it; other leaves keep their shardings.
-
-    With several processes every process starts from process 0's state, as DDP's construction
-    does: the per-device-step form broadcasts it (every leaf of ``tree`` becomes process 0's), the
-    loss-function form checks the parameters, which it cannot replace for the caller, and raises
-    ``jaxcomp.ReplicaMismatchError`` naming the first leaf that differs
-    (``params = jaxcomp.broadcast_replicated(params)`` first is the fix).
-    """
-    if self.tx is None or nnx_step.is_optimizer(tree):
-      if self.tx is not None and tree.tx is not self.tx:
-        raise ValueError("tree: this nnx.Optimizer was made with another transformation than the "
-                         "tx given to data_parallel; make it with make_state(model)")
-      _refuse_sharded_state(tree)
-      make = lambda t: t
-    elif nnx_step.is_module(tree):
-      make = self._init
-    else:
-      tree = self._same_start(tree)
-      if holds_sharded_state(self._abstract_state(tree)):
-        return self._init_on_devices(tree)
-      return self._place(tree, self._init, per_device_mask)
-    return self._place(self._same_start(tree), make, per_device_mask)
-
-  def make_params(self, params):
-    """The parameters as the loss-function form's ``step`` takes them, placed on the mesh.
-
-    Replicated for an ordinary optimizer (host arrays are put on the mesh; arrays on it keep their
-    shardings; calling this is optional then). For an optimizer that keeps the parameters per device
-    between synchronizations (``local_sgd``, ``diloco``: a state that declares
-    ``PARAMS_PER_DEVICE``) stacked along a new leading axis of W and sharded along it, one copy per
-    device, as ``step`` takes and returns them. Of an nnx model with ``buffers="per_device"``, the
-    Variables other than ``nnx.Param`` are stacked so. Make the optimizer state from the unstacked
-    parameters (``make_state(params)`` before this). With several processes the parameters are
-    checked as ``make_state`` checks them.
-    """
-    if self.tx is None:
-      raise ValueError("make_params places the parameters of the loss-function form (with tx); in "
-                       "the per-device-step form make_state places the whole state (wrap the "
-                       "parameters of local_sgd or diloco in jaxcomp.PerDevice there)")
-    opt_state = (jax.eval_shape(self._init, params) if nnx_step.is_module(params)
-                 else self._abstract_state(params))
-    return self._place(self._same_start(params), lambda t: t,
-                       lambda t: _loss_form_masks(self.buffers, (t, opt_state))[0])
-
-  def _init(self, params):
-    """The loss form's optimizer state: ``tx.init(params)``, or for an nnx model
-    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``."""
-    if nnx_step.is_module(params):
-      optimizer = nnx_step.optimizer(params, self.tx)
-      _refuse_sharded_state(optimizer)
-      return optimizer
-    return self.tx.init(params)
-
-  def _init_per_device(self, params, mask=None):
-    """``tx.init(params)`` run on every device of the data axis, inside ``shard_map``: the leaves
-    ``mask`` marks (all of them if None) stacked along a new leading axis of W, sharded along it."""
-    axes = spmd.axes(self.axis_name)
-    auto = spmd.all_auto(self.mesh)
-
-    def body(p):
-      state = self.tx.init(p)
-      marks = jax.tree.map(lambda _: True, state) if mask is None else mask
-      return jax.tree.map(lambda x, m: jnp.asarray(x)[None] if m else x, state, marks)
-
-    marks = PartitionSpec(axes) if mask is None else jax.tree.map(
-        lambda m: PartitionSpec(axes) if m else PartitionSpec(), mask)
-    with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
-      return jax.shard_map(body, mesh=auto, in_specs=PartitionSpec(), out_specs=marks,
-                           axis_names=set(axes), check_vma=True)(spmd.to_auto(auto, params))
-
-  def _abstract_state(self, params):
-    """The loss form's optimizer state as ``jax.ShapeDtypeStruct``\\ s, made on the devices (as a
-    sharded optimizer's must be), each leaf with a leading axis of W: for its structure."""
-    return jax.eval_shape(self._init_per_device, params)
-
-  def _init_on_devices(self, params):
-    """The loss form's optimizer state made on every device (a sharded optimizer's init cuts each
-    device's own shards), per-device leaves stacked and sharded, placed on the mesh."""
-    mask = per_device_mask(self._abstract_state(params))
-    specs = jax.tree.map(lambda m: PartitionSpec(self.axis_name) if m else PartitionSpec(), mask)
-
-    def make(p):
-      state = self._init_per_device(p, mask)
-      if not spmd.has_explicit_axes(self.mesh):
-        return state
-      return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec)),
-                          state, specs)
-
-    with jax.set_mesh(self.mesh):
-      return jax.jit(make)(self._on_mesh(params))
-
-  def _same_start(self, tree):
-    """With several processes: ``tree`` with process 0's value in every leaf (per-device-step form)
-    or checked to hold it (loss-function form); in one process, ``tree``. Arrays already sharded
-    over the mesh are one global value and are left out."""
-    if jax.process_count() == 1:
-      return tree
-    copies = jax.tree.map(
-        lambda x: not (isinstance(x, jax.Array) and not x.sharding.is_fully_replicated), tree)
-    if self.tx is None:
-      return distributed.broadcast_where(tree, copies)
-    distributed.check_where(tree, copies)
-    return tree
-
-  def _place(self, tree, make, mask):
-    """``make(tree)`` on the mesh (jitted), each leaf where ``mask`` of it is True stacked along a
-    new leading axis of W and sharded along it."""
-    per_device = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
-    world = self.world_size
-
-    def stacked(t):
-      state = make(t)
-      leaves, treedef = jax.tree.flatten(state)
-      return treedef.unflatten([
-          spmd.constrain(jnp.broadcast_to(x, (world,) + jnp.shape(x)), per_device) if m else x
-          for x, m in zip(leaves, jax.tree.leaves(mask(state)))])
-
-    with jax.set_mesh(self.mesh):
-      return jax.jit(stacked)(self._on_mesh(tree))
-
-  def _on_mesh(self, tree):
-    """``tree`` with its host arrays put on the mesh (replicated), so that a program runs on its
-    devices; arrays already on them are left as they are."""
-    replicated = NamedSharding(self.mesh, PartitionSpec())
-    devices = set(self.mesh.devices.flat)
-    return jax.tree.map(
-        lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == devices
-        else jax.device_put(x, replicated), tree)
-
-  def shardings(self, state):
-    """The ``NamedSharding`` of every leaf of a placed state (an orbax restore target, say)."""
-    per_device = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
-    replicated = NamedSharding(self.mesh, PartitionSpec())
-    return jax.tree.map(
-        lambda x, m: per_device if m else getattr(x, "sharding", replicated), state,
-        per_device_mask(state))
-
-
-def _refuse_sharded_state(tree) -> None:
-  """A ``jaxcomp.sharded_optimizer`` state is made on each device: one device's cannot be stacked.
-
-  Raises:
-    ValueError: ``tree`` holds one (naming the fix).
-  """
-  if holds_sharded_state(tree):
-    raise ValueError(
-        "tree holds a jaxcomp.sharded_optimizer state, which is made on each device (each keeps "
-        "its own shards), so one device's state cannot be copied to the others. Use the "
-        "loss-function form, data_parallel(loss_fn, mesh, tx=tx) with arrays as the parameters: "
-        "its make_state(params) makes it on every device (an nnx model: nnx.split it and pass the "
-        "nnx.Param state as the parameters)")
-
-
 def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch",
-                  tx: Optional[_Optimizer] = None, has_aux: bool = False, buffers: str = "mean",
-                  donate: bool = False) -> DataParallel:
+                  tx: Optional[placement.Optimizer] = None, has_aux: bool = False,
+                  buffers: str = "mean",
+                  donate: bool = False) -> placement.DataParallel:
   """A jitted data-parallel training step for a jaxcomp optimizer, from a function and a ``Mesh``.
 
   Two forms. With ``tx``, ``fn`` is the loss, ``fn(params, *batch) -> loss`` (or ``(loss, aux)``
@@ -387,7 +151,8 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
   synchronizations, so the parameters are per device: stacked along a leading axis of W (one copy
   per device), sharded over ``axis_name``. The step takes and returns them so, and the copies are
   bitwise identical right after every synchronization (any one copy is then *the* parameters,
-  e.g. ``jax.tree.map(lambda p: np.asarray(p)[0], params)``) and differ in between. Loss-function form::
+  e.g. ``jax.tree.map(lambda p: np.asarray(p)[0], params)``) and differ in between. Loss-function
+  form::
 
     tx = jaxcomp.local_sgd(optax.sgd(0.1, momentum=0.9), sync_every=8)
     dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
@@ -473,7 +238,7 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
                        f"buffers={buffers!r} for a per-device step, which keeps its model state "
                        "itself (jaxcomp.sync_buffers)")
     step = functools.partial(spmd.global_step, functools.partial(nnx_step.warn_if_lost, fn),
-                             mesh, axes, ("state",), _step_form_masks)
+                             mesh, axes, ("state",), placement.step_form_masks)
   else:
     # optax.MultiSteps is a class with init and update, not a GradientTransformation.
     if not isinstance(tx, (optax.GradientTransformation, optax.MultiSteps)):
@@ -481,10 +246,10 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
                       f"{type(tx).__name__}")
     local = functools.partial(_loss_step, fn, tx, axes, has_aux, buffers)
     step = functools.partial(spmd.global_step, local, mesh, axes, _LOSS_FORM,
-                             functools.partial(_loss_form_masks, buffers))
+                             functools.partial(placement.loss_form_masks, buffers))
   states = len(_LOSS_FORM) if tx is not None else 1
   jitted = jax.jit(step, donate_argnums=tuple(range(states)) if donated(mesh, donate) else ())
-  return DataParallel(spmd.OnMesh(jitted, mesh), mesh, axis_name, tx, buffers)
+  return placement.DataParallel(spmd.OnMesh(jitted, mesh), mesh, axis_name, tx, buffers)
 
 
 def donated(mesh: Mesh, donate: bool) -> bool:

@@ -78,34 +78,26 @@ from jaxcomp._src import tree as tree_lib
 _INT16_TILE = 2 ** 15  # the largest tile whose positions fit int16
 
 
-def _learning_rate(value):
-  """A positive number, a schedule, ``TRACED`` or an array."""
-  if callable(value) or value is validate.TRACED:
-    return value
-  return validate.traceable(value, lambda v: validate.number(v, "learning_rate", 0, low_open=True))
-
-
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class DeMoConfig:
+class DeMoConfig(compressor.MeanConfig):
   """DeMo's settings, validated; a static node in the state. Attributes: ``demo``'s arguments."""
-  learning_rate: Any
-  chunk: int = 64
-  k: int = 32
-  decay: Any = 0.999
-  weight_decay: Any = 0.0
+  name = "demo"
+  NONFINITE = "own"  # 9: from the values gathered anyway
 
-  def __post_init__(self):
-    checked = dict(
-        learning_rate=_learning_rate(self.learning_rate),
-        chunk=validate.integer(self.chunk, "chunk", 1, static="fixes the tiles' shapes"),
-        k=validate.integer(self.k, "k", 1, static="fixes how many coefficients are sent"),
-        decay=validate.traceable(
-            self.decay, lambda v: validate.number(v, "decay", 0, 1, high_open=True)),
-        weight_decay=validate.traceable(
-            self.weight_decay, lambda v: validate.number(v, "weight_decay", 0)))
-    for name, value in checked.items():
-      object.__setattr__(self, name, value)
+  learning_rate: Any = validate.setting(check=validate.learning_rate, traceable=True)
+  chunk: int = validate.setting(64, check=functools.partial(
+      validate.integer, minimum=1, static="fixes the tiles' shapes"))
+  k: int = validate.setting(32, check=functools.partial(
+      validate.integer, minimum=1, static="fixes how many coefficients are sent"))
+  decay: Any = validate.setting(0.999, check=functools.partial(
+      validate.number, low=0, high=1, high_open=True), traceable=True)
+  weight_decay: Any = validate.setting(0.0, check=functools.partial(validate.number, low=0),
+                                       traceable=True)
+
+  @property
+  def output(self) -> str:
+    return "update"
 
 
 class DeMoState(NamedTuple):
@@ -272,10 +264,6 @@ def step(config: DeMoConfig, state: DeMoState, leaves: list, axis_name, phase,
   return updates, finite.keep_if_finite(ok, new_state, state), ok  # 9
 
 
-DEMO = compressor.Algorithm("demo", DeMoState, DeMoConfig, init, step, nonfinite="own",
-                            output="update", traceable=("learning_rate", "decay", "weight_decay"))
-
-
 def demo(learning_rate, *, chunk: int = 64, k: int = 32, decay: float = 0.999,
          weight_decay: float = 0.0,
          axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
@@ -320,5 +308,6 @@ def demo(learning_rate, *, chunk: int = 64, k: int = 32, decay: float = 0.999,
     Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", 2024, Algorithm 1;
     bloc97/DeMo ``demo.py``.
   """
-  return compressor.transformation(DEMO, axis_name, learning_rate=learning_rate, chunk=chunk, k=k,
-                                   decay=decay, weight_decay=weight_decay)
+  config = DeMoConfig(learning_rate=learning_rate, chunk=chunk, k=k, decay=decay,
+                      weight_decay=weight_decay)
+  return compressor.transformation(config, init, step, axis_name)

@@ -22,24 +22,34 @@ from typing import NamedTuple, Optional
 import jax
 import optax
 
-from jaxcomp._src import axis, compressor, shards
+from jaxcomp._src import axis, compressor, shards, validate
 from jaxcomp._src import tree as tree_lib
+
+
+_NAMES = {None: "allreduce", "float16": "fp16_compress", "bfloat16": "bf16_compress"}
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class DenseConfig:
+class DenseConfig(compressor.MeanConfig):
   """A dense mean's setting.
 
   Attributes:
     wire_dtype: the dtype the sum runs in (None: the gradient's own). float16 halves the bytes and
       keeps 11 bits of mantissa, bfloat16 keeps float32's range with 8.
   """
-  wire_dtype: Optional[str] = None
+  STATEFUL = False  # a NaN on one device makes that coordinate of the mean NaN everywhere
+
+  wire_dtype: Optional[str] = validate.setting(
+      None, check=functools.partial(validate.choice, choices=tuple(_NAMES)))
+
+  @property
+  def name(self) -> str:
+    return _NAMES[self.wire_dtype]
 
 
 class DenseState(NamedTuple):
-  """State of the dense means: their setting and the gradient signature, to catch a changed pytree."""
+  """State of the dense means: the setting and the gradient signature, to catch a changed pytree."""
   config: DenseConfig
   signature: tree_lib.TreeSignature
 
@@ -62,16 +72,6 @@ def scatter(config: DenseConfig, state: DenseState, leaves: list, axis_name, pha
   return shards.mean_scatter(leaves, axis_name, config.wire_dtype), state
 
 
-def _algorithm(name: str, wire_dtype: Optional[str]) -> compressor.Algorithm:
-  return compressor.Algorithm(name, DenseState, functools.partial(DenseConfig, wire_dtype), init,
-                              step, stateful=False, scatter=scatter)
-
-
-ALLREDUCE = _algorithm("allreduce", None)
-FP16 = _algorithm("fp16_compress", "float16")
-BF16 = _algorithm("bf16_compress", "bfloat16")
-
-
 def allreduce(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
   """The plain cross-device mean (÷W, then sum), the baseline every compressor is measured against.
 
@@ -89,7 +89,7 @@ def allreduce(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransforma
   Returns:
     A stateless ``GradientTransformation``.
   """
-  return compressor.transformation(ALLREDUCE, axis_name)
+  return compressor.transformation(DenseConfig(None), init, step, axis_name, scatter=scatter)
 
 
 def fp16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
@@ -115,7 +115,8 @@ def fp16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransf
   References:
     PyTorch ``default_hooks.fp16_compress_hook``.
   """
-  return compressor.transformation(FP16, axis_name)
+  return compressor.transformation(DenseConfig("float16"), init, step, axis_name,
+                                   scatter=scatter)
 
 
 def bf16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
@@ -139,4 +140,5 @@ def bf16_compress(*, axis_name: axis.AxisName = "batch") -> optax.GradientTransf
   Returns:
     A stateless ``GradientTransformation``; outputs keep the gradients' dtypes.
   """
-  return compressor.transformation(BF16, axis_name)
+  return compressor.transformation(DenseConfig("bfloat16"), init, step, axis_name,
+                                   scatter=scatter)

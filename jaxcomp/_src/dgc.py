@@ -1,7 +1,9 @@
-"""Deep Gradient Compression: momentum-corrected top-k sparsification, and its coarse-grained variant.
+"""Deep Gradient Compression: momentum-corrected top-k sparsification, and its coarse-grained
+variant.
 
-Both transformations sit first in ``optax.chain`` and carry the momentum themselves, as the reference
-``DGCSGD`` does, so the optimizer after them has none; weight decay goes before them so that it is local::
+Both transformations sit first in ``optax.chain`` and carry the momentum themselves, as the
+reference ``DGCSGD`` does, so the optimizer after them has none; weight decay goes before them so
+that it is local::
 
     tx = optax.chain(optax.add_decayed_weights(1e-4), jaxcomp.dgc(0.001), optax.sgd(lr))
 
@@ -11,19 +13,20 @@ take the dense mean, then momentum ``u ← m·u + mean(g)``, output ``u``):
 1. local gradient clipping of the whole gradient to norm ``clip_norm · W^clip_exponent`` (optional);
 2. momentum correction: ``u ← m·u + g; v ← v + u`` (Nesterov: ``u ← m·(u + g); v ← v + u + g``);
 3. selection of at most k = ceil(numel·density) coordinates: ``dgc`` takes its own largest ``|v|``
-   (the reference's threshold estimated from a sample, or exact top-k); ``coarse_dgc`` all-reduces the
-   L1 norms of chunks of ``v`` and every device takes the same top chunks;
-4. exchange: ``dgc`` all-gathers the k values and int32 indices of every device and scatter-adds them
-   (duplicates sum) ×1/W; ``coarse_dgc`` averages the chosen chunks, so its bytes do not grow with W;
+   (the reference's threshold estimated from a sample, or exact top-k); ``coarse_dgc`` all-reduces
+   the L1 norms of chunks of ``v`` and every device takes the same top chunks;
+4. exchange: ``dgc`` all-gathers the k values and int32 indices of every device and scatter-adds
+   them (duplicates sum) ×1/W; ``coarse_dgc`` averages the chosen chunks, so its bytes do not grow
+   with W;
 5. ``v ← 0`` at the sent coordinates, and ``u ← 0`` there too with momentum factor masking;
 6. non-finite values (``jaxcomp._src.finite``'s policy), seen in what is sent, no flag: 2's ``v`` is
    computed where it is read, the state written after the exchange and kept if any device's ``v``
    was not finite (``dgc`` sends that device's values as NaN; ``coarse_dgc``'s norms and the dense
    means show it); every output is then NaN. Donated, ``g``, ``u`` and ``v`` are copied once.
 
-Warm-up ramps the density through stages, one phase of the step each. Where a stage's sparse exchange
-would send at least a leaf's dense all-reduce (``dgc``: ``W·density·2 ≥ 1`` for float32 values), the
-mean of its whole ``v`` is sent instead: nothing is delayed, so nothing is masked.
+Warm-up ramps the density through stages, one phase of the step each. Where a stage's sparse
+exchange would send at least a leaf's dense all-reduce (``dgc``: ``W·density·2 ≥ 1`` for float32
+values), the mean of its whole ``v`` is sent instead: nothing is delayed, so nothing is masked.
 
 References:
   Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the Communication Bandwidth for
@@ -59,7 +62,7 @@ _DENSITY_IS_STATIC = "fixes k, the number of coordinates sent; schedule the dens
 
 
 @dataclasses.dataclass(frozen=True)
-class TopKExchange:
+class TopKExchange(validate.Config):
   """``dgc``'s exchange: each device sends its own top coordinates; all-gather, scatter-add, ×1/W.
 
   Attributes:
@@ -67,37 +70,35 @@ class TopKExchange:
       ``lax.top_k`` of millions of elements costs more than the rest of the step), or ``"exact"``.
     sample_ratio: fraction of each leaf sampled for the threshold (at least 2/density samples).
     upper_bound: with more than ``upper_bound·k`` candidates, the exact top k among them are sent.
-    lower_bound: with fewer than ``lower_bound·k`` candidates, the threshold is lowered by this factor,
+    lower_bound: with fewer than ``lower_bound·k`` candidates, the threshold is lowered by this
+    factor,
       at most ``max_adaptation_iters`` times.
     seed: seeds the sampling offsets, drawn per step and per leaf path.
   """
-  selection: str = "sampled"
-  sample_ratio: float = 0.01
-  upper_bound: float = 1.3
-  lower_bound: float = 0.8
-  max_adaptation_iters: int = 10
-  seed: int = 0
+  name = "dgc"
 
-  def __post_init__(self):
-    validate.choice(self.selection, "selection", ("sampled", "exact"))
-    validate.density(self.sample_ratio, "sample_ratio")
-    validate.number(self.upper_bound, "upper_bound", 1)
-    validate.number(self.lower_bound, "lower_bound", 0, 1, low_open=True, high_open=True)
-    for name in ("max_adaptation_iters", "seed"):
-      validate.integer(getattr(self, name), name, 0)
+  selection: str = validate.setting("sampled", check=functools.partial(
+      validate.choice, choices=("sampled", "exact")))
+  sample_ratio: float = validate.setting(0.01, check=validate.density)
+  upper_bound: float = validate.setting(1.3, check=functools.partial(validate.number, low=1))
+  lower_bound: float = validate.setting(0.8, check=functools.partial(
+      validate.number, low=0, high=1, low_open=True, high_open=True))
+  max_adaptation_iters: int = validate.setting(10, check=validate.integer)
+  seed: int = validate.setting(0, check=validate.integer)
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkExchange:
-  """``coarse_dgc``'s exchange: all-reduce the chunks' L1 norms, then the mean of the same top chunks.
+class ChunkExchange(validate.Config):
+  """``coarse_dgc``'s exchange: all-reduce the chunks' L1 norms, then the mean of the same top
+  chunks.
 
   Attributes:
     chunk_size: elements per chunk (the last is zero-padded); larger chunks cost fewer norms.
   """
-  chunk_size: int = 256
+  name = "coarse_dgc"
 
-  def __post_init__(self):
-    validate.integer(self.chunk_size, "chunk_size", 1, static="fixes the chunks' shape")
+  chunk_size: int = validate.setting(256, check=functools.partial(
+      validate.integer, minimum=1, static="fixes the chunks' shape"))
 
 
 def _ndim_above_one(path: str, leaf) -> bool:
@@ -107,7 +108,7 @@ def _ndim_above_one(path: str, leaf) -> bool:
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class DGCConfig:
+class DGCConfig(compressor.MeanConfig):
   """DGC's settings, validated; a static pytree node kept in the state.
 
   Attributes:
@@ -130,43 +131,69 @@ class DGCConfig:
     sparsify: ``sparsify(path, leaf) -> bool``, the leaf a ``jax.ShapeDtypeStruct``: which reduced
       leaves are sparsified; default ``leaf.ndim > 1`` (biases and norm scales are small).
   """
-  ratio: float = 0.001
-  exchange: Union[TopKExchange, ChunkExchange] = TopKExchange()
-  momentum: Any = 0.9
-  nesterov: bool = False
-  momentum_masking: bool = True
-  warmup: tuple = ()
-  clip_norm: Any = None
-  clip_exponent: Any = -0.5
-  value_dtype: Any = None
-  sparsify: Callable = _ndim_above_one
+  NONFINITE = "own"  # 6: from the values (or norms) it sends anyway
 
-  def __post_init__(self):
-    if not isinstance(self.exchange, (TopKExchange, ChunkExchange)):
-      raise TypeError(f"exchange must be a TopKExchange or a ChunkExchange; got {self.exchange!r}")
-    momentum = validate.traceable(
-        self.momentum, lambda m: validate.number(m, "momentum", 0, 1, high_open=True))
-    if validate.boolean(self.nesterov, "nesterov") and isinstance(momentum, float) and not momentum:
+  ratio: float = validate.setting(0.001, check=functools.partial(validate.density,
+                                                                 static=_DENSITY_IS_STATIC))
+  exchange: Union[TopKExchange, ChunkExchange] = validate.setting(
+      TopKExchange(), check=lambda value, name: _exchange(value))
+  momentum: Any = validate.setting(0.9, check=functools.partial(
+      validate.number, low=0, high=1, high_open=True), traceable=True)
+  nesterov: bool = validate.setting(False, check=validate.boolean)
+  momentum_masking: bool = validate.setting(True, check=validate.boolean)
+  warmup: tuple = validate.setting((), check=lambda value, name: warmup_stages(value))
+  clip_norm: Any = validate.setting(None, check=validate.optional(functools.partial(
+      validate.number, low=0, low_open=True)), traceable=True)
+  clip_exponent: Any = validate.setting(-0.5, check=validate.number, traceable=True)
+  value_dtype: Any = validate.setting(None, check=lambda value, name: _value_dtype(value))
+  sparsify: Callable = validate.setting(_ndim_above_one, check=functools.partial(
+      validate.function, signature="sparsify(path, leaf) -> bool"))
+
+  @property
+  def name(self) -> str:
+    return self.exchange.name
+
+  def check(self):
+    if self.nesterov and isinstance(self.momentum, float) and not self.momentum:
       raise ValueError("nesterov=True needs a momentum > 0; got momentum=0")
-    value_dtype = None if self.value_dtype is None else jnp.dtype(self.value_dtype)
-    validate.choice(getattr(value_dtype, "name", None), "value_dtype",
-                    (None, "float32", "float16", "bfloat16"))
-    values = dict(
-        ratio=validate.density(self.ratio, "ratio", static=_DENSITY_IS_STATIC), momentum=momentum,
-        warmup=warmup_stages(self.warmup), value_dtype=value_dtype,
-        clip_norm=None if self.clip_norm is None else validate.traceable(
-            self.clip_norm, lambda c: validate.number(c, "clip_norm", 0, low_open=True)),
-        clip_exponent=validate.traceable(self.clip_exponent,
-                                         lambda e: validate.number(e, "clip_exponent")))
-    validate.boolean(self.momentum_masking, "momentum_masking")
-    validate.function(self.sparsify, "sparsify", "sparsify(path, leaf) -> bool")
-    for name, value in values.items():
-      object.__setattr__(self, name, value)
 
   @property
   def densities(self) -> tuple:
     """The density of each stage: the warm-up's, then ``ratio``."""
     return tuple(d for _, d in self.warmup) + (self.ratio,)
+
+  def phases(self) -> tuple:
+    """One phase per density: the warm-up's (share 0), then ``ratio`` (share 1)."""
+    warm = dict.fromkeys(d for d in self.densities[:-1] if d != self.ratio)
+    return (tuple(phases_lib.Phase(f"{self.name}.density={d:g}", 0.0, d) for d in warm)
+            + (phases_lib.Phase(f"{self.name}.density={self.ratio:g}", 1.0, self.ratio),))
+
+  def phase_of(self, count) -> jax.Array:
+    """The phase of the warm-up stage that ``count`` is in."""
+    densities = [p.value for p in self.phases()]
+    stage = sum((count >= end).astype(jnp.int32) for end, _ in self.warmup)
+    return jnp.asarray([densities.index(d) for d in self.densities], jnp.int32)[stage]
+
+  def unbucketable(self) -> Optional[str]:
+    if self.clip_norm is not None:
+      return ("local clipping (clip_norm) needs the whole gradient's norm, which a bucket does "
+              "not see: clip without buckets (jaxcomp.dgc(..., clip_norm=...), no "
+              "bucket_cap_mb), or drop clip_norm")
+    return None
+
+
+def _exchange(value):
+  if not isinstance(value, (TopKExchange, ChunkExchange)):
+    raise TypeError(f"exchange must be a TopKExchange or a ChunkExchange; got {value!r}")
+  return value
+
+
+def _value_dtype(value):
+  """None, or the dtype of the values on the wire: float32, float16 or bfloat16."""
+  dtype = None if value is None else jnp.dtype(value)
+  validate.choice(getattr(dtype, "name", None), "value_dtype",
+                  (None, "float32", "float16", "bfloat16"))
+  return dtype
 
 
 def warmup_stages(warmup, steps_per_epoch: Optional[int] = None) -> tuple:
@@ -185,22 +212,25 @@ def warmup_stages(warmup, steps_per_epoch: Optional[int] = None) -> tuple:
     raise ValueError(f"warmup must be None, 'paper' or a sequence of (end_step, density) pairs; "
                      f"got {warmup!r}") from None
   for (end, density), previous in zip(stages, (0,) + tuple(e for e, _ in stages)):
-    if isinstance(end, (bool, np.bool_)) or not isinstance(end, (int, np.integer)) or end <= previous:
+    integer = isinstance(end, (int, np.integer)) and not isinstance(end, (bool, np.bool_))
+    if not integer or end <= previous:
       raise ValueError("warmup: stage ends must be increasing positive ints (the first step after "
                        f"each stage); got {end!r} after {previous}")
     validate.density(density, "warmup density", static=_DENSITY_IS_STATIC)
   return tuple((int(end), float(density)) for end, density in stages)
 
 
-def _configure(exchange: type, ratio: float, *, warmup=None, steps_per_epoch=None, sparsify=None,
-               **settings) -> DGCConfig:
-  """The ``DGCConfig`` of a factory's keyword arguments: ``exchange``'s fields go to the exchange
-  (None: its default), the rest to the configuration."""
-  fields = {f.name for f in dataclasses.fields(exchange)}
+def config(exchange: type, ratio: float, *, momentum=0.9, nesterov=False, momentum_masking=True,
+           clip_norm=None, clip_exponent=-0.5, warmup=None, steps_per_epoch=None,
+           value_dtype=None, sparsify=None, **exchange_settings) -> DGCConfig:
+  """The ``DGCConfig`` of ``dgc``'s (``exchange=TopKExchange``) or ``coarse_dgc``'s
+  (``ChunkExchange``) keyword arguments: the exchange's settings (None: its default) go to the
+  exchange, ``warmup`` and ``steps_per_epoch`` make the stages."""
   return DGCConfig(
-      ratio, exchange(**{k: v for k, v in settings.items() if k in fields and v is not None}),
-      warmup=warmup_stages(warmup, steps_per_epoch), sparsify=sparsify or _ndim_above_one,
-      **{k: v for k, v in settings.items() if k not in fields})
+      ratio, exchange(**{k: v for k, v in exchange_settings.items() if v is not None}),
+      momentum=momentum, nesterov=nesterov, momentum_masking=momentum_masking,
+      warmup=warmup_stages(warmup, steps_per_epoch), clip_norm=clip_norm,
+      clip_exponent=clip_exponent, value_dtype=value_dtype, sparsify=sparsify or _ndim_above_one)
 
 
 class DGCState(NamedTuple):
@@ -248,22 +278,8 @@ def init(config: DGCConfig, signature: tree_lib.TreeSignature) -> DGCState:
                   signature)
 
 
-def phases(config: DGCConfig) -> tuple:
-  """One phase per density: the warm-up's (share 0), then ``ratio`` (share 1)."""
-  warm = dict.fromkeys(d for d in config.densities[:-1] if d != config.ratio)
-  return (tuple(phases_lib.Phase(f"density={d:g}", 0.0, d) for d in warm)
-          + (phases_lib.Phase(f"density={config.ratio:g}", 1.0, config.ratio),))
-
-
-def phase_of(config: DGCConfig, count) -> jax.Array:
-  """The phase of the warm-up stage that ``count`` is in."""
-  densities = [p.value for p in phases(config)]
-  stage = sum((count >= end).astype(jnp.int32) for end, _ in config.warmup)
-  return jnp.asarray([densities.index(d) for d in config.densities], jnp.int32)[stage]
-
-
 def _clipped(config: DGCConfig, leaves: list, axis_name) -> list:
-  """1: local gradient clipping (paper §3.3), before accumulation, threshold scaled by W^exponent."""
+  """1: local gradient clipping (paper §3.3) before accumulation, the threshold scaled by W^exp."""
   if config.clip_norm is None:
     return leaves
   norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
@@ -316,7 +332,7 @@ def _topk_exchange(exchange: TopKExchange, vs, density, keys, wires, axis_name, 
 
 
 def _chunk_exchange(exchange: ChunkExchange, vs, density, _, wires, axis_name, ok) -> tuple:
-  """3–4, 6 for ``coarse_dgc``, as ``_topk_exchange``: one all-reduce of the norms, one of chunks."""
+  """3–4, 6 for ``coarse_dgc``, as ``_topk_exchange``: an all-reduce of the norms, one of chunks."""
   size = exchange.chunk_size
   norms = axis.psum_many([jnp.abs(jnp.pad(v().ravel(), (0, -v().size % size)).reshape(-1, size))
                           .sum(1, jnp.float32) for v in vs], axis_name)
@@ -377,22 +393,6 @@ def step(config: DGCConfig, state: DGCState, leaves: list, axis_name, phase) -> 
   return [means[i].astype(g.dtype) for i, g in enumerate(leaves)], new_state, ok
 
 
-def _unbucketable(config: DGCConfig) -> Optional[str]:
-  if config.clip_norm is not None:
-    return ("local clipping (clip_norm) needs the whole gradient's norm, which a bucket does not "
-            "see: clip without buckets (jaxcomp.dgc(..., clip_norm=...), no bucket_cap_mb), or "
-            "drop clip_norm")
-  return None
-
-
-DGC = compressor.Algorithm("dgc", DGCState, functools.partial(_configure, TopKExchange), init,
-                           step, phases, phase_of, unbucketable=_unbucketable,
-                           traceable=("momentum", "clip_norm", "clip_exponent"),
-                           nonfinite="own")  # 6: from the values (or norms) it sends anyway
-COARSE_DGC = dataclasses.replace(DGC, name="coarse_dgc",
-                                 configure=functools.partial(_configure, ChunkExchange))
-
-
 def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: float = 0.9,
         nesterov: bool = False, momentum_masking: bool = True, clip_norm: Optional[float] = None,
         clip_exponent: float = -0.5, warmup: Union[None, str, Sequence] = None,
@@ -447,12 +447,13 @@ def dgc(ratio: float = 0.001, *, axis_name: axis.AxisName = "batch", momentum: f
     Lin et al., "Deep Gradient Compression", ICLR 2018, §3 (momentum correction, local gradient
     clipping, momentum factor masking, warm-up training); reference ``DGCCompressor``.
   """
-  return compressor.transformation(
-      DGC, axis_name, bucket_cap_mb, ratio=ratio, momentum=momentum, nesterov=nesterov,
+  settings = config(
+      TopKExchange, ratio, momentum=momentum, nesterov=nesterov,
       momentum_masking=momentum_masking, clip_norm=clip_norm, clip_exponent=clip_exponent,
       warmup=warmup, steps_per_epoch=steps_per_epoch, value_dtype=value_dtype, sparsify=sparsify,
       selection=selection, sample_ratio=sample_ratio, upper_bound=upper_bound,
       lower_bound=lower_bound, max_adaptation_iters=max_adaptation_iters, seed=seed)
+  return compressor.transformation(settings, init, step, axis_name, bucket_cap_mb=bucket_cap_mb)
 
 
 def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch",
@@ -493,8 +494,8 @@ def coarse_dgc(ratio: float = 0.01, *, axis_name: axis.AxisName = "batch",
     ImageNet/AlexNet Training in 1.5 Minutes", 2019 (coarse-grained sparse communication); Lin et
     al., "Deep Gradient Compression", ICLR 2018 (momentum correction, clipping, warm-up).
   """
-  return compressor.transformation(
-      COARSE_DGC, axis_name, bucket_cap_mb, ratio=ratio, chunk_size=chunk_size, momentum=momentum,
-      nesterov=nesterov, momentum_masking=momentum_masking, clip_norm=clip_norm,
-      clip_exponent=clip_exponent, warmup=warmup, steps_per_epoch=steps_per_epoch,
-      value_dtype=value_dtype, sparsify=sparsify)
+  settings = config(
+      ChunkExchange, ratio, chunk_size=chunk_size, momentum=momentum, nesterov=nesterov,
+      momentum_masking=momentum_masking, clip_norm=clip_norm, clip_exponent=clip_exponent,
+      warmup=warmup, steps_per_epoch=steps_per_epoch, value_dtype=value_dtype, sparsify=sparsify)
+  return compressor.transformation(settings, init, step, axis_name, bucket_cap_mb=bucket_cap_mb)

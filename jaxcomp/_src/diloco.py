@@ -1,11 +1,12 @@
-"""DiLoCo: H local steps of an inner optimizer, then an outer Nesterov step on the averaged pseudo-gradient.
+"""DiLoCo: H local steps of an inner optimizer, then an outer Nesterov step on the averaged
+pseudo-gradient.
 
-Every device trains its replica for ``sync_every`` (H) steps of the inner optimizer (the paper: AdamW)
-on its own data, without communicating. Then the devices average their *pseudo-gradients* — how far
-each moved from the parameters θ the period started from — and one outer optimizer step (SGD with
-Nesterov momentum) moves θ; every device restarts from the new θ. One all-reduce of the parameters' size
-per H steps: H times less traffic than data-parallel training, and with ``compressor`` (float16,
-PowerSGD, …) on the pseudo-gradient less still.
+Every device trains its replica for ``sync_every`` (H) steps of the inner optimizer (the paper:
+AdamW) on its own data, without communicating. Then the devices average their *pseudo-gradients* —
+how far each moved from the parameters θ the period started from — and one outer optimizer step (SGD
+with Nesterov momentum) moves θ; every device restarts from the new θ. One all-reduce of the
+parameters' size per H steps: H times less traffic than data-parallel training, and with
+``compressor`` (float16, PowerSGD, …) on the pseudo-gradient less still.
 
 Like ``local_sgd``, ``diloco`` is the whole optimizer: its update needs ``params`` and returns
 ``jaxcomp.Assign`` updates, which ``optax.apply_updates`` applies exactly, so every device holds
@@ -20,14 +21,14 @@ paper's Algorithm 1):
 2. After every H-th step (steps H − 1, 2H − 1, … counted from 0), the outer step:
 3. the "outer gradient" (pseudo-gradient) Δᵢ = θ − θᵢ, θ being the parameters of the last outer
    step, kept in the state and the same on every device;
-4. averaged, Δ = (1/W) Σᵢ Δᵢ: ÷W, then an all-reduce SUM of every leaf (XLA sends them as one) — or through
-   ``compressor``, a jaxcomp transformation whose output is the cross-device mean (``fp16_compress``,
-   ``powersgd``, …), whose state persists across outer steps;
-5. the "OuterOpt", SGD with Nesterov momentum μ and learning rate η: m ← μ·m + Δ; θ ← θ − η·(Δ + μ·m)
-   (with ``nesterov=False``, θ ← θ − η·m), torch's and optax's ``sgd``, which runs it;
-6. every device's parameters are set to the new θ (each replica starts the next period from θ). If the new θ is not
-   finite (the average overflowed), θ and m are kept and the devices restart from the old θ. Every
-   quantity of steps 4–6 is identical on every device, so the decision is too.
+4. averaged, Δ = (1/W) Σᵢ Δᵢ: ÷W, then an all-reduce SUM of every leaf (XLA sends them as one) — or
+   through ``compressor``, a jaxcomp transformation whose output is the cross-device mean
+   (``fp16_compress``, ``powersgd``, …), whose state persists across outer steps;
+5. the "OuterOpt", SGD with Nesterov momentum μ and learning rate η: m ← μ·m + Δ; θ ← θ − η·(Δ +
+   μ·m) (with ``nesterov=False``, θ ← θ − η·m), torch's and optax's ``sgd``, which runs it;
+6. every device's parameters are set to the new θ (each replica starts the next period from θ). If
+   the new θ is not finite (the average overflowed), θ and m are kept and the devices restart from
+   the old θ. Every quantity of steps 4–6 is identical on every device, so the decision is too.
 
 With ``sync_every=1``, η = 1 and μ = 0, θ ← θ − mean(θ − θᵢ) = mean(θᵢ): for an inner optimizer that
 is linear in the gradient (SGD, with or without momentum) that is data-parallel training.
@@ -47,6 +48,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -54,13 +56,12 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import axis, finite, interface, local_steps, phases, validate
-from jaxcomp._src import compressor as adapter
 from jaxcomp._src import tree as tree_lib
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class DiLoCoConfig:
+class DiLoCoConfig(validate.Config):
   """DiLoCo's settings, validated; a static node of the state.
 
   Attributes:
@@ -75,27 +76,20 @@ class DiLoCoConfig:
     compressor: the jaxcomp transformation that averages the pseudo-gradient (step 4), or None
       for the float32 mean. Its state persists across outer steps; its ``start_iter`` counts them.
   """
-  inner: optax.GradientTransformation
-  sync_every: int
-  outer_learning_rate: float = 0.7
-  outer_momentum: float = 0.9
-  nesterov: bool = True
-  compressor: Optional[interface.Transformation] = None
+  name = "diloco"
 
-  def __post_init__(self):
-    checked = dict(
-        inner=validate.transformation(self.inner, "inner", "optax.adamw(1e-3)"),
-        sync_every=validate.integer(self.sync_every, "sync_every", 1,
-                                    static="fixes when the devices communicate"),
-        outer_learning_rate=validate.number(self.outer_learning_rate, "outer_learning_rate", 0,
-                                            low_open=True),
-        outer_momentum=validate.number(self.outer_momentum, "outer_momentum", 0, 1,
-                                       high_open=True),
-        nesterov=validate.boolean(self.nesterov, "nesterov"),
-        compressor=None if self.compressor is None else interface.mean(
-            self.compressor, "compressor", "jaxcomp.fp16_compress()"))
-    for name, value in checked.items():
-      object.__setattr__(self, name, value)
+  inner: optax.GradientTransformation = validate.setting(check=functools.partial(
+      validate.transformation, example="optax.adamw(1e-3)"))
+  sync_every: int = validate.setting(check=functools.partial(
+      validate.integer, minimum=1, static="fixes when the devices communicate"))
+  outer_learning_rate: float = validate.setting(0.7, check=functools.partial(
+      validate.number, low=0, low_open=True))
+  outer_momentum: float = validate.setting(0.9, check=functools.partial(
+      validate.number, low=0, high=1, high_open=True))
+  nesterov: bool = validate.setting(True, check=validate.boolean)
+  compressor: Optional[interface.Transformation] = validate.setting(
+      None, check=validate.optional(functools.partial(interface.mean,
+                                                      example="jaxcomp.fp16_compress()")))
 
   def syncs_after(self, step):
     """Whether an outer step follows inner step ``step`` (0-based; an int or an array)."""
@@ -115,7 +109,8 @@ class DiLoCoState(NamedTuple):
     outer_params: θ, the parameters of the last outer step, one entry per parameter leaf
       (``optax.MaskedNode()`` for leaves that are not reduced); the same on every device.
     outer_state: the outer SGD's state (its momentum m); the same on every device.
-    compressor_state: the compressor's state (``optax.EmptyState()`` without one); it declares its own
+    compressor_state: the compressor's state (``optax.EmptyState()`` without one); it declares its
+    own
       per-device fields (PowerSGD's error feedback).
     inner_state: the inner optimizer's state, with a leading axis of length 1 on every leaf. PER
       DEVICE: each device's optimizer steps on its own gradients.
@@ -192,19 +187,15 @@ def step(config: DiLoCoConfig, state: DiLoCoState, grads, params,
   """Steps 1–6 (the module docstring): ``(new params, new state)``."""
   # 1: the inner step on this device.
   local, inner_state = local_steps.local_update(
-      config.inner, grads, local_steps.from_device(state.inner_state), params,
-      axis_name)
+      config, grads, local_steps.from_device(state.inner_state), params, axis_name)
   # 2: the outer step after every H-th inner step.
   leaves, theta, outer_state, compressor_state = phases.when(
-      config.syncs_after(state.count), phases.Phase("sync", 1 / config.sync_every),
+      config.syncs_after(state.count), phases.Phase(f"{config.name}.sync", 1 / config.sync_every),
       lambda *operands: _sync(config, axis_name, state, *operands),
       jax.tree.leaves(local), state.outer_params, state.outer_state, state.compressor_state)
   return tree_lib.like(local, leaves), state._replace(
       outer_params=theta, outer_state=outer_state, compressor_state=compressor_state,
       inner_state=local_steps.to_device(inner_state))
-
-
-DILOCO = adapter.Algorithm("diloco", DiLoCoState, DiLoCoConfig, init, step, output="assign")
 
 
 def same_axis(compressor: Optional[interface.Transformation], axis_name: axis.AxisName,
@@ -272,10 +263,8 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023,
     Algorithm 1.
   """
-  if compressor is not None:
-    compressor = interface.mean(compressor, "compressor", "jaxcomp.fp16_compress()")
-    same_axis(compressor, axis.check_axis_name(axis_name), "diloco")
-  return adapter.transformation(
-      DILOCO, axis_name, inner=inner, sync_every=sync_every,
-      outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum, nesterov=nesterov,
-      compressor=compressor)
+  config = DiLoCoConfig(inner=inner, sync_every=sync_every,
+                        outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
+                        nesterov=nesterov, compressor=compressor)
+  same_axis(config.compressor, axis.check_axis_name(axis_name), config.name)
+  return local_steps.transformation(config, init, step, axis_name)

@@ -46,13 +46,13 @@ every gradient dtype (ref.: the parameter's dtype unless a mixed-precision confi
 Leaves of more than two dimensions are matrices too, through ``fan_in`` (ref.: 2-D only; Flax's
 attention kernels (in, heads, head_dim) are (in, heads·head_dim)); the embeddings Flax names
 ``embedding`` go to the scalar optimizer by default, but the output layer cannot be told from the
-model's other matrices by its shape or name: pass ``fan_in`` to send it there too, as the paper does.
-The orthonormalisation is Gram–Schmidt or Householder QR (ref.: randomized Cholesky QR, a faster
-way to the same factor up to column signs, which the update does not depend on). A zero momentum
-gives a zero update with Q kept, decided on the all-reduced factors (ref. decides on each device's
-own momentum, which under compressed exchange can differ between devices). The state is saved
-whole, so a resumed run continues bitwise; ref. must all-reduce its per-device momenta before a
-checkpoint (``synchronize_for_checkpoint``), which changes them.
+model's other matrices by its shape or name: pass ``fan_in`` to send it there too, as the paper
+does. The orthonormalisation is Gram–Schmidt or Householder QR (ref.: randomized Cholesky QR, a
+faster way to the same factor up to column signs, which the update does not depend on). A zero
+momentum gives a zero update with Q kept, decided on the all-reduced factors (ref. decides on each
+device's own momentum, which under compressed exchange can differ between devices). The state is
+saved whole, so a resumed run continues bitwise; ref. must all-reduce its per-device momenta before
+a checkpoint (``synchronize_for_checkpoint``), which changes them.
 
 References:
   Ahn et al., "Dion: Distributed Orthonormalized Updates", 2025
@@ -64,6 +64,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from typing import Any, Callable, NamedTuple, Optional
@@ -96,58 +97,51 @@ def dion_fan_in(path: str, leaf) -> Optional[int]:
   return ndim - 1
 
 
-def _learning_rate(value, name: str, optional: bool = False):
-  """A positive number, a schedule, ``TRACED`` or an array; None where ``optional``."""
-  if (value is None and optional) or callable(value) or value is validate.TRACED:
-    return value
-  return validate.traceable(value, lambda v: validate.number(v, name, 0, low_open=True))
+def _decay(value, name: str) -> float:
+  """A decay rate in [0, 1)."""
+  return validate.number(value, name, 0, 1, high_open=True)
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class DionConfig:
+class DionConfig(compressor.MeanConfig):
   """Dion's settings, validated; a static node in the state. Attributes: ``dion``'s arguments."""
-  learning_rate: Any
-  rank: Optional[int] = None
-  rank_fraction: Optional[float] = None
-  mu: float = 0.95
-  weight_decay: Any = 0.01
-  scalar_optimizer: str = "adamw"
-  scalar_learning_rate: Any = None
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  scalar_weight_decay: Any = 0.0
-  fan_in: Optional[Callable] = None
-  seed: int = 0
+  name = "dion"
+  NONFINITE = "own"  # 9: from the factors and means it all-reduces anyway
 
-  def __post_init__(self):
+  learning_rate: Any = validate.setting(check=validate.learning_rate, traceable=True)
+  rank: Optional[int] = validate.setting(None, check=validate.optional(functools.partial(
+      validate.integer, minimum=1, static="fixes the shapes of P and Q")))
+  rank_fraction: Optional[float] = validate.setting(None, check=validate.optional(
+      functools.partial(validate.density, static="fixes the shapes of P and Q")))
+  mu: Any = validate.setting(0.95, check=functools.partial(validate.number, low=0, high=1),
+                             traceable=True)
+  weight_decay: Any = validate.setting(0.01, check=functools.partial(validate.number, low=0),
+                                       traceable=True)
+  scalar_optimizer: str = validate.setting("adamw", check=functools.partial(
+      validate.choice, choices=SCALAR_OPTIMIZERS))
+  scalar_learning_rate: Any = validate.setting(
+      None, check=validate.optional(validate.learning_rate), traceable=True)
+  b1: float = validate.setting(0.9, check=_decay, traceable=True)
+  b2: float = validate.setting(0.95, check=_decay, traceable=True)
+  eps: float = validate.setting(1e-8, check=functools.partial(validate.number, low=0),
+                                traceable=True)
+  scalar_weight_decay: Any = validate.setting(0.0, check=functools.partial(validate.number,
+                                                                           low=0),
+                                              traceable=True)
+  fan_in: Optional[Callable] = validate.setting(None, check=validate.optional(functools.partial(
+      validate.function, signature="fan_in(path, leaf) -> int or None")))
+  seed: int = validate.setting(0, check=functools.partial(
+      validate.integer, minimum=0, static="seeds the Qs drawn at init"))
+
+  @property
+  def output(self) -> str:
+    return "update"
+
+  def check(self):
     if self.rank is not None and self.rank_fraction is not None:
       raise ValueError(f"give rank or rank_fraction, not both; got rank={self.rank!r} and "
                        f"rank_fraction={self.rank_fraction!r}")
-    decay = lambda name: lambda v: validate.number(v, name, 0, 1, high_open=True)  # noqa: E731
-    checked = dict(
-        learning_rate=_learning_rate(self.learning_rate, "learning_rate"),
-        rank=None if self.rank is None else validate.integer(
-            self.rank, "rank", 1, static="fixes the shapes of P and Q"),
-        rank_fraction=None if self.rank_fraction is None else validate.density(
-            self.rank_fraction, "rank_fraction", static="fixes the shapes of P and Q"),
-        mu=validate.traceable(self.mu, lambda v: validate.number(v, "mu", 0, 1)),
-        weight_decay=validate.traceable(
-            self.weight_decay, lambda v: validate.number(v, "weight_decay", 0)),
-        scalar_optimizer=validate.choice(self.scalar_optimizer, "scalar_optimizer",
-                                         SCALAR_OPTIMIZERS),
-        scalar_learning_rate=_learning_rate(self.scalar_learning_rate, "scalar_learning_rate",
-                                            optional=True),
-        b1=validate.traceable(self.b1, decay("b1")), b2=validate.traceable(self.b2, decay("b2")),
-        eps=validate.traceable(self.eps, lambda v: validate.number(v, "eps", 0)),
-        scalar_weight_decay=validate.traceable(
-            self.scalar_weight_decay, lambda v: validate.number(v, "scalar_weight_decay", 0)),
-        fan_in=None if self.fan_in is None else validate.function(
-            self.fan_in, "fan_in", "fan_in(path, leaf) -> int or None"),
-        seed=validate.integer(self.seed, "seed", 0, static="seeds the Qs drawn at init"))
-    for name, value in checked.items():
-      object.__setattr__(self, name, value)
 
   def scalar_transformation(self) -> optax.GradientTransformation:
     """8: the scalar optimizer's direction (no learning rate, no weight decay)."""
@@ -252,9 +246,9 @@ def _nan_unless(ok: jax.Array, rate: jax.Array) -> jax.Array:
   return jnp.where(ok, rate, jnp.nan)
 
 
-def _factor(m: _Matrix, terms: tuple, f: jax.Array, long_side: bool) -> jax.Array:
+def _factor(m: _Matrix, terms: kernels.Sum, f: jax.Array, long_side: bool) -> jax.Array:
   """``B·f`` for the factor on the long side (P, from Q), ``Bᵀ·f`` for the short (R, from P̂), with
-  ``B = sum(terms)`` in the orientation 1 chose (``kernels.product``: B never written)."""
+  ``B = M + G`` in the orientation 1 chose (``kernels.Sum``: B never written)."""
   if long_side != m.transposed:
     return kernels.product(terms, f)  # (a, b) · (b, r)
   return kernels.transposed_product(terms, f)  # (a, b)ᵀ · (a, r)
@@ -285,14 +279,15 @@ def step(config: DionConfig, state: DionState, leaves: list, axis_name, phase,
   dense = [m for m in matrices if not m.compressed]
   view = lambda m, x: x.reshape(m.a, m.b)  # noqa: E731
   # 2: one all-reduce (÷W) of the dense leaves and of every compressed matrix's P = (M + G)·Q.
-  own_terms = {m.index: (view(m, grads[m.index]), view(m, own[m.index])) for m in packed}
+  own_terms = {m.index: kernels.Sum((view(m, grads[m.index]), view(m, own[m.index])))
+               for m in packed}
   sums = axis.mean_many([grads[k] for k in scalars] + [grads[m.index] for m in dense]
                         + [_factor(m, own_terms[m.index], qs[m.index], True) for m in packed],
                         axis_name)
   scalar_means, dense_means = sums[:len(scalars)], sums[len(scalars):len(scalars) + len(dense)]
   p_means = dict(zip([m.index for m in packed], sums[len(scalars) + len(dense):]))
   # 3: the uncompressed matrices' B = M + Ḡ and P = B·Q, locally; P̂ = orth(P̄).
-  terms = {**own_terms, **{m.index: (view(m, g), view(m, shared[m.index]))
+  terms = {**own_terms, **{m.index: kernels.Sum((view(m, g), view(m, shared[m.index])))
                            for m, g in zip(dense, dense_means)}}
   for m in dense:
     p_means[m.index] = _factor(m, terms[m.index], qs[m.index], True)
@@ -335,12 +330,6 @@ def step(config: DionConfig, state: DionState, leaves: list, axis_name, phase,
                              q=signature.place(new_q), scalar=scalar)
   new_state = finite.keep_if_finite(ok, new_state, state)  # 9
   return [u.astype(g.dtype) for u, g in zip(updates, leaves)], new_state, ok
-
-
-DION = compressor.Algorithm(
-    "dion", DionState, DionConfig, init, step, nonfinite="own", output="update",
-    traceable=("learning_rate", "scalar_learning_rate", "weight_decay", "scalar_weight_decay", "mu",
-               "b1", "b2", "eps"))
 
 
 def dion(learning_rate, *, rank: Optional[int] = None, rank_fraction: Optional[float] = None,
@@ -399,8 +388,9 @@ def dion(learning_rate, *, rank: Optional[int] = None, rank_fraction: Optional[f
   References:
     Ahn et al., "Dion: Distributed Orthonormalized Updates", 2025, Algorithm 1; microsoft/dion.
   """
-  return compressor.transformation(
-      DION, axis_name, learning_rate=learning_rate, rank=rank, rank_fraction=rank_fraction, mu=mu,
+  config = DionConfig(
+      learning_rate=learning_rate, rank=rank, rank_fraction=rank_fraction, mu=mu,
       weight_decay=weight_decay, scalar_optimizer=scalar_optimizer,
       scalar_learning_rate=scalar_learning_rate, b1=b1, b2=b2, eps=eps,
       scalar_weight_decay=scalar_weight_decay, fan_in=fan_in, seed=seed)
+  return compressor.transformation(config, init, step, axis_name)

@@ -1,30 +1,31 @@
 """What PyTorch DDP guarantees besides the gradient exchange, for JAX data parallelism.
 
 A jaxcomp transformation makes the gradient mean identical on every device. Three other promises of
-``torch.nn.parallel.DistributedDataParallel`` are not about gradients, and a JAX job has to keep them
-itself; this module holds one small function for each.
+``torch.nn.parallel.DistributedDataParallel`` are not about gradients, and a JAX job has to keep
+them itself; this module holds one small function for each.
 
-1. **Identical start.** DDP broadcasts rank 0's ``state_dict`` when it is constructed, "to make sure that
-   all model replicas start from the exact same state". A JAX job that initialises every process from
-   the same seed only *assumes* it: a process that restored another checkpoint, or runs a library
-   version that initialises differently, trains on from another start, and every later step is
-   identical only relative to that wrong start. ``broadcast_replicated`` copies process 0's value of
-   every replicated leaf (parameters; the replicated parts of a jaxcomp state — every field a state does
-   not declare in ``PER_DEVICE_FIELDS``) to every process and device; ``check_replicated`` compares a
-   fingerprint of every such leaf across all copies and raises ``ReplicaMismatchError`` naming the first
-   leaf that differs. Both are host-side calls, made by every process at the same point of the program.
-2. **Buffer sync.** DDP broadcasts module buffers (BatchNorm's running statistics) from rank 0 before
-   every forward pass (``broadcast_buffers=True``). In JAX these are non-gradient collections — Linen's
-   ``batch_stats``, NNX's ``nnx.BatchStat`` — that never pass through a jaxcomp transformation, so
-   jaxcomp leaves them alone: each device updates its own running statistics from its own shard of the
-   batch and they drift apart. ``sync_buffers`` is the choice DDP does not give: called inside the step,
-   it averages them over the devices (``policy="mean"``) or gives every device device 0's
-   (``"first"``, DDP's default), on every step or every ``every_k`` steps.
+1. **Identical start.** DDP broadcasts rank 0's ``state_dict`` when it is constructed, "to make sure
+   that all model replicas start from the exact same state". A JAX job that initialises every
+   process from the same seed only *assumes* it: a process that restored another checkpoint, or runs
+   a library version that initialises differently, trains on from another start, and every later
+   step is identical only relative to that wrong start. ``broadcast_replicated`` copies process 0's
+   value of every replicated leaf (parameters; the replicated parts of a jaxcomp state — every field
+   a state does not declare in ``PER_DEVICE_FIELDS``) to every process and device;
+   ``check_replicated`` compares a fingerprint of every such leaf across all copies and raises
+   ``ReplicaMismatchError`` naming the first leaf that differs. Both are host-side calls, made by
+   every process at the same point of the program.
+2. **Buffer sync.** DDP broadcasts module buffers (BatchNorm's running statistics) from rank 0
+   before every forward pass (``broadcast_buffers=True``). In JAX these are non-gradient collections
+   — Linen's ``batch_stats``, NNX's ``nnx.BatchStat`` — that never pass through a jaxcomp
+   transformation, so jaxcomp leaves them alone: each device updates its own running statistics from
+   its own shard of the batch and they drift apart. ``sync_buffers`` is the choice DDP does not
+   give: called inside the step, it averages them over the devices (``policy="mean"``) or gives
+   every device device 0's (``"first"``, DDP's default), on every step or every ``every_k`` steps.
 3. **Uneven inputs.** DDP's ``Join`` context lets a rank that ran out of batches shadow the others'
-   collectives. In an SPMD program a process that stops calling the step leaves the others waiting in a
-   collective until the distributed service's heartbeat timeout declares it dead. ``all_have_data`` is
-   the cheap correct answer: every process passes whether it has a batch for this step, and all of them
-   learn whether every one does — so they stop at the same step.
+   collectives. In an SPMD program a process that stops calling the step leaves the others waiting
+   in a collective until the distributed service's heartbeat timeout declares it dead.
+   ``all_have_data`` is the cheap correct answer: every process passes whether it has a batch for
+   this step, and all of them learn whether every one does — so they stop at the same step.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class ReplicaMismatchError(ValueError):
   """A leaf meant to be identical on every process and device is not."""
 
 
-# --- 1. Identical start -------------------------------------------------------------------------------
+# --- 1. Identical start ---------------------------------------------------------------------------
 
 
 def _local_copies(leaf, path: str) -> list:
@@ -111,8 +112,9 @@ def _gather(rows: np.ndarray) -> np.ndarray:
 
 
 def _compare(tree, chosen, values: bool) -> tuple:
-  """Gathers every process's fingerprints of ``tree``'s leaves where ``chosen`` is True; raises on the first leaf
-  that differs — in shape or dtype, and with ``values`` in any bit — on any process or device.
+  """Gathers every process's fingerprints of ``tree``'s leaves where ``chosen`` is True; raises on
+  the first leaf that differs — in shape or dtype, and with ``values`` in any bit — on any process
+  or device.
 
   Every process sees the same gathered table, so all of them raise together (none is left waiting
   in a later collective). Returns (paths, leaves, this process's copies of each leaf).
@@ -145,7 +147,8 @@ def _compare(tree, chosen, values: bool) -> tuple:
           f"on local device {int(column[local[0], 3])} is not the one on local device 0. "
           "broadcast_replicated gives every copy process 0's first; values that differ from device "
           "to device on purpose belong under a state's PER_DEVICE_FIELDS")
-    others = [p for p in range(1, len(column)) if not np.array_equal(column[p, 1:3], column[0, 1:3])]
+    others = [p for p in range(1, len(column))
+              if not np.array_equal(column[p, 1:3], column[0, 1:3])]
     if others:
       raise ReplicaMismatchError(
           f"tree: leaf {path} ({here}) differs between processes: process {others[0]}'s value is "
@@ -163,10 +166,10 @@ def check_replicated(tree) -> None:
   1 GB/s; nothing to compile), and one all-gather of 16 bytes per leaf compares them. Every process
   must call it at the same point; in a single process it compares the copies on its own devices.
 
-  Replicated leaves are all but those a jaxcomp state declares per device (``PER_DEVICE_FIELDS``, the
-  leaves ``state_partition_specs`` shards): a parameter tree, a whole optimizer state, or a dict of
-  both. Arrays replicated over a mesh (``PartitionSpec()``) count with every device copy; NumPy arrays
-  and scalars with the process's one value.
+  Replicated leaves are all but those a jaxcomp state declares per device (``PER_DEVICE_FIELDS``,
+  the leaves ``state_partition_specs`` shards): a parameter tree, a whole optimizer state, or a dict
+  of both. Arrays replicated over a mesh (``PartitionSpec()``) count with every device copy; NumPy
+  arrays and scalars with the process's one value.
 
   Call it after init or restore, and whenever drift is suspected.
 
@@ -210,8 +213,9 @@ def _broadcast_bytes(values: list) -> list:
   if jax.process_count() == 1:
     return values
   from jax.experimental import multihost_utils
+  padding = np.zeros(-sum(v.nbytes for v in values) % 4, np.uint8)
   stream = np.concatenate([np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in values]
-                          + [np.zeros(-sum(v.nbytes for v in values) % 4, np.uint8)]).view(np.uint32)
+                          + [padding]).view(np.uint32)
   received = np.concatenate(
       [np.asarray(multihost_utils.broadcast_one_to_all(stream[i:i + _CHUNK_WORDS]))
        for i in range(0, stream.size, _CHUNK_WORDS)] or [stream]).view(np.uint8)
@@ -245,8 +249,8 @@ def broadcast_replicated(tree):
       process passes its own, of the same structure, shapes and dtypes.
 
   Returns:
-    A tree of the same structure and kinds of leaves: NumPy arrays stay NumPy arrays, a ``jax.Array``
-    keeps its sharding.
+    A tree of the same structure and kinds of leaves: NumPy arrays stay NumPy arrays, a
+    ``jax.Array`` keeps its sharding.
 
   Raises:
     ReplicaMismatchError: the processes' trees differ in structure, or a leaf in shape or dtype.
@@ -267,7 +271,7 @@ def broadcast_where(tree, chosen):
   return jax.tree.map(lambda x, c: _rebuild(x, next(values)) if c else x, tree, chosen)
 
 
-# --- 2. Buffer sync -----------------------------------------------------------------------------------
+# --- 2. Buffer sync -------------------------------------------------------------------------------
 
 
 def _mean(leaves: list, paths: tuple, axis_name) -> list:
@@ -300,9 +304,9 @@ def sync_buffers(buffers, policy: str = "mean", *, axis_name: axis.AxisName = "b
   through it, so each device keeps the running statistics of its own shard of the batch. Call this
   inside the step, on the updated statistics, to choose what they are:
 
-  * ``"mean"``: their mean over the devices (of the statistics, not of the batches: with equal shards,
-    the running mean equals the single-device one, the running variance misses the spread between the
-    shards' means). One all-reduce per dtype.
+  * ``"mean"``: their mean over the devices (of the statistics, not of the batches: with equal
+    shards, the running mean equals the single-device one, the running variance misses the spread
+    between the shards' means). One all-reduce per dtype.
   * ``"first"``: device 0's along the axis (process 0's first device on a mesh of ``jax.devices()``)
     on every device: DDP's ``broadcast_buffers``.
     One all-reduce per dtype too (device 0 sends its value, the others zeros).
@@ -310,10 +314,10 @@ def sync_buffers(buffers, policy: str = "mean", *, axis_name: axis.AxisName = "b
   With ``every_k > 1`` they are synchronised only on the k-th, 2k-th, … step (``(step + 1) % every_k
   == 0``) and stay per device in between, so a ``shard_map`` step must give them a per-device spec
   (``PartitionSpec(axis_name)``, stacked over devices), as pmap does. The decision is taken on the
-  largest ``step`` over the devices (a 4-byte all-reduce), so a device whose counter disagrees cannot
-  skip a collective the others wait in. ``flax.linen.BatchNorm(axis_name=...)`` is the other answer —
-  torch's SyncBatchNorm: it normalises with the statistics of the whole batch, at an all-reduce per
-  layer per forward pass.
+  largest ``step`` over the devices (a 4-byte all-reduce), so a device whose counter disagrees
+  cannot skip a collective the others wait in. ``flax.linen.BatchNorm(axis_name=...)`` is the other
+  answer — torch's SyncBatchNorm: it normalises with the statistics of the whole batch, at an
+  all-reduce per layer per forward pass.
 
   In a Flax model, inside the pmap'd or shard_map'd step::
 
@@ -374,7 +378,7 @@ def sync_buffers(buffers, policy: str = "mean", *, axis_name: axis.AxisName = "b
   return tree_lib.like(buffers, synced)
 
 
-# --- 3. Uneven inputs ---------------------------------------------------------------------------------
+# --- 3. Uneven inputs -----------------------------------------------------------------------------
 
 
 def all_have_data(has_data: bool) -> bool:

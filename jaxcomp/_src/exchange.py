@@ -21,8 +21,8 @@ float32 arrays ``x`` (L values in all), laid out in W rows, one per owner (``lay
 
 Each device sends (W−1)/W of its encoding twice: 2·(W−1)/W·L codes plus the scales, against
 2·(W−1)/W·L float32 values for a ring all-reduce. With both errors kept, nothing is lost, only
-delayed: summed over steps, the outputs are the mean inputs minus the mean of the final worker errors
-and minus the final server errors (each device holds the server error of its own row, zero
+delayed: summed over steps, the outputs are the mean inputs minus the mean of the final worker
+errors and minus the final server errors (each device holds the server error of its own row, zero
 elsewhere).
 
 The rows (``layout``): the arrays raveled and concatenated into one flat vector, zero-padded to W

@@ -71,7 +71,7 @@ def all_finite(tree, axis_name: axis.AxisName) -> jax.Array:
 
 
 def keep_if_finite(finite: jax.Array, new_state, old_state):
-  """1 and 4: ``new_state`` where ``finite``, else ``old_state`` (leaf by leaf, written in place)."""
+  """1 and 4: ``new_state`` where ``finite``, else ``old_state`` (leaf by leaf, in place)."""
   return jax.tree.map(functools.partial(kernels.where, finite), new_state, old_state)
 
 
@@ -101,7 +101,7 @@ def guarded(how: str, finite: jax.Array, run: Callable, shape_of: Callable, stat
   ``how``: ``"skip"``, a ``lax.cond`` that does not run the step on a non-finite one (no
   collectives; with the state donated, XLA updates it in place inside the branch); or
   ``"select"``, the step runs and its results are replaced (``gated``) — for steps XLA:CPU
-  compiles worse inside a conditional branch (``compressor.Algorithm.nonfinite``).
+  compiles worse inside a conditional branch (``compressor.MeanConfig.NONFINITE``).
   ``shape_of(leaf)`` is the shape of its output.
   """
   if how == "skip":

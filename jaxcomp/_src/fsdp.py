@@ -25,7 +25,7 @@ travel through jaxcomp's codecs. The steps, per device (the ``# n:`` comments be
 4. leaves that cannot be sharded — 0-d leaves and leaves of fewer values than W — stay whole on
    every device (replicated), are not gathered, and their gradient is the exact mean
    (``axis.mean``, float32), taken after the backward pass and typed the same on every device;
-5. the optimizer runs on the shards (an elementwise one: ``zero.check_elementwise`` refuses the
+5. the optimizer runs on the shards (an elementwise one: ``zero.elementwise_update`` refuses the
    others while the step is traced) and the shards move; nothing is gathered after the update: the
    next forward pass gathers;
 6. with ``call_layer(fn, layer, x)`` instead of ``gather_layer``, the order is fixed by data: the

@@ -54,8 +54,8 @@ def _step(loss_fn: Callable, exchange, optimizer, gather_dtype, depth: int, axis
   loss, view_grads = jax.value_and_grad(lambda v: loss_fn(v, *batch))(layers)
   grads, exchanges = fsdp.unview(signature, view_grads, depth)
   # 5: the optimizer on the shards; no gather of the update.
-  zero.check_elementwise(optimizer, (grads, state.inner, state.params), signature, axis_name)
-  updates, inner = optimizer.update(grads, state.inner, state.params)
+  updates, inner = zero.elementwise_update(optimizer, (grads, state.inner, state.params),
+                                           signature, axis_name)
   params = optax.apply_updates(state.params, updates)
   return FullyShardedState(params, inner, exchanges, signature), loss
 

@@ -1,10 +1,10 @@
 """``skip_if_nonfinite``: ``optax.apply_if_finite`` for chains that communicate.
 
-``optax.apply_if_finite`` wrapped around a jaxcomp compressor takes its decision on each device alone:
-a device whose gradient is non-finite skips the compressor's collectives while the others wait in them,
-and the job hangs. ``skip_if_nonfinite`` takes the decision from ``jaxcomp``'s all-device finiteness
-flag (one 4-byte all-reduce), so every device skips or applies the step together, and the inner
-transformation's collectives run on all of them or on none.
+``optax.apply_if_finite`` wrapped around a jaxcomp compressor takes its decision on each device
+alone: a device whose gradient is non-finite skips the compressor's collectives while the others
+wait in them, and the job hangs. ``skip_if_nonfinite`` takes the decision from ``jaxcomp``'s
+all-device finiteness flag (one 4-byte all-reduce), so every device skips or applies the step
+together, and the inner transformation's collectives run on all of them or on none.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from jaxcomp._src import tree as tree_lib
 
 
 class SkipIfNonfiniteState(NamedTuple):
-  """State of ``skip_if_nonfinite``: ``optax.ApplyIfFiniteState``'s fields, the same on every device.
+  """State of ``skip_if_nonfinite``: ``optax.ApplyIfFiniteState``'s fields, the same on every
+  device.
 
   Attributes:
     notfinite_count: consecutive steps skipped so far (int32).
@@ -43,17 +44,19 @@ def skip_if_nonfinite(inner: optax.GradientTransformation, max_consecutive_error
                       axis_name: axis.AxisName = "batch") -> optax.GradientTransformation:
   """Skips the step on every device together when the gradient is non-finite on any of them.
 
-  Use it in place of ``optax.apply_if_finite`` around a chain that starts with a jaxcomp compressor::
+  Use it in place of ``optax.apply_if_finite`` around a chain that starts with a jaxcomp
+  compressor::
 
     tx = jaxcomp.skip_if_nonfinite(
         optax.chain(jaxcomp.powersgd(rank=2), optax.adamw(1e-3)), max_consecutive_errors=10)
 
   On a step whose gradient holds a NaN or an infinity on any device, the update leaves the
   parameters as they are (zero; ``Assign`` of the parameters for an optimizer that sets them, such
-  as ``jaxcomp.diloco``) and the inner state is kept, on every device alike; after more than ``max_consecutive_errors`` such steps in a
-  row the update is applied anyway, as ``optax.apply_if_finite`` does. The decision comes from one
-  4-byte all-reduce of a flag, the same on every device, so the inner transformation (and its
-  collectives) runs on every device or on none.
+  as ``jaxcomp.diloco``) and the inner state is kept, on every device alike; after more than
+  ``max_consecutive_errors`` such steps in a row the update is applied anyway, as
+  ``optax.apply_if_finite`` does. The decision comes from one 4-byte all-reduce of a flag, the same
+  on every device, so the inner transformation (and its collectives) runs on every device or on
+  none.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp

@@ -8,6 +8,8 @@ on the bucket's parameters; its state factory takes the transformation's own key
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from jaxcomp._src import axis, chunked_topk, compressor, dgc, onebit_adam, powersgd, quantized
@@ -31,7 +33,7 @@ def bf16_compress_hook(state, bucket: GradBucket):
 
 
 def noop_hook(state, bucket: GradBucket):
-  """Returns the local bucket without communicating: a baseline for hook overhead, not for training."""
+  """The local bucket, without communicating: a baseline for hook overhead, not for training."""
   return bucket.buffer, state
 
 
@@ -80,13 +82,13 @@ def bf16_compress_wrapper(hook: Hook) -> Hook:
 def powersgd_hook(state, bucket: GradBucket):
   """Layer-wise PowerSGD on one bucket (torch's ``powerSGD_hook``): ``jaxcomp.powersgd``'s step on
   the bucket's parameters, each viewed as a matrix; state from ``powersgd_state``."""
-  return compressor.run_hook(powersgd.POWERSGD, state, bucket)
+  return compressor.run_hook(powersgd.step, state, bucket, "powersgd")
 
 
 def batched_powersgd_hook(state, bucket: GradBucket):
   """Batched PowerSGD on one bucket (torch's ``batched_powerSGD_hook``, which raises in torch
   2.13): the bucket as one zero-padded square matrix; state from ``batched_powersgd_state``."""
-  return compressor.run_hook(powersgd.BATCHED_POWERSGD, state, bucket, name="batched_powersgd")
+  return compressor.run_hook(powersgd.step, state, bucket, "batched_powersgd")
 
 
 def powersgd_state(rank: int = 1, **settings):
@@ -109,11 +111,13 @@ def powersgd_state(rank: int = 1, **settings):
   Returns:
     A function ``bucket -> PowerSGDState``.
   """
-  return compressor.hook_state(powersgd.POWERSGD, dict(rank=rank, **settings))
+  return compressor.hook_state("powersgd", compressor.config_of(
+      powersgd.PowerSGDConfig, "powersgd", rank=rank, **settings), powersgd.init)
 
 
 def batched_powersgd_state(rank: int = 1, **settings):
-  """The per-bucket state of ``batched_powersgd_hook``: each bucket is one zero-padded square matrix.
+  """The per-bucket state of ``batched_powersgd_hook``: each bucket is one zero-padded square
+  matrix.
 
   Args:
     rank: as ``jaxcomp.batched_powersgd``.
@@ -122,7 +126,9 @@ def batched_powersgd_state(rank: int = 1, **settings):
   Returns:
     A function ``bucket -> PowerSGDState``.
   """
-  return compressor.hook_state(powersgd.BATCHED_POWERSGD, dict(rank=rank, **settings))
+  return compressor.hook_state("batched_powersgd", compressor.config_of(
+      powersgd.PowerSGDConfig, "batched_powersgd", rank=rank, batched=True, **settings),
+      powersgd.init)
 
 
 # ---------------------------------------------------------------------------------------- DGC
@@ -130,7 +136,7 @@ def batched_powersgd_state(rank: int = 1, **settings):
 def dgc_hook(state, bucket: GradBucket):
   """Deep Gradient Compression on one bucket, each parameter treated as ``jaxcomp.dgc`` treats a
   leaf; state from ``dgc_state``."""
-  return compressor.run_hook(dgc.DGC, state, bucket)
+  return compressor.run_hook(dgc.step, state, bucket, "dgc")
 
 
 def dgc_state(ratio: float = 0.001, **settings):
@@ -146,25 +152,27 @@ def dgc_state(ratio: float = 0.001, **settings):
   Returns:
     A function ``bucket -> jaxcomp.DGCState``.
   """
-  return compressor.hook_state(dgc.DGC, dict(ratio=ratio, **settings))
+  return compressor.hook_state("dgc", compressor.config_of(
+      functools.partial(dgc.config, dgc.TopKExchange), "dgc", ratio=ratio, **settings), dgc.init)
 
 
 def quantized_hook(state, bucket: GradBucket):
   """8-bit averaging of one bucket (``jaxcomp.quantized``'s step); state from
   ``quantized_state``."""
-  return compressor.run_hook(quantized.QUANTIZED, state, bucket)
+  return compressor.run_hook(quantized.step, state, bucket, "quantized")
 
 
 def sign_hook(state, bucket: GradBucket):
   """EF-SignSGD's scaled-sign mean of one bucket, a scale per parameter
   (``jaxcomp.sign_compress``'s step); state from ``sign_state``."""
-  return compressor.run_hook(sign.SIGN, state, bucket, name="sign")
+  return compressor.run_hook(sign.step, state, bucket, "sign", made_by="sign_compress")
 
 
 def onebit_adam_hook(state, bucket: GradBucket):
   """1-bit Adam on one bucket: returns the direction ``m̂ / (√v̂ + eps)`` for a momentum-free
   ``optax.sgd`` (``jaxcomp.scale_by_onebit_adam``'s step); state from ``onebit_adam_state``."""
-  return compressor.run_hook(onebit_adam.SCALE_BY_ONEBIT_ADAM, state, bucket, name="onebit_adam")
+  return compressor.run_hook(onebit_adam.step, state, bucket, "onebit_adam",
+                             made_by="scale_by_onebit_adam")
 
 
 def quantized_state(bits=8, **settings):
@@ -179,7 +187,8 @@ def quantized_state(bits=8, **settings):
   Returns:
     A function ``bucket -> jaxcomp.QuantizedState``.
   """
-  return compressor.hook_state(quantized.QUANTIZED, dict(bits=bits, **settings))
+  return compressor.hook_state("quantized", compressor.config_of(
+      quantized.QuantizedConfig, "quantized", bits=bits, **settings), quantized.init)
 
 
 def sign_state(**settings):
@@ -189,9 +198,10 @@ def sign_state(**settings):
     **settings: as ``jaxcomp.sign_compress`` (without ``axis_name``).
 
   Returns:
-    A function ``bucket -> jaxcomp.SignState``.
+    A function ``bucket -> jaxcomp.ErrorFeedbackState``.
   """
-  return compressor.hook_state(sign.SIGN, settings, name="sign")
+  return compressor.hook_state("sign", compressor.config_of(sign.SignConfig, "sign", **settings),
+                               sign.init)
 
 
 def onebit_adam_state(**settings):
@@ -208,7 +218,8 @@ def onebit_adam_state(**settings):
   Returns:
     A function ``bucket -> jaxcomp.OneBitAdamState``.
   """
-  return compressor.hook_state(onebit_adam.SCALE_BY_ONEBIT_ADAM, settings, name="onebit_adam")
+  return compressor.hook_state("onebit_adam", compressor.config_of(
+      onebit_adam.OneBitAdamConfig, "onebit_adam", **settings), onebit_adam.init)
 
 
 # ------------------------------------------------------------------------------------ chunked top-k
@@ -216,7 +227,7 @@ def onebit_adam_state(**settings):
 def chunked_topk_hook(state, bucket: GradBucket):
   """SparseLoCo's exchange on one bucket (``jaxcomp.chunked_topk``'s step); state from
   ``chunked_topk_state``."""
-  return compressor.run_hook(chunked_topk.CHUNKED_TOPK, state, bucket)
+  return compressor.run_hook(chunked_topk.step, state, bucket, "chunked_topk")
 
 
 def chunked_topk_state(k: int = 64, **settings):
@@ -227,6 +238,7 @@ def chunked_topk_state(k: int = 64, **settings):
     **settings: its other settings (without ``axis_name`` and ``bucket_cap_mb``).
 
   Returns:
-    A function ``bucket -> jaxcomp.ChunkedTopKState``.
+    A function ``bucket -> jaxcomp.ErrorFeedbackState``.
   """
-  return compressor.hook_state(chunked_topk.CHUNKED_TOPK, dict(k=k, **settings))
+  return compressor.hook_state("chunked_topk", compressor.config_of(
+      chunked_topk.ChunkedTopKConfig, "chunked_topk", k=k, **settings), chunked_topk.init)

@@ -1,7 +1,7 @@
 """The interface every jaxcomp transformation declares: ``Transformation``.
 
-A jaxcomp transformation is an optax ``GradientTransformation`` (``init``, ``update``) that also says
-what it is — its name, the axis it averages over, whether it is a whole optimizer that sets the
+A jaxcomp transformation is an optax ``GradientTransformation`` (``init``, ``update``) that also
+says what it is — its name, the axis it averages over, whether it is a whole optimizer that sets the
 parameters, and its reduce-scatter — so that the wrappers and optimizers that take one
 (``jaxcomp.sharded_optimizer``, ``jaxcomp.diloco``'s ``compressor``) read a declared attribute, not
 a function's internals. The compressor adapter (``compressor.py``) and ``comm_hook`` make them.

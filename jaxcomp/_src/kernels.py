@@ -11,7 +11,7 @@ XLA:CPU, ``axis.sum_in_rows``.)
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,24 +29,35 @@ def part(name: str):
   return jax.named_scope(f"jaxcomp.{name}")
 
 
-# ------------------------------------------------------------------------------------------ PowerSGD
+# ----------------------------------------------------------------------------------------- PowerSGD
 
 
-def product(terms: tuple, q: jax.Array) -> jax.Array:
-  """``M·Q`` for ``M = sum(terms)`` (PowerSGD's ``g + e``), as the sum of each term's product.
+class Sum(NamedTuple):
+  """``M = Σ terms`` (PowerSGD's ``g + e``, Dion's ``M + G``), a matrix that ``product`` and
+  ``transposed_product`` read term by term, so that it is never written to memory (XLA:CPU does
+  not fuse a sum into a dot): ``benchmarks/memory.py --quick``, layer-wise PowerSGD rank 1, 2.02 →
+  1.60 temporaries per gradient, alternating 1.90 → 1.68 (ResNet-18: 1.22 either way). The memory
+  traffic stays the same (the products read g and e instead of writing M and reading it back); the
+  products' flops double, which rank ≤ 8 products, bound by memory, do not notice.
 
-  M is then never written to memory (XLA:CPU does not fuse the sum into a dot):
-  ``benchmarks/memory.py --quick``, layer-wise rank 1, 2.02 → 1.60 temporaries per gradient,
-  alternating 1.90 → 1.68 (ResNet-18: 1.22 either way). The memory traffic stays the same (the
-  products read g and e instead of writing M and reading it back); the products' flops double,
-  which rank ≤ 8 products, bound by memory, do not notice.
+  Attributes:
+    terms: the arrays, all of M's shape and dtype.
   """
-  return sum(t @ q for t in terms)
+  terms: tuple
+
+  def value(self) -> jax.Array:
+    """M itself, written (for a value that is not a product's operand)."""
+    return sum(self.terms)
 
 
-def transposed_product(terms: tuple, p: jax.Array) -> jax.Array:
-  """``Mᵀ·P`` (m, r) for ``M = sum(terms)`` (see ``product``), as one vector–matrix product
-  ``P[:, j]ᵀ·M`` per column.
+def product(m: Sum, q: jax.Array) -> jax.Array:
+  """``M·Q``, as the sum of each term's product (``Sum``)."""
+  return sum(t @ q for t in m.terms)
+
+
+def transposed_product(m: Sum, p: jax.Array) -> jax.Array:
+  """``Mᵀ·P`` (m, r), term by term (``Sum``), as one vector–matrix product ``P[:, j]ᵀ·M`` per
+  column.
 
   XLA:CPU runs ``M.T @ P`` (and its ``einsum`` / ``dot_general`` forms) by walking M's columns with
   a stride of m elements; each vector–matrix product reads M row by row. The update of the MLP
@@ -63,13 +74,13 @@ def transposed_product(terms: tuple, p: jax.Array) -> jax.Array:
   psgd_r16=powersgd_r4,rank=16 --compressors allreduce,dion_r8,dion_r16,psgd_r16``).
   """
   if p.shape[1] > 8:
-    return sum((p.T @ t).T for t in terms)
-  return sum(jnp.stack([p[:, j] @ t for j in range(p.shape[1])], axis=1) for t in terms)
+    return sum((p.T @ t).T for t in m.terms)
+  return sum(jnp.stack([p[:, j] @ t for j in range(p.shape[1])], axis=1) for t in m.terms)
 
 
 def zero_padded(arrays: Sequence, size: int) -> jax.Array:
-  """The arrays raveled, concatenated and zero-padded to ``size`` values (batched PowerSGD's square),
-  the zeros concatenated as one more array.
+  """The arrays raveled, concatenated and zero-padded to ``size`` values (batched PowerSGD's
+  square), the zeros concatenated as one more array.
 
   XLA:CPU writes ``jnp.pad`` of the concatenation as a buffer of its own, beside the concatenation.
   Batched PowerSGD rank 1's update of the MLP gradient (784-1024×3-10, W = 8, pmap, donated),
@@ -151,10 +162,10 @@ def first_at_least(x: jax.Array, bits: jax.Array, capacity: int) -> tuple:
   ``jnp.nonzero(jnp.abs(x) >= threshold, size=capacity)``, found slot by slot: slot i's block is
   the first whose running count exceeds i (a binary search in the blocks' prefix sum), its lane the
   set bit of that rank in the block's word (a binary search by population counts). Past the one
-  prefix sum over the blocks, the work grows with ``capacity``, not with ``x.size``. XLA:CPU's cumsum
-  (and so ``jnp.nonzero``) is a reduce-window over all of ``x``: the sampled selection takes 18 ms
-  this way, 556 ms through ``jnp.nonzero``; at density 1/64, 73 and 324 ms. (A compaction of the
-  candidate blocks, a cumsum and a scatter over their 32 elements each, grew with the density to
+  prefix sum over the blocks, the work grows with ``capacity``, not with ``x.size``. XLA:CPU's
+  cumsum (and so ``jnp.nonzero``) is a reduce-window over all of ``x``: the sampled selection takes
+  18 ms this way, 556 ms through ``jnp.nonzero``; at density 1/64, 73 and 324 ms. (A compaction of
+  the candidate blocks, a cumsum and a scatter over their 32 elements each, grew with the density to
   all of ``x`` at 1/64.)
   """
   counts = lax.population_count(bits).astype(jnp.int32)
@@ -181,16 +192,18 @@ def kth_largest(x: jax.Array, k: int) -> jax.Array:
 
 
 def while_loop_if_needed(cond_fun: Callable, body_fun: Callable, init):
-  """``lax.while_loop(cond_fun, body_fun, init)``, entered only if ``cond_fun(init)``: XLA hoists the
-  loop's full-size invariants (DGC's ``|v|``) out of the body, a full-size write worth paying only
-  when the loop runs (rarely: DGC's threshold adaptation). Selection 18 ms, 55 ms entered always."""
+  """``lax.while_loop(cond_fun, body_fun, init)``, entered only if ``cond_fun(init)``: XLA hoists
+  the loop's full-size invariants (DGC's ``|v|``) out of the body, a full-size write worth paying
+  only when the loop runs (rarely: DGC's threshold adaptation). Selection 18 ms, 55 ms entered
+  always."""
   return lax.cond(cond_fun(init), lambda c: lax.while_loop(cond_fun, body_fun, c), lambda c: c,
                   init)
 
 
 def _coordinates(flat_indices: jax.Array, shape: tuple) -> tuple:
   """Flat int32 indices as one index array per dimension; ``prod(shape)`` and beyond (the empty
-  slots' filler) stay out of range in the first dimension (``jnp.unravel_index`` would clip them)."""
+  slots' filler) stay out of range in the first dimension (``jnp.unravel_index`` would clip
+  them)."""
   out, stride = [], math.prod(shape)
   for i, size in enumerate(shape):
     stride //= size
@@ -204,12 +217,12 @@ def scatter_add(shape: tuple, flat_indices: jax.Array, values: jax.Array,
   range dropped), in less memory; with ``fill`` (a scalar: DGC's NaN on a step that is not finite),
   into ``full(shape, fill)`` instead, at no cost beyond the zeros':
 
-  * addressed in ``shape``: through a flat view XLA:CPU writes a flat copy and reshapes it (ResNet-18
-    update, with ``zero_at`` and ``subtract_at`` flat too and shared zeros: 3.29× sampled, 4.20×
-    exact);
+  * addressed in ``shape``: through a flat view XLA:CPU writes a flat copy and reshapes it
+    (ResNet-18 update, with ``zero_at`` and ``subtract_at`` flat too and shared zeros: 3.29×
+    sampled, 4.20× exact);
   * into zeros of their own (a 0 that XLA cannot see is one, read from ``flat_indices``, which are
-    never negative): XLA shares one broadcast of 0 between leaves of the same shape and copies it for
-    each scatter (1.29× sampled, 2.00× exact).
+    never negative): XLA shares one broadcast of 0 between leaves of the same shape and copies it
+    for each scatter (1.29× sampled, 2.00× exact).
   """
   zero = jnp.minimum(flat_indices[0], 0).astype(values.dtype)
   if fill is not None:
@@ -219,8 +232,8 @@ def scatter_add(shape: tuple, flat_indices: jax.Array, values: jax.Array,
 
 
 def zero_at(x: jax.Array, flat_indices: jax.Array) -> jax.Array:
-  """``x`` with the entries at ``flat_indices`` (of its flat view) zeroed, addressed in its own shape
-  as ``scatter_add`` is; indices out of range are dropped."""
+  """``x`` with the entries at ``flat_indices`` (of its flat view) zeroed, addressed in its own
+  shape as ``scatter_add`` is; indices out of range are dropped."""
   return x.at[_coordinates(flat_indices, x.shape)].set(0, mode="drop")
 
 
@@ -233,7 +246,8 @@ def subtract_at(x: jax.Array, flat_indices: jax.Array, values: jax.Array) -> jax
   return x.at[_coordinates(flat_indices, x.shape)].add(-values, mode="drop")
 
 
-# ------------------------------------------------------------------------------ the non-finite policy
+# ------------------------------------------------------------------------------ the non-finite
+# policy
 
 
 def max_abs(x: jax.Array, axis) -> jax.Array:
@@ -267,7 +281,8 @@ def where(pred: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
   return old[None].at[jnp.where(pred, 0, 1)].set(new, mode="drop")[0]
 
 
-# ----------------------------------------------------------------------- quantized, sign, 1-bit Adam
+# ----------------------------------------------------------------------- quantized, sign, 1-bit
+# Adam
 
 def keeps_leaves() -> bool:
   """Whether a compressed exchange should handle each gradient leaf on its own (the leaf layout of
@@ -329,8 +344,8 @@ def device_mean(term: Callable[[int], list], world: int) -> list:
 
 
 def to_float8_e4m3fn(y: jax.Array) -> jax.Array:
-  """``y.astype(jnp.float8_e4m3fn)`` (to the nearest, ties to even) for float32 ``|y| ≤ 448``, as its
-  bits (uint8), in integer arithmetic.
+  """``y.astype(jnp.float8_e4m3fn)`` (to the nearest, ties to even) for float32 ``|y| ≤ 448``, as
+  its bits (uint8), in integer arithmetic.
 
   XLA:CPU widens float8 arithmetic to float16 and converts between the two in software, wherever a
   float8-typed array appears (even one only bitcast to its bits); in these integer ops none does.

@@ -1,40 +1,43 @@
-"""Post-local SGD with periodic model averaging: torch's ``post_localSGD_hook`` + ``PeriodicModelAverager``.
+"""Post-local SGD with periodic model averaging: torch's ``post_localSGD_hook`` +
+``PeriodicModelAverager``.
 
 Data-parallel SGD averages the gradients at every step. Local SGD lets every device step its own
 optimizer on its own gradients and averages the *parameters* every ``sync_every`` steps: one
 all-reduce of the parameters per period instead of one of the gradients per step. Post-local SGD
 begins with ``start_iter`` steps of ordinary gradient averaging, while training moves fastest.
 
-``local_sgd`` is the whole optimizer, not a gradient transformation before one: between averagings the
-parameters differ from device to device, which only the optimizer that moves them can arrange. Its
-``update(grads, state, params)`` needs the parameters and returns ``jaxcomp.Assign`` updates that
-``optax.apply_updates`` turns into the new parameters exactly (``local_steps`` says why a difference
-``new − params`` would not do).
+``local_sgd`` is the whole optimizer, not a gradient transformation before one: between averagings
+the parameters differ from device to device, which only the optimizer that moves them can arrange.
+Its ``update(grads, state, params)`` needs the parameters and returns ``jaxcomp.Assign`` updates
+that ``optax.apply_updates`` turns into the new parameters exactly (``local_steps`` says why a
+difference ``new − params`` would not do).
 
 The steps at step t (0-based), per device (the ``# n:`` comments below point here):
 
 1. Before ``start_iter``: the gradient is averaged over the devices (÷W, then an all-reduce SUM of
-   every floating-point leaf, which XLA sends as one) and the inner optimizer steps on the mean, so every
-   device holds the same parameters afterwards (``post_localSGD_hook`` before
+   every floating-point leaf, which XLA sends as one) and the inner optimizer steps on the mean, so
+   every device holds the same parameters afterwards (``post_localSGD_hook`` before
    ``start_localSGD_iter``: "allreduce using ``global_group_to_use``").
 2. From ``start_iter``: the inner optimizer steps on this device's own gradient; no communication
    (``post_localSGD_hook`` afterwards, with ``post_local_gradient_allreduce=False``; its default
    intra-node gradient all-reduce is the hierarchical form below). A device whose new parameters are
    not finite keeps its parameters and inner state (``local_steps``).
-3. After the steps t ≥ ``start_iter`` with (t − ``start_iter``) % ``sync_every`` == 0, the parameters
-   are averaged — ÷W, then an all-reduce SUM of every leaf, sent as one as torch's
-   ``average_parameters`` sends its flat buffer — and every device is set to the average. These are the steps at which
-   ``PeriodicModelAverager(period=sync_every, warmup_steps=start_iter)``, called after every optimizer
+3. After the steps t ≥ ``start_iter`` with (t − ``start_iter``) % ``sync_every`` == 0, the
+   parameters are averaged — ÷W, then an all-reduce SUM of every leaf, sent as one as torch's
+   ``average_parameters`` sends its flat buffer — and every device is set to the average. These are
+   the steps at which ``PeriodicModelAverager(period=sync_every, warmup_steps=start_iter)``, called
+   after every optimizer
    step, averages: its counter's values start_iter, start_iter + sync_every, …
-4. The inner optimizer's state is never averaged (torch's averager averages parameters only): it stays
-   per device.
+4. The inner optimizer's state is never averaged (torch's averager averages parameters only): it
+   stays per device.
 
 The step counter advances on every step, whatever any device's gradient held, so every device agrees
 on when to communicate.
 
 Hierarchical averaging (``HierarchicalModelAverager``; torch's default post-local SGD, which keeps
-all-reducing gradients inside each machine): on a mesh ``("slow", "fast")``, put the per-step mean over
-the fast axis into the inner optimizer and average over the slow axis every ``sync_every`` steps::
+all-reducing gradients inside each machine): on a mesh ``("slow", "fast")``, put the per-step mean
+over the fast axis into the inner optimizer and average over the slow axis every ``sync_every``
+steps::
 
   tx = jaxcomp.local_sgd(optax.chain(jaxcomp.allreduce(axis_name="fast"), optax.sgd(0.1)),
                          sync_every=8, axis_name="slow")
@@ -56,19 +59,20 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor, local_steps, phases, validate
+from jaxcomp._src import axis, local_steps, phases, validate
 from jaxcomp._src import tree as tree_lib
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class LocalSGDConfig:
+class LocalSGDConfig(validate.Config):
   """Local SGD's settings, validated; a static node of the state.
 
   Attributes:
@@ -82,16 +86,13 @@ class LocalSGDConfig:
       ``start_localSGD_iter`` and ``warmup_steps``): early training changes the parameters fastest
       and suffers most from drift; Lin et al. switch after the first learning-rate decay.
   """
-  inner: optax.GradientTransformation
-  sync_every: int
-  start_iter: int = 0
+  name = "local_sgd"
 
-  def __post_init__(self):
-    object.__setattr__(self, "inner", validate.transformation(
-        self.inner, "inner", "optax.sgd(0.1, momentum=0.9)"))
-    object.__setattr__(self, "sync_every", validate.integer(
-        self.sync_every, "sync_every", 1, static="fixes when the parameters are averaged"))
-    object.__setattr__(self, "start_iter", validate.integer(self.start_iter, "start_iter", 0))
+  inner: optax.GradientTransformation = validate.setting(check=functools.partial(
+      validate.transformation, example="optax.sgd(0.1, momentum=0.9)"))
+  sync_every: int = validate.setting(check=functools.partial(
+      validate.integer, minimum=1, static="fixes when the parameters are averaged"))
+  start_iter: int = validate.setting(0, check=validate.integer)
 
   def averages_after(self, step):
     """Whether the parameters are averaged after step ``step`` (0-based; an int or an array)."""
@@ -137,21 +138,16 @@ def step(config: LocalSGDConfig, state: LocalSGDState, grads, params,
          axis_name: axis.AxisName) -> tuple:
   """Steps 1–4 (the module docstring): ``(new params, new state)``."""
   if config.start_iter > 0:  # 1: the mean gradient before start_iter
-    grads = phases.when(state.count < config.start_iter, phases.Phase("warmup", 0.0),
-                        _averaged(axis_name), grads)
+    grads = phases.when(state.count < config.start_iter,
+                        phases.Phase(f"{config.name}.warmup", 0.0), _averaged(axis_name), grads)
   # 2: the inner step on this device; 4: its state stays here.
   new_params, inner_state = local_steps.local_update(
-      config.inner, grads, local_steps.from_device(state.inner_state), params,
-      axis_name)
+      config, grads, local_steps.from_device(state.inner_state), params, axis_name)
   # 3: the periodic average.
   new_params = phases.when(config.averages_after(state.count),
-                           phases.Phase("sync", 1 / config.sync_every), _averaged(axis_name),
-                           new_params)
+                           phases.Phase(f"{config.name}.sync", 1 / config.sync_every),
+                           _averaged(axis_name), new_params)
   return new_params, state._replace(inner_state=local_steps.to_device(inner_state))
-
-
-LOCAL_SGD = compressor.Algorithm("local_sgd", LocalSGDState, LocalSGDConfig, init, step,
-                                 output="assign")
 
 
 def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_iter: int = 0,
@@ -163,10 +159,10 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
   device's own gradient, and after steps ``start_iter``, ``start_iter + sync_every``, … every device
   is set to the average of the devices' parameters.
 
-  It is the whole optimizer: its update needs ``params`` and returns ``jaxcomp.Assign`` updates, which
-  ``optax.apply_updates`` and ``nnx.Optimizer`` apply exactly — so the replicas are bitwise identical
-  after every averaging. Integer, boolean and zero-size parameters are left as they are. Chain
-  nothing after it; put gradient processing (clipping, weight decay) into ``inner``.
+  It is the whole optimizer: its update needs ``params`` and returns ``jaxcomp.Assign`` updates,
+  which ``optax.apply_updates`` and ``nnx.Optimizer`` apply exactly — so the replicas are bitwise
+  identical after every averaging. Integer, boolean and zero-size parameters are left as they are.
+  Chain nothing after it; put gradient processing (clipping, weight decay) into ``inner``.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
@@ -202,5 +198,5 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int, start_ite
     Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020. PyTorch 2.13
     ``post_localSGD_hook``, ``PeriodicModelAverager``.
   """
-  return compressor.transformation(LOCAL_SGD, axis_name, inner=inner, sync_every=sync_every,
-                                   start_iter=start_iter)
+  config = LocalSGDConfig(inner=inner, sync_every=sync_every, start_iter=start_iter)
+  return local_steps.transformation(config, init, step, axis_name)

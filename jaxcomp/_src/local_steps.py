@@ -1,12 +1,25 @@
-"""Local steps: the mechanics the optimizers that own the parameters share.
+"""Local steps: the protocol of the optimizers that own the parameters, and the mechanics they
+share.
 
 Local SGD, DiLoCo, Streaming DiLoCo and SparseLoCo run an inner optimizer on each device's own
 gradient, with no communication, and every few steps set every device's parameters to one
-synchronized value. These pieces serve them all:
+synchronized value. Each is a module that holds its math and nothing else:
+
+* a **configuration**: a frozen dataclass derived from ``validate.Config`` (its fields declared
+  with ``validate.setting``) with the ``inner`` optimizer and a public ``name``; it says when the
+  devices synchronize (``syncs_after``, and the phases its step labels, ``"<name>.sync"``);
+* ``init(config, signature, params) -> state``: a NamedTuple with ``count``, ``config`` and
+  ``signature``, ``PER_DEVICE_FIELDS`` (the inner optimizer's state) and ``PARAMS_PER_DEVICE``;
+* ``step(config, state, grads, params, axis_name) -> (new params, new state)`` on whole pytrees,
+  its steps numbered in the module docstring, its synchronizations ``phases.when`` branches.
+
+The factory builds the configuration once and hands it, with ``init`` and ``step``, to
+``transformation``, which checks the state and the gradient, counts the steps and returns the new
+parameters as ``Assign`` updates. These pieces serve them all:
 
 * ``Assign``, the update that sets a parameter exactly. An optax update is *added* to the parameters
-  (``optax.apply_updates`` computes ``params + updates``), and in floating point ``p + (t − p)`` is not
-  always ``t``: with W = 8 replicas that drifted by N(0, 0.01) from N(0, 0.1) weights, 8% of the
+  (``optax.apply_updates`` computes ``params + updates``), and in floating point ``p + (t − p)`` is
+  not always ``t``: with W = 8 replicas that drifted by N(0, 0.01) from N(0, 0.1) weights, 8% of the
   elements land one rounding away from the average on some device. No additive update can avoid it:
   from ``p₁ = −(0.5 − 2⁻²⁵)`` the float32 sums ``p₁ + u`` near 2⁻²¹ are odd multiples of 2⁻²⁵, from
   ``p₂ = −(0.5 − 2⁻²⁴)`` even ones, so no value near their average is reachable from both.
@@ -21,19 +34,21 @@ synchronized value. These pieces serve them all:
 * ``unchanged``: the update that leaves the parameters as they are, for a wrapper that skips a
   step (``accumulate``'s held micro-steps, ``skip_if_nonfinite``): zero for an additive update,
   ``Assign(params)`` for an optimizer that sets them.
-* ``to_device`` / ``from_device``: the inner optimizer's state is kept with a leading axis of length 1.
-  It differs from device to device (momenta, Adam's moments, the count of a device that skipped a
+* ``to_device`` / ``from_device``: the inner optimizer's state is kept with a leading axis of length
+  1. It differs from device to device (momenta, Adam's moments, the count of a device that skipped a
   step), and under ``shard_map`` every per-device leaf is sharded along its first dimension
   (``jaxcomp.state_partition_specs``): the extra axis gives every leaf one, 0-d counts included.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, finite, jaxprs, phases
+from jaxcomp._src import axis, finite, interface, jaxprs, kernels
 from jaxcomp._src import tree as tree_lib
 
 
@@ -79,35 +94,36 @@ def assign(params):
   return jax.tree.map(Assign, params)
 
 
-def local_update(inner: optax.GradientTransformation, grads, inner_state, params,
-                 axis_name: axis.AxisName) -> tuple:
-  """One step of ``inner`` on this device's gradient: ``(new params, new inner state)``.
+def local_update(config, grads, inner_state, params, axis_name: axis.AxisName) -> tuple:
+  """One step of ``config.inner`` on this device's gradient: ``(new params, new inner state)``.
 
   A device whose new parameters are not finite keeps ``params`` and ``inner_state``
   (``finite.kept_locally``). Only reduced (floating-point, non-empty) parameters move; the others
-  keep their values, so they stay the same on every device. ``inner`` may communicate over another
-  axis (an ``allreduce`` over a fast axis: hierarchical averaging), where a NaN then reaches every
-  device of that axis, which all keep their parameters together.
+  keep their values, so they stay the same on every device. The inner optimizer may communicate
+  over another axis (an ``allreduce`` over a fast axis: hierarchical averaging), where a NaN then
+  reaches every device of that axis, which all keep their parameters together. It is traced once:
+  its program is read for collectives over ``axis_name``, then run.
 
   Raises:
-    ValueError: ``inner`` communicates over ``axis_name``: it would send on every local step, and
-      the synchronization would average what is already averaged.
+    ValueError: the inner optimizer communicates over ``axis_name``: it would send on every local
+      step, and the synchronization would average what is already averaged.
   """
-  if axis.is_bound(axis_name):
-    name = phases.owner() or "the local-step optimizer"
+  if not axis.is_bound(axis_name):
+    updates, new_state = config.inner.update(grads, inner_state, params)
+  else:
+    (updates, new_state), program = jaxprs.traced_once(config.inner.update, grads, inner_state,
+                                                        params)
     axes = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
-    sent = jaxprs.collectives_over(
-        jax.make_jaxpr(inner.update)(grads, inner_state, params).jaxpr, axes)
+    sent = jaxprs.collectives_over(program.jaxpr, axes)
     if sent:
       kinds = sorted({found.split(" at ")[0] for found in sent})
       raise ValueError(
-          f"{name}: its inner optimizer communicates over {axis_name!r} on every local step "
-          f"({', '.join(kinds)}), so the steps would not be local "
-          f"and the synchronization would average what is already averaged. Pass the optimizer "
-          "alone as inner (optax.adamw(1e-3)); the exchange of the synchronization is "
-          f"{name}'s own (diloco's compressor=); an all-reduce over a faster axis names that axis "
+          f"{config.name}: its inner optimizer communicates over {axis_name!r} on every local "
+          f"step ({', '.join(kinds)}), so the steps would not be local and the synchronization "
+          "would average what is already averaged. Pass the optimizer alone as inner "
+          f"(optax.adamw(1e-3)); the exchange of the synchronization is {config.name}'s own "
+          "(diloco's compressor=); an all-reduce over a faster axis names that axis "
           "(hierarchical averaging: jaxcomp.allreduce(axis_name='fast'))")
-  updates, new_state = inner.update(grads, inner_state, params)
   # Integer, boolean and zero-size parameters are left as they are: never trained, never averaged,
   # so they stay the same on every device.
   new_params = jax.tree.map(lambda p, new: new if tree_lib.is_reduced(p) else p, params,
@@ -162,3 +178,52 @@ def to_device(inner_state):
 def from_device(stored):
   """The inner state stored by ``to_device``, leading axis removed."""
   return jax.tree.map(lambda x: x[0], stored)
+
+
+class Init(Protocol):
+  def __call__(self, config: Any, signature: tree_lib.TreeSignature, params: Any) -> Any: ...
+
+
+class Step(Protocol):
+  def __call__(self, config: Any, state: Any, grads: Any, params: Any,
+               axis_name: axis.AxisName) -> tuple: ...
+
+
+def transformation(config, init: Init, step: Step,
+                   axis_name: axis.AxisName) -> interface.Transformation:
+  """The optax transformation of an optimizer that owns the parameters (the module docstring).
+
+  Args:
+    config: the validated configuration, with its public ``name``.
+    init: ``init(config, signature, params) -> state``.
+    step: ``step(config, state, grads, params, axis_name) -> (new params, new state)``.
+    axis_name: the mapped axis the devices synchronize over.
+
+  Returns:
+    An ``interface.Transformation`` whose ``update(grads, state, params)`` needs the parameters
+    and returns ``Assign`` updates.
+  """
+  axis_name = axis.check_axis_name(axis_name)
+  name = config.name
+
+  def init_fn(params):
+    params = tree_lib.unwrap(params)
+    return init(config, tree_lib.TreeSignature.of(params), params)
+
+  def update_fn(updates, state, params=None):
+    if type(getattr(state, "config", None)) is not type(config):
+      raise TypeError(f"{name}: update needs the state {name}'s init made; got "
+                      f"{type(state).__name__}")
+    grads = state.signature.unflatten(state.signature.check(updates))
+    if params is None:
+      raise ValueError(f"{name} sets the parameters, so its update needs them: call "
+                       "tx.update(grads, state, params) (nnx.Optimizer and the usual optax loop "
+                       "do)")
+    params = state.signature.unflatten(state.signature.check(params, "params"))
+    axis.refuse_summed_gradient(state.signature.pick(grads), axis_name, name)
+    with kernels.part("update"):
+      new_params, new_state = step(state.config, state, grads, params, axis_name)
+    return assign(new_params), new_state._replace(count=state.count + 1)
+
+  return interface.Transformation(init_fn, update_fn, name=name, axis_name=axis_name,
+                                  output="assign")

@@ -3,8 +3,8 @@
 Adam's update is not linear in the gradient, so error feedback cannot compress it directly; but its
 variance settles early in training. 1-bit Adam therefore runs plain Adam on the dense mean gradient
 for ``freeze_steps`` steps (the warm-up), then freezes the variance and exchanges only the momentum,
-1-bit compressed with error feedback on the worker and on the server — momentum SGD preconditioned by
-the frozen variance, which is linear in the gradient again. ``scale_by_onebit_adam`` returns the
+1-bit compressed with error feedback on the worker and on the server — momentum SGD preconditioned
+by the frozen variance, which is linear in the gradient again. ``scale_by_onebit_adam`` returns the
 direction (as ``optax.scale_by_adam``); ``onebit_adam`` scales it by the learning rate, the whole
 optimizer (nothing is chained after it); ``jaxcomp.hooks.onebit_adam_hook`` is the same step on a
 ``comm_hook`` bucket, returning the direction for a momentum-free ``optax.sgd``.
@@ -14,8 +14,8 @@ The steps, per device, W devices, at step t = 0, 1, ... (the ``# n:`` comments b
 
 1. Warm-up (phase "warmup", t < ``freeze_steps``): the dense mean gradient ``ḡ`` (÷W, then a
    float32 all-reduce); ``m ← b1·m + (1 − b1)·ḡ``, ``v ← b2·v + (1 − b2)·ḡ²`` (Alg. 1 line 1, Adam).
-   The state keeps ``√v``, updated as ``r·√(b2·(√v/r)² + (1 − b2)·(ḡ/r)²)`` with ``r = max(√v, |ḡ|)``:
-   the same value, but ``ḡ²`` of a gradient above 1.8e19 would overflow float32.
+   The state keeps ``√v``, updated as ``r·√(b2·(√v/r)² + (1 − b2)·(ḡ/r)²)`` with ``r = max(√v,
+   |ḡ|)``: the same value, but ``ḡ²`` of a gradient above 1.8e19 would overflow float32.
 2. Compression (phase "compressed", t ≥ ``freeze_steps``): ``m ← b1·m + (1 − b1)·g`` with this
    device's own gradient (Alg. 1 line 5); ``v`` stays frozen.
 3. The momentum of all reduced leaves, in float32, goes through the two-phase exchange with the sign
@@ -40,8 +40,8 @@ The steps, per device, W devices, at step t = 0, 1, ... (the ``# n:`` comments b
    are not finite, m, √v and both errors keep their old values and every direction is NaN.
 
 Bytes per device in the compression stage (payload, ``comm_report``): 2·W·S/8 for the signs (W rows
-of S ≥ L/W values, S a multiple of 8) and 2·4·W for the scales, no flag (6) — about 1/32 of a float32
-all-reduce's ring bytes. The warm-up sends the dense float32 mean.
+of S ≥ L/W values, S a multiple of 8) and 2·4·W for the scales, no flag (6) — about 1/32 of a
+float32 all-reduce's ring bytes. The warm-up sends the dense float32 mean.
 
 Differences from DeepSpeed's ``OnebitAdam``. The scale of a sign vector is its mean magnitude
 ``‖p‖₁/L`` (EF-SignSGD's), not DeepSpeed's ``‖p‖₂/√L``: with the mean magnitude
@@ -68,8 +68,9 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -79,27 +80,15 @@ from jaxcomp._src import axis, compressor, exchange, finite, sign, validate
 from jaxcomp._src import phases as phases_lib
 from jaxcomp._src import tree as tree_lib
 
-_WARMUP = phases_lib.Phase("warmup", 0.0)
-_COMPRESSED = phases_lib.Phase("compressed", 1.0)
-
-
-def _decay(name: str) -> Callable:
-  """The check of a decay rate in [0, 1)."""
-  return lambda value: validate.number(value, name, 0, 1, high_open=True)
-
-
-def _learning_rate(value) -> Union[None, float, Callable, jax.Array]:
-  """None (no learning rate), a schedule, ``TRACED`` or an array as it is; a number, checked."""
-  if value is None or callable(value) or value is validate.TRACED:
-    return value
-  return validate.traceable(value, lambda v: validate.number(v, "learning_rate", 0,
-                                                             low_open=True))
+def _decay(value, name: str) -> float:
+  """A decay rate in [0, 1)."""
+  return validate.number(value, name, 0, 1, high_open=True)
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class OneBitAdamConfig:
-  """1-bit Adam's settings (without the learning rate), validated; a static node in the state.
+class OneBitAdamConfig(compressor.MeanConfig):
+  """1-bit Adam's settings, validated; a static node in the state.
 
   Attributes:
     freeze_steps: steps of plain Adam on the dense mean before the variance is frozen and the
@@ -116,23 +105,34 @@ class OneBitAdamConfig:
       array (``optax.inject_hyperparams``); None for ``scale_by_onebit_adam``, which returns the
       direction.
   """
-  freeze_steps: int
-  b1: Any = 0.9
-  b2: Any = 0.999
-  eps: Any = 1e-8
-  bias_correction: bool = True
-  learning_rate: Any = None
+  NONFINITE = "own"  # 6: from the exchange's scales, or the warm-up's dense mean
 
-  def __post_init__(self):
-    for name, value in dict(
-        freeze_steps=validate.integer(self.freeze_steps, "freeze_steps", 0,
-                                      static="decides when the compressed stage starts"),
-        b1=validate.traceable(self.b1, _decay("b1")),
-        b2=validate.traceable(self.b2, _decay("b2")),
-        eps=validate.traceable(self.eps, lambda value: validate.number(value, "eps", 0)),
-        bias_correction=validate.boolean(self.bias_correction, "bias_correction"),
-        learning_rate=_learning_rate(self.learning_rate)).items():
-      object.__setattr__(self, name, value)
+  freeze_steps: int = validate.setting(check=functools.partial(
+      validate.integer, minimum=0, static="decides when the compressed stage starts"))
+  b1: Any = validate.setting(0.9, check=_decay, traceable=True)
+  b2: Any = validate.setting(0.999, check=_decay, traceable=True)
+  eps: Any = validate.setting(1e-8, check=functools.partial(validate.number, low=0),
+                              traceable=True)
+  bias_correction: bool = validate.setting(True, check=validate.boolean)
+  learning_rate: Any = validate.setting(None, check=validate.optional(validate.learning_rate),
+                                        traceable=True)
+
+  @property
+  def name(self) -> str:
+    return "scale_by_onebit_adam" if self.learning_rate is None else "onebit_adam"
+
+  @property
+  def output(self) -> str:
+    """The direction for an optimizer to follow, or (with a learning rate) the update."""
+    return "gradient" if self.learning_rate is None else "update"
+
+  def phases(self) -> tuple:
+    """Dense Adam ("warmup", absent when ``freeze_steps`` is 0), then "compressed"."""
+    return ((phases_lib.Phase(f"{self.name}.warmup", 0.0, "warmup"),) if self.freeze_steps
+            else ()) + (phases_lib.Phase(f"{self.name}.compressed", 1.0, "compressed"),)
+
+  def phase_of(self, count) -> jax.Array:
+    return (count >= self.freeze_steps).astype(jnp.int32)
 
 
 class OneBitAdamState(NamedTuple):
@@ -167,16 +167,6 @@ def init(config: OneBitAdamConfig, signature: tree_lib.TreeSignature) -> OneBitA
   return OneBitAdamState(jnp.zeros([], jnp.int32), zeros, zeros, zeros, zeros, config, signature)
 
 
-def phases(config: OneBitAdamConfig) -> tuple:
-  """The phases: dense Adam ("warmup", absent when ``freeze_steps`` is 0), then "compressed"."""
-  return ((_WARMUP,) if config.freeze_steps else ()) + (_COMPRESSED,)
-
-
-def phase_of(config: OneBitAdamConfig, count: jax.Array) -> jax.Array:
-  """The index into ``phases(config)`` of the step taken at ``count``."""
-  return (count >= config.freeze_steps).astype(jnp.int32)
-
-
 def _root_mean_square_update(b2, root: jax.Array, g: jax.Array) -> jax.Array:
   """1: ``√(b2·root² + (1 − b2)·g²)`` computed relative to ``max(root, |g|)``: no overflow."""
   top = jnp.maximum(root, jnp.abs(g))
@@ -207,7 +197,7 @@ def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_na
   if not grads:
     return [], state, jnp.array(True)
   root = old_root
-  if phase.name == _WARMUP.name:
+  if phase.value == "warmup":
     mean = [axis.mean(g, axis_name) for g in grads]  # 1: plain Adam on the dense mean
     ok = finite.reduced_finite(mean)  # 6
     mu = [config.b1 * m + (1 - config.b1) * g for m, g in zip(old_mu, mean)]
@@ -238,15 +228,6 @@ def step(config: OneBitAdamConfig, state: OneBitAdamState, leaves: list, axis_na
                              server_error=signature.place(errors[1]))
   directions = finite.nan_unless_finite(ok, directions)  # 6: NaN everywhere where not finite
   return [d.astype(g.dtype) for d, g in zip(directions, leaves)], new_state, ok
-
-
-SCALE_BY_ONEBIT_ADAM = compressor.Algorithm(
-    "scale_by_onebit_adam", OneBitAdamState, OneBitAdamConfig, init, step, phases=phases,
-    phase_of=phase_of, traceable=("b1", "b2", "eps"),
-    nonfinite="own")  # 6: from the exchange's scales, or the warm-up's dense mean
-ONEBIT_ADAM = dataclasses.replace(SCALE_BY_ONEBIT_ADAM, name="onebit_adam", output="update",
-                                  direction="scale_by_onebit_adam",
-                                  traceable=("b1", "b2", "eps", "learning_rate"))
 
 
 def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch",
@@ -288,9 +269,9 @@ def scale_by_onebit_adam(*, freeze_steps: int, axis_name: axis.AxisName = "batch
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
     Speed", ICML 2021, Algorithm 1; DeepSpeed ``OnebitAdam`` / ``compressed_allreduce``.
   """
-  return compressor.transformation(
-      SCALE_BY_ONEBIT_ADAM, axis_name, bucket_cap_mb, freeze_steps=freeze_steps, b1=b1, b2=b2,
-      eps=eps, bias_correction=bias_correction)
+  config = OneBitAdamConfig(freeze_steps=freeze_steps, b1=b1, b2=b2, eps=eps,
+                            bias_correction=bias_correction)
+  return compressor.transformation(config, init, step, axis_name, bucket_cap_mb=bucket_cap_mb)
 
 
 def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = "batch",
@@ -300,8 +281,9 @@ def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = 
   """DeepSpeed's 1-bit Adam as an optax optimizer: it averages the gradient itself.
 
   ``scale_by_onebit_adam``'s direction scaled by the learning rate, as ``optax.adam`` is
-  ``scale_by_adam`` chained with it (step 5). Use it in place of ``optax.chain(jaxcomp.allreduce(), optax.adam(lr))``, with
-  nothing chained after it but a guard::
+  ``scale_by_adam`` chained with it (step 5). Use it in place of
+  ``optax.chain(jaxcomp.allreduce(), optax.adam(lr))``, with nothing chained after it but a
+  guard::
 
     tx = optax.chain(jaxcomp.onebit_adam(1e-3, freeze_steps=2000),
                      optax.apply_if_finite(optax.identity(), 10))
@@ -337,6 +319,6 @@ def onebit_adam(learning_rate, *, freeze_steps: int, axis_name: axis.AxisName = 
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
     Speed", ICML 2021, Algorithm 1; DeepSpeed ``OnebitAdam`` / ``compressed_allreduce``.
   """
-  return compressor.transformation(
-      ONEBIT_ADAM, axis_name, bucket_cap_mb, freeze_steps=freeze_steps, b1=b1, b2=b2, eps=eps,
-      bias_correction=bias_correction, learning_rate=learning_rate)
+  config = OneBitAdamConfig(freeze_steps=freeze_steps, b1=b1, b2=b2, eps=eps,
+                            bias_correction=bias_correction, learning_rate=learning_rate)
+  return compressor.transformation(config, init, step, axis_name, bucket_cap_mb=bucket_cap_mb)

@@ -1,21 +1,21 @@
 """Phases: the branches of a step that run on some steps and not on others, labelled for the report.
 
-A compressor's warm-up (PowerSGD's ``start_iter``, DGC's density stages, 1-bit Adam's dense Adam), the
-two halves of alternating PowerSGD, the synchronization of local SGD and DiLoCo, the communicating
-micro-step of ``accumulate``: each is a branch of a ``lax.switch`` (or ``lax.cond``, or ``when``'s
-loop run once or never) over a counter, and the collectives inside a branch run only on the steps
-that take it. ``switch`` runs such a branch under a JAX name scope that names the phase and its
-share of the steady state — the fraction of steps, once warm-ups are over, that take it (0 for a
-warm-up, ½ for each half of alternating PowerSGD, 1/H for a synchronization every H steps). The
-label reaches every instruction of the branch as its ``op_name`` metadata, so ``jaxcomp.comm_report``
-reads it back (``parse``) and reports each phase's collectives, and the steady state's bytes per
-step, instead of adding up branches that never run together.
+A compressor's warm-up (PowerSGD's ``start_iter``, DGC's density stages, 1-bit Adam's dense Adam),
+the two halves of alternating PowerSGD, the synchronization of local SGD and DiLoCo, the
+communicating micro-step of ``accumulate``: each is a branch of a ``lax.switch`` (or ``lax.cond``,
+or ``when``'s loop run once or never) over a counter, and the collectives inside a branch run only
+on the steps that take it. ``switch`` runs such a branch under a JAX name scope that names the phase
+and its share of the steady state — the fraction of steps, once warm-ups are over, that take it (0
+for a warm-up, ½ for each half of alternating PowerSGD, 1/H for a synchronization every H steps).
+The label reaches every instruction of the branch as its ``op_name`` metadata, so
+``jaxcomp.comm_report`` reads it back (``parse``) and reports each phase's collectives, and the
+steady state's bytes per step, instead of adding up branches that never run together. A phase is
+named by the transformation that owns it, ``"<transformation>.<phase>"`` (``"powersgd.warmup"``):
+the configuration that makes it knows its public name (``validate.Config.name``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import re
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -26,7 +26,6 @@ from jax import lax
 from jaxcomp._src import axis
 
 WHEN = "jaxcomp_when"  # the name scope of ``when``'s loop
-_OWNER: contextvars.ContextVar = contextvars.ContextVar("jaxcomp_phase_owner", default=None)
 _LABEL = re.compile(r"jaxcomp_phase\[(?P<name>[^|\]]+)\|(?P<share>[0-9.e+-]+)\]")
 
 
@@ -34,8 +33,8 @@ class Phase(NamedTuple):
   """One branch of a step.
 
   Attributes:
-    name: the phase's own name (``"warmup"``); the report calls it ``"<transformation>.<name>"``
-      (``label``).
+    name: the phase's name as the report gives it, ``"<transformation>.<phase>"``
+      (``"powersgd.warmup"``).
     share: the fraction of steady-state steps that take it: 0 for a warm-up phase, 1 for the only
       steady phase, 1/H for a synchronization every H steps.
     value: what the step needs to know of the phase (DGC's density), or None.
@@ -45,30 +44,9 @@ class Phase(NamedTuple):
   value: Any = None
 
 
-@contextlib.contextmanager
-def owned_by(name: str):
-  """Within it, phases are labelled as phases of the transformation ``name`` (trace time only)."""
-  token = _OWNER.set(name)
-  try:
-    yield
-  finally:
-    _OWNER.reset(token)
-
-
-def owner() -> Optional[str]:
-  """The public name of the transformation whose step is being traced (``owned_by``), or None."""
-  return _OWNER.get()
-
-
-def qualified(phase: Phase) -> str:
-  """``phase``'s name as the report gives it: ``"<owner>.<name>"`` inside ``owned_by``."""
-  owner = _OWNER.get()
-  return phase.name if owner is None else f"{owner}.{phase.name}"
-
-
 def label(phase: Phase) -> str:
   """The name scope that marks ``phase``'s instructions."""
-  return f"jaxcomp_phase[{qualified(phase)}|{float(phase.share)!r}]"
+  return f"jaxcomp_phase[{phase.name}|{float(phase.share)!r}]"
 
 
 def parse(op_name: str) -> tuple:
@@ -128,8 +106,10 @@ def when(predicate, phase: Optional[Phase], branch: Callable, *operands):
     results = branch(*ops) if phase is None else run(phase, branch, *ops)
     results = (results,) if single else tuple(results)
     # The carry keeps its type: a branch may return what every device agrees on for an operand
-    # that differs per device (``local_update`` restoring replicated parameters), as ``cond`` allows.
-    return jax.tree.map(lambda r, o: axis.make_varying(r, tuple(axis.varying_axes(o))), results, ops)
+    # that differs per device (``local_update`` restoring replicated parameters), as ``cond``
+    # allows.
+    return jax.tree.map(lambda r, o: axis.make_varying(r, tuple(axis.varying_axes(o))), results,
+                        ops)
 
   with jax.named_scope(WHEN):  # the report reads the loop as the conditional it is
     results = lax.fori_loop(0, jnp.asarray(predicate, jnp.int32), body, operands)

@@ -1,8 +1,9 @@
 """PowerSGD: low-rank gradient compression with error feedback, layer-wise and batched.
 
-``powersgd`` is torch's ``powerSGD_hook`` step for step (tests/test_powersgd_torch.py), with the PowerSGD
-authors' ``alternating`` variant; ``batched_powersgd`` is torch's ``batched_powerSGD_hook``. The steps,
-per device, W devices ("torch n": ``powerSGD_hook``'s docstring; "Alg. n": the paper's):
+``powersgd`` is torch's ``powerSGD_hook`` step for step (tests/test_powersgd_torch.py), with the
+PowerSGD authors' ``alternating`` variant; ``batched_powersgd`` is torch's
+``batched_powerSGD_hook``. The steps, per device, W devices ("torch n": ``powerSGD_hook``'s
+docstring; "Alg. n": the paper's):
 
 1. Phase "warmup", the first ``start_iter`` steps: the plain mean, ÷W then one all-reduce SUM.
    Phase "compressed" from then on:
@@ -50,55 +51,62 @@ import optax
 from jaxcomp._src import axis, compressor, finite, kernels, phases, validate
 from jaxcomp._src import tree as tree_lib
 
-WARMUP, COMPRESSED = phases.Phase("warmup", 0.0), phases.Phase("compressed", 1.0)
-# alternating: the halves inside "compressed" (a switch inside the step)
-EVEN, ODD = phases.Phase("even", 0.5), phases.Phase("odd", 0.5)
 _Q, _P = 0, 1  # the factor a random draw is for
 _LAYERWISE_ONLY = ("epsilon", "min_compression_rate", "matrix_view", "alternating", "compress")
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class PowerSGDConfig:
+class PowerSGDConfig(compressor.MeanConfig):
   """PowerSGD's settings, validated; a static pytree node kept in the state. Attributes:
   ``powersgd``'s arguments (``epsilon`` may be an array), and ``batched`` (``batched_powersgd``)."""
-  rank: int = 1
-  start_iter: int = 1000
-  error_feedback: bool = True
-  warm_start: bool = True
-  seed: int = 0
-  epsilon: Any = 0.0
-  min_compression_rate: float = 2.0
-  matrix_view: str = "flax"
-  batched: bool = False
-  alternating: bool = False
-  compress: Optional[Callable] = None
+  NONFINITE = "own"  # 10: from P, Q and the dense sums
 
-  def __post_init__(self):
-    checked = dict(
-        rank=validate.integer(self.rank, "rank", 1, static="fixes the shapes of P and Q"),
-        start_iter=validate.integer(self.start_iter, "start_iter", 0, static="starts the stats"),
-        error_feedback=validate.boolean(self.error_feedback, "error_feedback"),
-        warm_start=validate.boolean(self.warm_start, "warm_start"),
-        seed=validate.integer(self.seed, "seed", 0, static="seeds the factors drawn at init"),
-        epsilon=validate.traceable(self.epsilon, lambda v: validate.number(v, "epsilon", 0)),
-        min_compression_rate=validate.number(self.min_compression_rate, "min_compression_rate", 0),
-        matrix_view=validate.choice(self.matrix_view, "matrix_view", ("torch", "flax")),
-        batched=validate.boolean(self.batched, "batched"),
-        alternating=validate.boolean(self.alternating, "alternating"),
-        compress=None if self.compress is None else validate.function(
-            self.compress, "compress", "compress(path, leaf) -> bool"))
-    layerwise = [f.name for f in dataclasses.fields(self) if f.name in _LAYERWISE_ONLY
-                 and (validate.is_array(checked[f.name]) or checked[f.name] != f.default)]
-    if checked["batched"] and layerwise:
-      got = ", ".join(f"{name}={checked[name]!r}" for name in layerwise)
+  rank: int = validate.setting(1, check=functools.partial(
+      validate.integer, minimum=1, static="fixes the shapes of P and Q"))
+  start_iter: int = validate.setting(1000, check=functools.partial(
+      validate.integer, minimum=0, static="starts the stats"))
+  min_compression_rate: float = validate.setting(2.0, check=functools.partial(validate.number,
+                                                                              low=0))
+  error_feedback: bool = validate.setting(True, check=validate.boolean)
+  warm_start: bool = validate.setting(True, check=validate.boolean)
+  epsilon: Any = validate.setting(0.0, check=functools.partial(validate.number, low=0),
+                                  traceable=True)
+  seed: int = validate.setting(0, check=functools.partial(
+      validate.integer, minimum=0, static="seeds the factors drawn at init"))
+  matrix_view: str = validate.setting("flax", check=functools.partial(
+      validate.choice, choices=("torch", "flax")))
+  alternating: bool = validate.setting(False, check=validate.boolean)
+  compress: Optional[Callable] = validate.setting(None, check=validate.optional(
+      functools.partial(validate.function, signature="compress(path, leaf) -> bool")))
+  batched: bool = validate.setting(False, check=validate.boolean)
+
+  @property
+  def name(self) -> str:
+    return "batched_powersgd" if self.batched else "powersgd"
+
+  def check(self):
+    layerwise = [f.name for f in dataclasses.fields(self) if f.name in _LAYERWISE_ONLY and (
+        validate.is_array(getattr(self, f.name)) or getattr(self, f.name) != f.default)]
+    if self.batched and layerwise:
+      got = ", ".join(f"{name}={getattr(self, name)!r}" for name in layerwise)
       raise ValueError(f"batched PowerSGD takes no {', '.join(layerwise)} (got {got}): they are "
                        "layer-wise PowerSGD's settings; leave them out, or use jaxcomp.powersgd")
-    if checked["alternating"] and not checked["warm_start"]:
+    if self.alternating and not self.warm_start:
       raise ValueError("alternating=True needs warm_start=True: each step starts from the factor "
                        "the last step sent; got warm_start=False")
-    for name, value in checked.items():
-      object.__setattr__(self, name, value)
+
+  def phases(self) -> tuple:
+    """1: the warm-up (if ``start_iter``), then "compressed"."""
+    return ((phases.Phase(f"{self.name}.warmup", 0.0, "warmup"),) * (self.start_iter > 0)
+            + (phases.Phase(f"{self.name}.compressed", 1.0, "compressed"),))
+
+  def phase_of(self, count) -> jax.Array:
+    return (count >= self.start_iter).astype(jnp.int32) * (self.start_iter > 0)
+
+  def halves(self) -> tuple:
+    """Alternating: the halves of "compressed", even and odd steps."""
+    return phases.Phase(f"{self.name}.even", 0.5), phases.Phase(f"{self.name}.odd", 0.5)
 
 
 class PowerSGDState(NamedTuple):
@@ -185,16 +193,6 @@ def init(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> PowerSGDS
   return PowerSGDState(jnp.zeros([], jnp.int32), *fields, config, signature)
 
 
-def step_phases(config: PowerSGDConfig) -> tuple:
-  """The warm-up (if ``start_iter``), then "compressed"."""
-  return (WARMUP,) * (config.start_iter > 0) + (COMPRESSED,)
-
-
-def phase_of(config: PowerSGDConfig, count) -> jax.Array:
-  """The index into ``step_phases(config)`` of the step taken at ``count``."""
-  return (count >= config.start_iter).astype(jnp.int32) * (config.start_iter > 0)
-
-
 def orthogonalize(x: jax.Array, epsilon=0.0) -> jax.Array:
   """The columns of ``x`` (n, r) orthonormalized as torch does: modified Gram–Schmidt when r ≤ 2 or
   ``x`` is float16 / bfloat16 (``col /= norm(col) + epsilon``), else QR (no ``epsilon``). Unlike
@@ -215,21 +213,21 @@ def orthogonalize(x: jax.Array, epsilon=0.0) -> jax.Array:
   return jnp.stack(cols, axis=1)
 
 
-def _matrix(block: _Block, leaves: list, error) -> tuple:
-  """2, 3: ``M = g + e`` as the block's (n, m) matrix, kept as the terms that sum to it
-  (``kernels.product``): g (a leaf, or the batched square of the leaves) and e."""
+def _matrix(block: _Block, leaves: list, error) -> kernels.Sum:
+  """2, 3: ``M = g + e``, the block's (n, m) matrix: g (a leaf, or the batched square of the
+  leaves) plus this device's error, a ``kernels.Sum`` that the products read term by term."""
   members = [leaves[k] for k in block.members]
   if len(members) == 1 and block.n * block.m == block.length:
     g = members[0].reshape(block.n, block.m)
   else:  # batched: raveled, concatenated, zero-padded
     g = kernels.zero_padded(members, block.n * block.m).reshape(block.n, block.m)
-  return (g,) if error is None else (g, error.reshape(g.shape).astype(g.dtype))
+  return kernels.Sum((g,) if error is None else (g, error.reshape(g.shape).astype(g.dtype)))
 
 
-def _new_error(terms: tuple, x: jax.Array, error: jax.Array, ok: jax.Array) -> jax.Array:
-  """8, 10: ``e ← M − x`` for ``M = sum(terms)`` (``_matrix``: g and e), in e's shape and dtype,
-  over the old error's block (``kernels.in_place``); the old error where ``ok`` is false."""
-  g = terms[0].reshape(error.shape)
+def _new_error(m: kernels.Sum, x: jax.Array, error: jax.Array, ok: jax.Array) -> jax.Array:
+  """8, 10: ``e ← M − x`` (``M = g + e``), in e's shape and dtype, over the old error's block
+  (``kernels.in_place``); the old error where ``ok`` is false."""
+  g = m.terms[0].reshape(error.shape)
   return kernels.in_place(
       lambda e, g, x, ok: jnp.where(ok, (g + e.astype(g.dtype) - x).astype(e.dtype), e),
       error, g, x.reshape(error.shape), ok)
@@ -260,8 +258,8 @@ def _power_iteration(config, operands: tuple, axis_name) -> tuple:
   ``(the dense means, (P̂, Q) of each output, the same for the error, Qs, Ps)``."""
   mats, qs, ps, dense = operands
   # 5: P = M·orth(Q) locally. 4, 5: one all-reduce SUM of the dense blocks and every P.
-  sums = axis.psum_many([sum(m) for m in dense] + [
-      kernels.product(m, orthogonalize(q.astype(m[0].dtype), config.epsilon))
+  sums = axis.psum_many([m.value() for m in dense] + [
+      kernels.product(m, orthogonalize(q.astype(m.terms[0].dtype), config.epsilon))
       for m, q in zip(mats, qs)], axis_name)
   means = [axis.divide_by_world(s, axis_name) for s in sums[:len(dense)]]  # 4: then ÷W
   p_hats = [orthogonalize(p, config.epsilon) for p in sums[len(dense):]]  # 5: P̂ = orth(P)
@@ -278,11 +276,12 @@ def _half_iteration(config, parity, operands: tuple, axis_name) -> tuple:
   makes XLA:CPU copy it (``benchmarks/memory.py``, ResNet-18, rank 1: temporaries 1.06 → 0.46 per
   gradient; ``step_time.py``, 2.9M-parameter MLP, W = 8: 1.37 → 1.04 of allreduce's step)."""
   mats, qs, ps, dense = operands
-  p_hats, q_hats = ([orthogonalize(f.astype(m[0].dtype), config.epsilon) for m, f in zip(mats, fs)]
+  p_hats, q_hats = ([orthogonalize(f.astype(m.terms[0].dtype), config.epsilon)
+                     for m, f in zip(mats, fs)]
                     for fs in (ps, qs))
   local_qs = [kernels.transposed_product(m, p) for m, p in zip(mats, p_hats)]
   local_ps = [kernels.product(m, q) for m, q in zip(mats, q_hats)]
-  dense = [sum(m) for m in dense]
+  dense = [m.value() for m in dense]
 
   def send(local):  # one all-reduce SUM of the dense blocks and the factors sent, then ÷W
     means = _mean_of_sums(dense + local, axis_name)
@@ -296,7 +295,7 @@ def _half_iteration(config, parity, operands: tuple, axis_name) -> tuple:
     means, p_means, ok = send(local_ps)
     return means, qs, p_means, ok
 
-  means, q_means, p_means, ok = phases.switch(parity, (EVEN, ODD), [even, odd])
+  means, q_means, p_means, ok = phases.switch(parity, config.halves(), [even, odd])
   pick = lambda xs, ys: [jnp.where(parity == 0, x, y) for x, y in zip(xs, ys)]  # noqa: E731
   outputs = list(zip(pick(p_hats, p_means), pick(q_means, q_hats)))
   residuals = list(zip(pick(p_hats, local_ps), pick(local_qs, q_hats)))
@@ -308,7 +307,7 @@ def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
          phase: phases.Phase) -> tuple:
   """One step on the reduced ``leaves`` (the module docstring's steps): ``(outputs, new state,
   finite)``."""
-  if phase == WARMUP:  # 1: ÷W, then one all-reduce SUM
+  if phase.value == "warmup":  # 1: ÷W, then one all-reduce SUM
     means = axis.mean_many(leaves, axis_name)
     return means, state, finite.reduced_finite(means)  # 10: the state is unchanged
   blocks = _blocks(config, state.signature)
@@ -377,15 +376,6 @@ def powersgd_stats(tree) -> tuple:
   return (before / after if after else 0, before, after)
 
 
-POWERSGD = compressor.Algorithm("powersgd", PowerSGDState, PowerSGDConfig, init, step,
-                                phases=step_phases, phase_of=phase_of, traceable=("epsilon",),
-                                nonfinite="own",  # 10: from P, Q and the dense sums
-                                is_own_config=lambda config: not config.batched)
-BATCHED_POWERSGD = dataclasses.replace(POWERSGD, name="batched_powersgd", traceable=(),
-                                       configure=functools.partial(PowerSGDConfig, batched=True),
-                                       is_own_config=lambda config: config.batched)
-
-
 def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: int = 1000,
              min_compression_rate: float = 2.0, error_feedback: bool = True,
              warm_start: bool = True, epsilon: float = 0.0, seed: int = 0,
@@ -395,7 +385,8 @@ def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: i
   """Layer-wise PowerSGD: the cross-device mean of a rank-``rank`` approximation of each matrix.
 
   The plain mean for ``start_iter`` steps, then torch's ``powerSGD_hook`` (the module docstring).
-  ``jaxcomp.comm_report`` gives a compressed step's bytes, ``.phase("powersgd.warmup")`` a warm-up's.
+  ``jaxcomp.comm_report`` gives a compressed step's bytes, ``.phase("powersgd.warmup")`` a
+  warm-up's.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
@@ -434,11 +425,11 @@ def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: i
   References:
     Vogels et al., NeurIPS 2019; torch's ``powerSGD_hook``; epfml/powersgd for ``alternating``.
   """
-  return compressor.transformation(
-      POWERSGD, axis_name, bucket_cap_mb, rank=rank, start_iter=start_iter,
-      min_compression_rate=min_compression_rate, error_feedback=error_feedback,
-      warm_start=warm_start, epsilon=epsilon, seed=seed, matrix_view=matrix_view,
-      alternating=alternating, compress=compress)
+  config = PowerSGDConfig(
+      rank=rank, start_iter=start_iter, error_feedback=error_feedback, warm_start=warm_start,
+      seed=seed, epsilon=epsilon, min_compression_rate=min_compression_rate,
+      matrix_view=matrix_view, alternating=alternating, compress=compress)
+  return compressor.transformation(config, init, step, axis_name, bucket_cap_mb=bucket_cap_mb)
 
 
 def batched_powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: int = 1000,
@@ -469,5 +460,6 @@ def batched_powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start
   References:
     PyTorch ``batched_powerSGD_hook`` (torch 2.13; it raises at its first compressed step).
   """
-  return compressor.transformation(BATCHED_POWERSGD, axis_name, rank=rank, start_iter=start_iter,
-                                   error_feedback=error_feedback, warm_start=warm_start, seed=seed)
+  config = PowerSGDConfig(rank=rank, start_iter=start_iter, error_feedback=error_feedback,
+                          warm_start=warm_start, seed=seed, batched=True)
+  return compressor.transformation(config, init, step, axis_name)

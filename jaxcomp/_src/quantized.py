@@ -1,11 +1,11 @@
 """Quantized averaging: the cross-device mean with every value on the wire in 8 bits.
 
 ``quantized(bits=8)`` sends int8 codes with one float32 scale per block of ``block_size`` values;
-``quantized(bits="fp8")`` sends float8_e4m3fn codes the same way. An all-reduce cannot carry them (an
-int8 sum overflows; one global scale wastes the range of every block smaller than the largest), so the
-mean is the two-phase exchange of ``jaxcomp._src.exchange``: a reduce-scatter by ``all_to_all``, the
-owner of each row dequantizes, averages in float32 and re-quantizes, then an ``all_gather``. Error
-feedback keeps both quantization errors on the device that made them.
+``quantized(bits="fp8")`` sends float8_e4m3fn codes the same way. An all-reduce cannot carry them
+(an int8 sum overflows; one global scale wastes the range of every block smaller than the largest),
+so the mean is the two-phase exchange of ``jaxcomp._src.exchange``: a reduce-scatter by
+``all_to_all``, the owner of each row dequantizes, averages in float32 and re-quantizes, then an
+``all_gather``. Error feedback keeps both quantization errors on the device that made them.
 
 The steps, per device, W devices (the ``# n:`` comments below point here; "exchange n" is the
 numbered list of ``jaxcomp._src.exchange``):
@@ -41,8 +41,9 @@ and a 4-byte flag (each device sees the scales of its own row only).
 
 Bytes per device (payload, ``comm_report``): the codes twice (all-to-all, all-gather), 2·W·S bytes,
 plus the scales twice, 2·4·W·S/``block_size`` — about a quarter of a float32 all-reduce's ring bytes
-(2·(W−1)/W of each); no check of its own that the gradient is finite (7). XLA:CPU keeps s8 collectives
-narrow but widens float8 ones to f16; float8 codes therefore travel as their bits, in uint8.
+(2·(W−1)/W of each); no check of its own that the gradient is finite (7). XLA:CPU keeps s8
+collectives narrow but widens float8 ones to f16; float8 codes therefore travel as their bits, in
+uint8.
 
 Stochastic rounding draws from ``seed``, the step and the device's index: reproducible from run to
 run and on resume, independent from device to device (so the rounding noise averages out over
@@ -62,6 +63,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -77,7 +79,7 @@ _CODES = {8: (jnp.int8, 127.0), "fp8": (jnp.uint8, 448.0)}
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class QuantizedConfig:
+class QuantizedConfig(compressor.MeanConfig):
   """``quantized``'s settings, validated; a static pytree node kept in the state.
 
   Attributes:
@@ -93,23 +95,21 @@ class QuantizedConfig:
       without error feedback this keeps the mean unbiased.
     seed: the seed of the stochastic rounding.
   """
-  bits: Union[int, str] = 8
-  block_size: int = 256
-  error_feedback: bool = True
-  stochastic_rounding: bool = False
-  seed: int = 0
+  name = "quantized"
+  NONFINITE = "own"  # 7: the flag from the scales the exchange sends anyway
 
-  def __post_init__(self):
-    if isinstance(self.bits, bool) or self.bits not in _CODES:
-      raise ValueError(f"bits must be 8 (int8 codes) or 'fp8' (float8_e4m3fn codes); got "
-                       f"{self.bits!r}")
-    for name, value in dict(
-        block_size=validate.integer(self.block_size, "block_size", 1,
-                                    static="fixes the shape of the scales"),
-        error_feedback=validate.boolean(self.error_feedback, "error_feedback"),
-        stochastic_rounding=validate.boolean(self.stochastic_rounding, "stochastic_rounding"),
-        seed=validate.integer(self.seed, "seed", 0)).items():
-      object.__setattr__(self, name, value)
+  bits: Union[int, str] = validate.setting(8, check=lambda value, name: _bits(value))
+  block_size: int = validate.setting(256, check=functools.partial(
+      validate.integer, minimum=1, static="fixes the shape of the scales"))
+  error_feedback: bool = validate.setting(True, check=validate.boolean)
+  stochastic_rounding: bool = validate.setting(False, check=validate.boolean)
+  seed: int = validate.setting(0, check=validate.integer)
+
+
+def _bits(value):
+  if isinstance(value, bool) or value not in _CODES:
+    raise ValueError(f"bits must be 8 (int8 codes) or 'fp8' (float8_e4m3fn codes); got {value!r}")
+  return value
 
 
 class QuantizedState(NamedTuple):
@@ -283,12 +283,6 @@ def scatter(config: QuantizedConfig, state: QuantizedState, leaves: list, axis_n
   return [o.astype(g.dtype) for o, g in zip(owned, leaves)], state, ok
 
 
-# "own": 7, the flag from the scales the exchange sends anyway.
-QUANTIZED = compressor.Algorithm("quantized", QuantizedState, QuantizedConfig, init, step,
-                                 nonfinite="own", scatter=scatter,
-                                 scatter_unused=("server_error",))
-
-
 def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
               block_size: int = 256, error_feedback: bool = True,
               stochastic_rounding: bool = False, seed: int = 0,
@@ -298,9 +292,10 @@ def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
   A two-phase exchange (the module docstring numbers the steps): each device's gradient, quantized
   per block of ``block_size`` values, reaches the owner of each row by ``all_to_all``; the owner
   dequantizes, averages in float32 and re-quantizes its row, which every device receives by
-  ``all_gather``. About a quarter of the bytes of a float32 all-reduce for int8. Error feedback keeps both quantization
-  errors, so over steps the outputs sum to the mean gradients' sum less the final errors. On a step
-  whose gradient is non-finite on any device the errors are kept and the output is NaN.
+  ``all_gather``. About a quarter of the bytes of a float32 all-reduce for int8. Error feedback
+  keeps both quantization errors, so over steps the outputs sum to the mean gradients' sum less the
+  final errors. On a step whose gradient is non-finite on any device the errors are kept and the
+  output is NaN.
 
   Example:
     >>> import jax, optax, jaxcomp
@@ -331,6 +326,7 @@ def quantized(bits: Union[int, str] = 8, *, axis_name: axis.AxisName = "batch",
     Alistarh et al., "QSGD", NeurIPS 2017; Wang et al., "ZeRO++", 2023 (qgZ); Tang et al., "1-bit
     Adam", ICML 2021 (worker and server error feedback).
   """
-  return compressor.transformation(
-      QUANTIZED, axis_name, bucket_cap_mb, bits=bits, block_size=block_size,
-      error_feedback=error_feedback, stochastic_rounding=stochastic_rounding, seed=seed)
+  config = QuantizedConfig(bits=bits, block_size=block_size, error_feedback=error_feedback,
+                           stochastic_rounding=stochastic_rounding, seed=seed)
+  return compressor.transformation(config, init, step, axis_name, bucket_cap_mb=bucket_cap_mb,
+                                   scatter=scatter, scatter_unused=("server_error",))

@@ -1,9 +1,9 @@
 """``comm_report``: what a compiled step sends, read from the HLO XLA will run.
 
 The report lists every collective in the compiled module — the ones jaxcomp asked for, the ones the
-SPMD partitioner inserted and any all-reduce autodiff added — with its dtypes, shapes, group size and
-bytes, whether it sits in a loop body or a conditional branch, and the phase it belongs to. It is the
-proof that compression reaches the wire.
+SPMD partitioner inserted and any all-reduce autodiff added — with its dtypes, shapes, group size
+and bytes, whether it sits in a loop body or a conditional branch, and the phase it belongs to. It
+is the proof that compression reaches the wire.
 
 **Phases.** A step's warm-up (PowerSGD's ``start_iter``, DGC's density stages, 1-bit Adam's dense
 Adam), the two halves of alternating PowerSGD and the synchronization of local SGD and DiLoCo are
@@ -12,8 +12,8 @@ reaches every collective inside. A collective's ``phases`` names the branches it
 first, each with its share of the steady state. The report's totals (``payload_bytes``,
 ``ring_bytes``, ``bytes_by_dtype``) are per step of the steady state, on average: every unlabelled
 collective counts in full, a labelled one times the product of its shares — a warm-up's collectives
-count 0, each half of alternating PowerSGD ½, a synchronization every H steps 1/H. ``phase(name)`` is
-the report of one step taken in a given phase (its own collectives and the unlabelled ones), e.g.
+count 0, each half of alternating PowerSGD ½, a synchronization every H steps 1/H. ``phase(name)``
+is the report of one step taken in a given phase (its own collectives and the unlabelled ones), e.g.
 ``report.phase("powersgd.warmup")``; ``phase_names`` lists them.
 
 Bytes are counted two ways, per device:
@@ -49,7 +49,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from jaxcomp._src import axis
+from jaxcomp._src import axis, misuse, spmd
 from jaxcomp._src import phases as phases_lib
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -191,7 +191,8 @@ class CommReport:
                   f"{c.group_size:>4}{c.payload_bytes:>13,}{c.ring_bytes:>13,.0f}  {where}")
     for name in self.phase_names:
       phase = self.phase(name)
-      rows.append(f"{'a step in ' + name:<65}{phase.payload_bytes:>13,.0f}{phase.ring_bytes:>13,.0f}")
+      rows.append(f"{'a step in ' + name:<65}{phase.payload_bytes:>13,.0f}"
+                  f"{phase.ring_bytes:>13,.0f}")
     rows.append(f"{'total per steady-state step':<65}{self.payload_bytes:>13,.0f}"
                 f"{self.ring_bytes:>13,.0f}")
     return "\n".join(rows)
@@ -315,10 +316,11 @@ def comm_report(fn: Callable, *args, stage: str = "compiled",
       step built with ``jax.shard_map``; or a step already lowered (``jax.stages.Lowered``, then
       no arguments) or compiled (``jax.stages.Compiled``, read as it is).
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
-    stage: ``"compiled"`` (the HLO XLA runs) or ``"lowered"`` (before optimisation: requested dtypes,
+    stage: ``"compiled"`` (the HLO XLA runs) or ``"lowered"`` (before optimisation: requested
+    dtypes,
       no partitioner collectives).
-    num_devices: group size for collectives over all devices that name no groups; default all devices.
-    **kwargs: keyword arguments of ``fn``.
+    num_devices: group size for collectives over all devices that name no groups; default all
+    devices. **kwargs: keyword arguments of ``fn``.
 
   Returns:
     A ``CommReport``; ``print`` it for a table.
@@ -342,6 +344,8 @@ def comm_report(fn: Callable, *args, stage: str = "compiled",
     if isinstance(fn, jax.stages.Lowered):
       lowered = fn
     else:
+      if not isinstance(fn, spmd.OnMesh):  # jaxcomp's own steps check themselves as they trace
+        misuse.check(fn, *args, **kwargs)
       lowered = (fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower)(*args, **kwargs)
     text = (lowered.compile().as_text() if stage == "compiled"
             else lowered.as_text(dialect="hlo", debug_info=True))

@@ -1,9 +1,9 @@
 """Sign compression with error feedback: EF-SignSGD's scaled sign, one bit per value on the wire.
 
 ``sign_compress`` sends, per device, the sign of every value (packed 8 per byte by ``jnp.packbits``)
-and one float32 scale per leaf; every device receives all of them (one ``all_gather`` of bits, one of
-scales) and averages the scaled signs. The sign helpers here (packing, the overflow-safe scale, the
-codec of ``jaxcomp.scale_by_onebit_adam``'s two-phase exchange) are shared with 1-bit Adam.
+and one float32 scale per leaf; every device receives all of them (one ``all_gather`` of bits, one
+of scales) and averages the scaled signs. The sign helpers here (packing, the overflow-safe scale,
+the codec of ``jaxcomp.scale_by_onebit_adam``'s two-phase exchange) are shared with 1-bit Adam.
 
 The steps of ``sign_compress``, per device, W devices (the ``# n:`` comments point here; "Alg. 1" is
 EF-SGD in Karimireddy et al.):
@@ -37,7 +37,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,8 @@ from jaxcomp._src import axis, compressor, exchange, finite, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
 
-# ------------------------------------------------------------------------------- shared sign helpers
+# ------------------------------------------------------------------------------- shared sign
+# helpers
 
 def pack_signs(x: jax.Array) -> jax.Array:
   """3: 1 for ``x ≥ 0``, 0 below, packed 8 per byte along the last axis (uint8)."""
@@ -71,10 +72,10 @@ def sign_codec() -> exchange.Codec:
   """1-bit Adam's codec for the two-phase exchange: packed signs and one scale per encoding.
 
   The scale is the mean magnitude ``‖x‖₁ / count`` of the values encoded, as in ``sign_compress``:
-  then ``‖x − scale·sign(x)‖² = ‖x‖² − ‖x‖₁²/count ≤ ‖x‖²``, so error feedback cannot grow the error.
-  DeepSpeed's ``‖x‖₂ / √count`` keeps the norm instead but is no such contraction: for a sparse
-  ``x`` the error can come out √2 times larger than ``x``, and it did grow without bound on the
-  digits MLP (always-blank pixels), diverging 35 steps after the freeze.
+  then ``‖x − scale·sign(x)‖² = ‖x‖² − ‖x‖₁²/count ≤ ‖x‖²``, so error feedback cannot grow the
+  error. DeepSpeed's ``‖x‖₂ / √count`` keeps the norm instead but is no such contraction: for a
+  sparse ``x`` the error can come out √2 times larger than ``x``, and it did grow without bound on
+  the digits MLP (always-blank pixels), diverging 35 steps after the freeze.
   """
 
   def decode(payload, tails):
@@ -102,7 +103,7 @@ def _row(p: jax.Array) -> jax.Array:
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class SignConfig:
+class SignConfig(compressor.MeanConfig):
   """``sign_compress``'s settings, validated; a static pytree node kept in the state.
 
   Attributes:
@@ -110,39 +111,24 @@ class SignConfig:
       it sign compression is biased and can fail to converge even on convex problems (the paper's
       counter-examples); with it EF-SignSGD converges at SGD's rate.
   """
-  error_feedback: bool = True
+  name = "sign_compress"
+  NONFINITE = "own"  # 5: from the scales it gathers anyway
 
-  def __post_init__(self):
-    object.__setattr__(self, "error_feedback",
-                       validate.boolean(self.error_feedback, "error_feedback"))
-
-
-class SignState(NamedTuple):
-  """State of ``sign_compress``.
-
-  Attributes:
-    count: steps taken (non-finite steps are not counted).
-    error: the error-feedback memory, per device: the params' structure, float32 for each reduced
-      leaf, ``optax.MaskedNode()`` elsewhere (everywhere without error feedback).
-    config: the static settings.
-    signature: the gradient pytree's structure, shapes and dtypes.
-  """
-  count: jax.Array
-  error: Any
-  config: SignConfig
-  signature: tree_lib.TreeSignature
-
-  PER_DEVICE_FIELDS = ("error",)  # see jaxcomp.sharding
+  error_feedback: bool = validate.setting(True, check=validate.boolean)
 
 
-def init(config: SignConfig, signature: tree_lib.TreeSignature) -> SignState:
-  """The zero state for gradients of ``signature``."""
+def init(config: SignConfig,
+         signature: tree_lib.TreeSignature) -> compressor.ErrorFeedbackState:
+  """The zero state for gradients of ``signature``: float32 errors (none without error
+  feedback)."""
   errors = [jnp.zeros(s.shape, jnp.float32) for s in signature.reduced_structs()]
-  return SignState(jnp.zeros([], jnp.int32),
-                   signature.place(errors if config.error_feedback else []), config, signature)
+  return compressor.ErrorFeedbackState(
+      jnp.zeros([], jnp.int32), signature.place(errors if config.error_feedback else []), config,
+      signature)
 
 
-def step(config: SignConfig, state: SignState, leaves: list, axis_name, phase) -> tuple:
+def step(config: SignConfig, state: compressor.ErrorFeedbackState, leaves: list, axis_name,
+         phase) -> tuple:
   """Steps 1–7 on the reduced leaves: ``(means, new state, finite)``."""
   del phase
   if not leaves:
@@ -173,10 +159,6 @@ def step(config: SignConfig, state: SignState, leaves: list, axis_name, phase) -
   return [m.astype(g.dtype) for m, g in zip(means, leaves)], state, ok
 
 
-SIGN = compressor.Algorithm("sign_compress", SignState, SignConfig, init, step,
-                            nonfinite="own")  # 5: from the scales it gathers anyway
-
-
 def sign_compress(*, axis_name: axis.AxisName = "batch", error_feedback: bool = True,
                   bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
   """EF-SignSGD's exchange: the mean of every device's scaled sign, one bit per value on the wire.
@@ -205,11 +187,12 @@ def sign_compress(*, axis_name: axis.AxisName = "batch", error_feedback: bool = 
     bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one exchange per bucket.
 
   Returns:
-    A ``GradientTransformation`` with a ``SignState``; its output is identical on every device and
-    keeps the gradients' dtypes.
+    A ``GradientTransformation`` with a ``jaxcomp.ErrorFeedbackState``; its output is identical on
+    every device and keeps the gradients' dtypes.
 
   References:
     Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes",
     ICML 2019, Algorithm 1 with the scaled sign compressor.
   """
-  return compressor.transformation(SIGN, axis_name, bucket_cap_mb, error_feedback=error_feedback)
+  return compressor.transformation(SignConfig(error_feedback=error_feedback), init, step, axis_name,
+                                   bucket_cap_mb=bucket_cap_mb)

@@ -1,4 +1,5 @@
-"""SparseLoCo: DiLoCo's periods, with a sparse 2-bit exchange whose error feedback replaces the momentum.
+"""SparseLoCo: DiLoCo's periods, with a sparse 2-bit exchange whose error feedback replaces the
+momentum.
 
 Every device trains its replica for H steps of the inner optimizer (the paper: AdamW), as in DiLoCo;
 then, per device and per reduced leaf, with θ the parameters of the last synchronization:
@@ -10,8 +11,8 @@ then, per device and per reduced leaf, with θ the parameters of the last synchr
 4. ``θ ← θ − α·mean(Δ̂ᵢ)``: an outer SGD without momentum; every device restarts from the new θ.
 
 Steps 2–3 and the mean of step 4 are ``jaxcomp.chunked_topk`` (its steps 1–7 say how the bytes are
-coded and sent); steps 1 and 4, the periods, the ``Assign`` updates and the parameters kept per device
-are ``jaxcomp.diloco``'s (its module docstring): ``sparseloco`` is DiLoCo's algorithm with
+coded and sent); steps 1 and 4, the periods, the ``Assign`` updates and the parameters kept per
+device are ``jaxcomp.diloco``'s (its module docstring): ``sparseloco`` is DiLoCo's algorithm with
 ``outer_momentum=0`` and that compressor, under its own name, so it checkpoints (a
 ``jaxcomp.DiLoCoState``) and runs under ``data_parallel`` exactly as DiLoCo does, and its
 synchronization is reported as the ``"sparseloco.sync"`` phase.
@@ -30,12 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import optax
 
-from jaxcomp._src import axis, chunked_topk, diloco
-from jaxcomp._src import compressor as adapter
+from jaxcomp._src import axis, chunked_topk, diloco, local_steps
 
-SPARSELOCO = dataclasses.replace(diloco.DILOCO, name="sparseloco")
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class SparseLoCoConfig(diloco.DiLoCoConfig):
+  """DiLoCo's settings under SparseLoCo's name: its exchange is ``chunked_topk`` and its outer
+  momentum 0 (the error feedback replaces it)."""
+  name = "sparseloco"
 
 
 def sparseloco(inner: optax.GradientTransformation, *, sync_every: int, k: int = 64,
@@ -49,9 +56,9 @@ def sparseloco(inner: optax.GradientTransformation, *, sync_every: int, k: int =
   of every ``chunk`` coordinates in ``bits`` bits (``jaxcomp.chunked_topk``), and every device sets
   θ ← θ − ``outer_learning_rate``·mean of what was sent.
 
-  It is the whole optimizer, as ``jaxcomp.diloco`` (whose steps it runs): its update needs ``params`` and
-  returns ``jaxcomp.Assign`` updates, so every device holds bitwise the same θ after each
-  synchronization; under ``jaxcomp.data_parallel`` the parameters are kept per device
+  It is the whole optimizer, as ``jaxcomp.diloco`` (whose steps it runs): its update needs
+  ``params`` and returns ``jaxcomp.Assign`` updates, so every device holds bitwise the same θ after
+  each synchronization; under ``jaxcomp.data_parallel`` the parameters are kept per device
   (``make_params``). Chain nothing after it; put gradient processing into ``inner``.
 
   Example:
@@ -84,13 +91,15 @@ def sparseloco(inner: optax.GradientTransformation, *, sync_every: int, k: int =
 
   Returns:
     A ``GradientTransformation`` with a ``jaxcomp.DiLoCoState`` (its ``compressor_state`` is the
-    ``ChunkedTopKState`` holding the error feedback, per device), whose update requires ``params``.
+    ``jaxcomp.ErrorFeedbackState`` holding the error feedback, per device), whose update requires
+    ``params``.
 
   References:
     Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo", 2025, Algorithm 1.
   """
   exchange = chunked_topk.chunked_topk(k, chunk=chunk, bits=bits, error_decay=error_decay,
                                        axis_name=axis_name)
-  return adapter.transformation(SPARSELOCO, axis_name, inner=inner, sync_every=sync_every,
-                                outer_learning_rate=outer_learning_rate, outer_momentum=0.0,
-                                compressor=exchange)
+  config = SparseLoCoConfig(inner=inner, sync_every=sync_every,
+                            outer_learning_rate=outer_learning_rate, outer_momentum=0.0,
+                            compressor=exchange)
+  return local_steps.transformation(config, diloco.init, diloco.step, axis_name)

@@ -1,4 +1,5 @@
-"""The global step of ``jaxcomp.data_parallel``: a per-device function ``shard_map``-ped over a mesh.
+"""The global step of ``jaxcomp.data_parallel``: a per-device function ``shard_map``-ped over a
+mesh.
 
 ``global_step`` checks and places the inputs (per-device leaves stacked along a leading axis of W,
 the batch split along its leading axis), maps the per-device function over the data axis with
@@ -19,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxcomp._src import axis
+from jaxcomp._src import axis, jaxprs, misuse
 from jaxcomp._src.sharding import params_per_device
 
 
@@ -119,7 +120,10 @@ def _body(local, treedefs, masks, paths, axes, names, mask_of, pins, leaves, bat
   returning to the Explicit mesh moves no data.
   """
   leaves = [x[0] if per_device else x for x, per_device in zip(leaves, masks)]
-  *states, out = local(*_unflatten(treedefs, leaves), *batch)
+  # The per-device step, traced once: its program is checked for a collective under a decision
+  # taken on each device alone (misuse.py), then run.
+  (*states, out), program = jaxprs.traced_once(local, *_unflatten(treedefs, leaves), *batch)
+  misuse.check_program(program.jaxpr, [jaxprs.declared_varying(v) for v in program.jaxpr.invars])
   new_leaves, new_masks, _, new_treedefs = _flat_with_mask(states, names, mask_of(states))
   if new_treedefs != treedefs or new_masks != masks:
     raise ValueError(f"the step must return {', '.join(names)} with the structure it received: "
@@ -142,6 +146,7 @@ def global_step(local, mesh: Mesh, axes: tuple, names: tuple, mask_of: Callable,
   the per-device bool tree of each state.
   """
   states, batch = args[:len(names)], args[len(names):]
+  misuse.check_state(states)
   world = math.prod(mesh.shape[a] for a in axes)
   leaves, masks, paths, treedefs = _flat_with_mask(states, names, mask_of(states))
   for x, per_device, path in zip(leaves, masks, paths):

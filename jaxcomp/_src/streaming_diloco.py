@@ -1,4 +1,5 @@
-"""Streaming DiLoCo: DiLoCo one fragment of the parameters at a time, its exchange overlapping training.
+"""Streaming DiLoCo: DiLoCo one fragment of the parameters at a time, its exchange overlapping
+training.
 
 Streaming DiLoCo lowers DiLoCo's peak: one step of every H sends all the
 parameters, which a link must carry at once while every device waits. It splits the parameters into
@@ -10,10 +11,10 @@ equal blocks), one per step. No step sends more than one piece of one fragment (
 fragments of equal size 1/(P·τ) of DiLoCo's sync, and over a period the same bytes. Its steps, per
 device, in the order a step runs them (``# Sn:`` below):
 
-* S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of the
-  pseudo-gradient kept at its beginning (S5) is averaged over the devices (DiLoCo's step 4, through
-  ``compressor``, one state per piece) and stored. It reads the state only, never this step's
-  gradient, so XLA may run it alongside the forward and backward pass.
+* S1. Pieces in flight: for each fragment whose exchange began k steps ago, 1 ≤ k ≤ τ, piece k of
+  the pseudo-gradient kept at its beginning (S5) is averaged over the devices (DiLoCo's step 4,
+  through ``compressor``, one state per piece) and stored. It reads the state only, never this
+  step's gradient, so XLA may run it alongside the forward and backward pass.
 * S2. Inner step (DiLoCo's step 1).
 * S3. The outer step of each fragment whose exchange began τ steps ago (with τ = 0: begins now, its
   pseudo-gradient averaged at once, steps 3–4): the outer SGD on the fragment's θ with its own
@@ -42,8 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, diloco, interface, local_steps, phases, validate
-from jaxcomp._src import compressor as adapter
+from jaxcomp._src import axis, diloco, local_steps, phases, validate
 from jaxcomp._src import tree as tree_lib
 
 @jax.tree_util.register_static
@@ -66,28 +66,26 @@ class StreamingDiLoCoConfig(diloco.DiLoCoConfig):
       exchange. The paper's 0.5; 1 sets every device to θ, as DiLoCo does (torchft's
       ``fragment_update_alpha`` is the local weight, 1 − mix).
   """
-  fragments: int = 1
-  delay: int = 0
-  mix: float = 0.5
+  name = "streaming_diloco"
 
-  def __post_init__(self):
-    super().__post_init__()
-    fragments = validate.integer(self.fragments, "fragments", 1,
-                                 static="fixes which parameters synchronize when")
-    if fragments > self.sync_every:
+  fragments: int = validate.setting(1, check=functools.partial(
+      validate.integer, minimum=1, static="fixes which parameters synchronize when"))
+  delay: int = validate.setting(0, check=functools.partial(
+      validate.integer, minimum=0, static="fixes when a fragment's pieces travel"))
+  mix: float = validate.setting(0.5, check=functools.partial(validate.number, low=0, high=1,
+                                                             low_open=True))
+
+  def check(self):
+    if self.fragments > self.sync_every:
       raise ValueError(f"fragments must be at most sync_every ({self.sync_every}): each fragment "
-                       f"synchronizes at its own step of the period; got {fragments}. Raise "
+                       f"synchronizes at its own step of the period; got {self.fragments}. Raise "
                        "sync_every or use fewer fragments")
-    delay = validate.integer(self.delay, "delay", 0, static="fixes when a fragment's pieces travel")
-    spacing = self.sync_every // fragments
-    if delay >= spacing:
+    spacing = self.sync_every // self.fragments
+    if self.delay >= spacing:
       raise ValueError(f"delay must be less than sync_every // fragments = {spacing}, the steps "
                        "between the beginnings of two fragments' exchanges, so that one fragment's "
-                       f"exchange ends before the next one's begins; got {delay}. Lower delay, or "
-                       "raise sync_every")
-    mix = validate.number(self.mix, "mix", 0, 1, low_open=True)
-    for name, value in dict(fragments=fragments, delay=delay, mix=mix).items():
-      object.__setattr__(self, name, value)
+                       f"exchange ends before the next one's begins; got {self.delay}. Lower "
+                       "delay, or raise sync_every")
 
   @property
   def pieces(self) -> int:
@@ -335,13 +333,13 @@ def step(config: StreamingDiLoCoConfig, state: StreamingDiLoCoState, grads, para
     for j in range(config.delay if fragment else 0):
       # S1: the piece of each exchange in flight, from the state alone.
       received[p], compressor_states[p], _ = phases.when(
-          config.piece_sent_in(p, state.count) == j, phases.Phase(f"fragment{p}.piece{j}", share),
+          config.piece_sent_in(p, state.count) == j,
+          phases.Phase(f"{config.name}.fragment{p}.piece{j}", share),
           functools.partial(_send, config, axis_name, state, p, j), received[p],
           compressor_states[p], state.pending[p])
   # S2: the inner step on this device.
   local, inner_state = local_steps.local_update(
-      config.inner, grads, local_steps.from_device(state.inner_state), params,
-      axis_name)
+      config, grads, local_steps.from_device(state.inner_state), params, axis_name)
   leaves = jax.tree.leaves(local)
   theta, outer_states, pending = (list(state.outer_params), list(state.outer_states),
                                   list(state.pending))
@@ -350,7 +348,7 @@ def step(config: StreamingDiLoCoConfig, state: StreamingDiLoCoState, grads, para
       continue
     # S3–S4: the outer step of a fragment whose exchange is complete, mixed in.
     new_local, new_theta, outer_states[p], compressor_states[p] = phases.when(
-        config.applies_after(p, state.count), phases.Phase(f"fragment{p}", share),
+        config.applies_after(p, state.count), phases.Phase(f"{config.name}.fragment{p}", share),
         functools.partial(_land, config, axis_name, state, p, received[p]),
         [leaves[i] for i in fragment], tuple(theta[i] for i in fragment), outer_states[p],
         compressor_states[p])
@@ -366,10 +364,6 @@ def step(config: StreamingDiLoCoConfig, state: StreamingDiLoCoState, grads, para
       outer_params=tuple(theta), outer_states=tuple(outer_states),
       compressor_states=tuple(compressor_states), pending=tuple(pending),
       received=tuple(received), inner_state=local_steps.to_device(inner_state))
-
-
-STREAMING_DILOCO = adapter.Algorithm("streaming_diloco", StreamingDiLoCoState,
-                                     StreamingDiLoCoConfig, init, step, output="assign")
 
 
 def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fragments: int,
@@ -433,10 +427,9 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
     Lunch", 2025 (https://arxiv.org/abs/2501.18512). torchft ``local_sgd.DiLoCo`` (its offsets and
     the names ``model_fragments``, ``fragment_sync_delay``, ``fragment_update_alpha``).
   """
-  if compressor is not None:
-    compressor = interface.mean(compressor, "compressor", "jaxcomp.quantized(8)")
-    diloco.same_axis(compressor, axis.check_axis_name(axis_name), "streaming_diloco")
-  return adapter.transformation(
-      STREAMING_DILOCO, axis_name, inner=inner, sync_every=sync_every,
-      outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum, nesterov=nesterov,
-      compressor=compressor, fragments=fragments, delay=delay, mix=mix)
+  config = StreamingDiLoCoConfig(
+      inner=inner, sync_every=sync_every, outer_learning_rate=outer_learning_rate,
+      outer_momentum=outer_momentum, nesterov=nesterov, compressor=compressor,
+      fragments=fragments, delay=delay, mix=mix)
+  diloco.same_axis(config.compressor, axis.check_axis_name(axis_name), config.name)
+  return local_steps.transformation(config, init, step, axis_name)

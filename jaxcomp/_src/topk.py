@@ -57,13 +57,15 @@ def exact_topk(x: jax.Array, k: int) -> jax.Array:
 def sampled_topk(x: Union[jax.Array, Callable[[], jax.Array]], plan: SamplingPlan,
                  key: jax.Array, *, upper_bound: float = 1.3, lower_bound: float = 0.8,
                  max_adaptation_iters: int = 10) -> tuple:
-  """At most k coordinates of the 1-D ``x`` whose magnitude reaches a threshold estimated by sampling.
+  """At most k coordinates of the 1-D ``x`` whose magnitude reaches a threshold estimated by
+  sampling.
 
   The reference's ``_sparsify``, with static shapes: the threshold is the smallest of the top
   ``plan.top_k_samples`` strided sample magnitudes; while fewer than ``lower_bound·k`` entries reach
-  it, it is multiplied by ``lower_bound`` (at most ``max_adaptation_iters`` times); if then more than
-  ``upper_bound·k`` reach it, the exact top k among them are taken, otherwise the first k (in index
-  order) of those reaching it. Without sampling (``num_samples == numel``) the threshold is exact.
+  it, it is multiplied by ``lower_bound`` (at most ``max_adaptation_iters`` times); if then more
+  than ``upper_bound·k`` reach it, the exact top k among them are taken, otherwise the first k (in
+  index order) of those reaching it. Without sampling (``num_samples == numel``) the threshold is
+  exact.
 
   ``x`` may be a function of no arguments that returns it (DGC's ``v + u``, computed from the
   state where it is read): each pass over it, the rare ones inside conditionals included, then

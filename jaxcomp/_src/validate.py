@@ -1,7 +1,8 @@
-"""Argument checks shared by every configuration: one small predicate per check, one exception policy.
+"""Argument checks shared by every configuration: one small predicate per check, one exception
+policy.
 
-TypeError for a value of the wrong type, ValueError for a value of the right type that makes no sense;
-every message names the argument, says what was expected and shows what came::
+TypeError for a value of the wrong type, ValueError for a value of the right type that makes no
+sense; every message names the argument, says what was expected and shows what came::
 
   rank must be a positive int; got 1.5 (float)
   ratio must be a number in (0, 1]; got 1.5
@@ -9,14 +10,20 @@ every message names the argument, says what was expected and shows what came::
 Hyperparameters that fix shapes (a rank, a density, a chunk count) are static: a traced value — from
 ``optax.inject_hyperparams``, say — is refused with a message that says why and what to do instead.
 The few that may be arrays (a momentum, a clipping norm) are ``traceable``: a configuration holds
-``TRACED`` in their place and the step receives the arrays (``jaxcomp._src.compressor``).
+``TRACED`` in their place and the step receives the arrays (``split_traced``, ``with_traced``).
+
+Every algorithm's configuration is a frozen dataclass derived from ``Config`` whose fields are
+declared with ``setting``: the check of each, and whether it may be an array. ``Config`` runs the
+checks once, when the factory builds the configuration, and refuses every static setting given as
+an array in one message; a configuration adds what relates two settings in ``check``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import jax
 import numpy as np
@@ -31,7 +38,8 @@ class _Traced:
 
 TRACED = _Traced()
 """A configuration's value of a traceable hyperparameter that was given as an array: the
-transformation holds the array and hands it to each step; the static configuration records only this."""
+transformation holds the array and hands it to each step; the static configuration records only
+this."""
 
 
 def is_array(value) -> bool:
@@ -109,6 +117,14 @@ def density(value, name: str, static: Optional[str] = None) -> float:
   return number(value, name, 0, 1, low_open=True, static=static)
 
 
+def learning_rate(value, name: str = "learning_rate") -> Any:
+  """A positive number, an optax schedule (a callable of the step count), ``TRACED`` or a scalar
+  array (``optax.inject_hyperparams``)."""
+  if callable(value):
+    return value
+  return traceable(value, lambda v: number(v, name, 0, low_open=True))
+
+
 def choice(value, name: str, choices: Sequence) -> Any:
   """One of ``choices``."""
   if value not in choices:
@@ -132,3 +148,86 @@ def transformation(value, name: str, example: str):
     raise TypeError(f"{name} must be an optax.GradientTransformation, e.g. {example}; "
                     f"{_got(value)}")
   return value
+
+
+# ------------------------------------------------------------------------------ configurations
+
+
+def setting(default: Any = dataclasses.MISSING, *, check: Callable[[Any, str], Any],
+            traceable: bool = False) -> Any:
+  """A field of a ``Config``: ``check(value, name)`` returns the value checked (or raises), and a
+  ``traceable`` setting may be an array (a schedule under ``optax.inject_hyperparams``)."""
+  return dataclasses.field(default=default, metadata={"check": check, "traceable": traceable})
+
+
+def optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+  """``check`` for a setting that may also be None."""
+  return lambda value, name: None if value is None else check(value, name)
+
+
+class Config:
+  """The base of every algorithm's configuration: a frozen dataclass of ``setting`` fields.
+
+  ``__post_init__`` refuses the static settings given as arrays (all of them in one message:
+  ``optax.inject_hyperparams`` turns every number into one), runs each setting's check (a
+  traceable one given as an array is checked as its number would be, when it is concrete), then
+  ``check`` for what relates two settings. ``name`` is the public name of the transformation, for
+  messages and phase labels.
+  """
+  name: ClassVar[str] = "config"
+
+  def __post_init__(self):
+    fields = dataclasses.fields(self)
+    static = [f.name for f in fields if is_array(getattr(self, f.name))
+              and not f.metadata.get("traceable")]
+    if static:
+      _refuse_static_arrays(self.name, static, [
+          f.name for f in fields if not f.metadata.get("traceable") and (
+              f.name in static or _is_number(getattr(self, f.name)))],
+                            [f.name for f in fields if f.metadata.get("traceable")])
+    for f in fields:
+      if "check" not in f.metadata:
+        continue
+      value, check = getattr(self, f.name), f.metadata["check"]
+      if f.metadata["traceable"]:
+        value = traceable(value, lambda v, check=check, name=f.name: check(v, name))
+      else:
+        value = check(value, f.name)
+      object.__setattr__(self, f.name, value)
+    self.check()
+
+  def check(self) -> None:
+    """Checks what relates two settings (after each was checked); nothing by default."""
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _refuse_static_arrays(name: str, static: list, numbers: list, traceables: list) -> None:
+  """The one message for static settings given as arrays; the fix names every static number
+  (those already Python numbers too), or copying it would drop them."""
+  listed = ", ".join(repr(n) for n in numbers) + ("," if len(numbers) == 1 else "")
+  raise TypeError(
+      f"{name}: {', '.join(static)} "
+      + ("is static (it fixes shapes or which program runs) and must be a Python value, not an "
+         "array" if len(static) == 1 else
+         "are static (they fix shapes or which program runs) and must be Python values, not "
+         "arrays")
+      + f". Under optax.inject_hyperparams pass static_args=({listed})"
+      + (f"; only {', '.join(traceables)} may be scheduled" if traceables else ""))
+
+
+def split_traced(config) -> tuple:
+  """``(config with TRACED for every array, {name: array})``: the static configuration a state
+  keeps (hashable, no arrays) and the arrays a step needs (``with_traced``)."""
+  traced = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if is_array(getattr(config, f.name))}
+  if not traced:
+    return config, traced
+  return dataclasses.replace(config, **{n: TRACED for n in traced}), traced
+
+
+def with_traced(config, traced: dict):
+  """The configuration a step computes with: ``traced``'s arrays in place of ``TRACED``."""
+  return dataclasses.replace(config, **traced) if traced else config

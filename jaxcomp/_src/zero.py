@@ -9,8 +9,8 @@ layout). The steps, per device (the ``# n:`` comments below):
 
 1. reduce-scatter: the exchange — a jaxcomp compressor — gives this device its shard of each leaf's
    mean gradient (its ``scatter``, a declared part of ``jaxcomp.Transformation``): the dense means
-   natively as a ``psum_scatter`` in their wire dtype (float32, float16, bfloat16); ``quantized`` as the
-   all-to-all of its 8-bit codes, the owner averaging them in float32, with the sender's error
+   natively as a ``psum_scatter`` in their wire dtype (float32, float16, bfloat16); ``quantized`` as
+   the all-to-all of its 8-bit codes, the owner averaging them in float32, with the sender's error
    feedback (ZeRO++'s qgZ); the others (PowerSGD, DGC, sign, ...) as their whole mean, of which the
    shard is kept;
 2. the parameters' shard: cut out of the parameters (``gather_dtype=None``), or the device's
@@ -62,7 +62,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, exchange, interface, jaxprs, optax_wrappers, quantized, shards
+import functools
+
+from jaxcomp._src import axis, exchange, interface, jaxprs, quantized, shards
 from jaxcomp._src import validate
 from jaxcomp._src import tree as tree_lib
 
@@ -109,9 +111,9 @@ def _own(signature: tree_lib.TreeSignature, tree, axis_name) -> Any:
 
 
 def gather(sent: list, shapes: list, gather_dtype: Optional[str], axis_name) -> list:
-  """4: the whole arrays of ``shapes`` from every device's shards ``sent``, the same on every device,
-  sent in ``gather_dtype``: exactly (None), cast (``"bfloat16"``, ``"float16"``), or as the 8-bit
-  codes of ``CODECS`` (the exchange's 5–6), which arrive as float32."""
+  """4: the whole arrays of ``shapes`` from every device's shards ``sent``, the same on every
+  device, sent in ``gather_dtype``: exactly (None), cast (``"bfloat16"``, ``"float16"``), or as the
+  8-bit codes of ``CODECS`` (the exchange's 5–6), which arrive as float32."""
   if gather_dtype not in CODECS:
     return shards.gather([x if gather_dtype is None else x.astype(gather_dtype) for x in sent],
                          shapes, axis_name)
@@ -191,7 +193,6 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
                                  owned if lossy else optax.MaskedNode(), signature)
 
   def update_fn(updates, state: ShardedOptimizerState, params=None):
-    optax_wrappers.check_last_in_chain("jaxcomp.sharded_optimizer")
     # The exchange checks its own state; tree_lib.check_state cannot read the optimizer's PRNG keys.
     if not isinstance(state, ShardedOptimizerState):
       raise TypeError(f"sharded_optimizer: update needs the state its init made; got "
@@ -206,9 +207,8 @@ def sharded_optimizer(exchange: optax.GradientTransformation,
     # 2: the parameters' shards.
     current = _own(signature, params, axis_name)
     base = state.master if lossy else current
-    # 3: the optimizer on the shards.
-    check_elementwise(optimizer, (owned, state.inner, base), signature, axis_name)
-    step, inner = optimizer.update(owned, state.inner, base)
+    # 3: the optimizer on the shards, checked to compute element by element.
+    step, inner = elementwise_update(optimizer, (owned, state.inner, base), signature, axis_name)
     # 4: the update's shards gathered; lossy: the rounded distance to the new master.
     leaves = signature.treedef.flatten_up_to(tree_lib.unwrap(step))
     master = optax.MaskedNode()
@@ -294,10 +294,11 @@ def sharded_clip_by_global_norm(max_norm: float, *,
 # ----------------------------------------------------------- what the optimizer may do on a shard
 
 
-def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple,
-                      signature: tree_lib.TreeSignature, axis_name) -> None:
-  """Raises unless ``optimizer.update(*shard_args)`` computes on each shard what it computes on the
-  corresponding part of the whole leaves (the module docstring). Runs at trace time only.
+def elementwise_update(optimizer: optax.GradientTransformation, shard_args: tuple,
+                       signature: tree_lib.TreeSignature, axis_name) -> tuple:
+  """``optimizer.update(*shard_args)``, checked to compute on each shard what it computes on the
+  corresponding part of the whole leaves (the module docstring), from its program: traced once on
+  the shards (read, then run), and once per optimizer and leaf shapes on the whole leaves.
 
   Raises:
     ValueError: the optimizer's program differs between shards and leaves (it depends on a leaf's
@@ -305,11 +306,9 @@ def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple
       communicates over the axis (naming what was found and the fix).
   """
   axes = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
-  vary = lambda tree: tree
-  if axis.vma_checked(axis_name):
-    vary = lambda tree: jax.tree.map(lambda x: axis.make_varying(x, tuple(axes)), tree)
-  update = lambda *args: optimizer.update(*vary(args))
-  on_shards = jax.make_jaxpr(update)(*shard_args)
+  typed = axis.vma_checked(axis_name)
+  shard_args = _strongly_typed(shard_args)  # a weakly typed scalar traces as its leaf does
+  outputs, on_shards = jaxprs.traced_once(_varying(optimizer, axes, typed), *shard_args)
   if axis.axis_size(axis_name) > 1:
     exchanged, drawn = [], []
     reductions = frozenset().union(*jaxprs.shard_local(
@@ -332,13 +331,39 @@ def check_elementwise(optimizer: optax.GradientTransformation, shard_args: tuple
           "optax.clip_by_global_norm; jaxcomp.skip_if_nonfinite(sharded_optimizer(...), n) "
           "replaces optax.apply_if_finite inside it; a per-leaf norm (LAMB, LARS) needs the whole "
           "leaf: use optax.chain(exchange, optimizer)")
-  whole = signature.unflatten([jax.ShapeDtypeStruct(s, d)
-                               for s, d in zip(signature.shapes, signature.dtypes)])
-  on_leaves = jax.make_jaxpr(update)(whole, jax.eval_shape(optimizer.init, whole), whole)
-  if jaxprs.program(on_shards.jaxpr) != jaxprs.program(on_leaves.jaxpr):
+  if jaxprs.program(on_shards.jaxpr) != _program_on_leaves(optimizer, signature, axes, typed):
     raise ValueError(
         "sharded_optimizer: the optimizer computes differently on a shard of a leaf than on the "
         "whole leaf: it decides by the leaves' shapes (Adafactor's factored moments, a mask on a "
         "dimension's size, a matrix method such as Muon), which a shard does not keep. Use an "
         "elementwise optimizer (SGD, Adam, AdamW, Lion, ...) or optax.chain(exchange, optimizer) "
         "without sharding")
+  return outputs
+
+
+def _strongly_typed(tree):
+  """``tree`` with weakly typed arrays (``jnp.asarray(1.0)``) made strong: the program on them is
+  then the one on their leaves' ``jax.ShapeDtypeStruct``."""
+  return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype)
+                      if getattr(x, "weak_type", False) else x, tree)
+
+
+def _varying(optimizer: optax.GradientTransformation, axes: frozenset, typed: bool):
+  """``optimizer.update`` on arguments marked varying along ``axes`` where values are typed
+  (``shard_map(check_vma=True)``), as the shards are."""
+  if not typed:
+    return optimizer.update
+  return lambda *args: optimizer.update(
+      *jax.tree.map(lambda x: axis.make_varying(x, tuple(axes)), args))
+
+
+@functools.lru_cache(maxsize=256)
+def _program_on_leaves(optimizer: optax.GradientTransformation,
+                       signature: tree_lib.TreeSignature, axes: frozenset, typed: bool) -> tuple:
+  """The primitives of ``optimizer.update`` on whole leaves of ``signature`` (traced once per
+  optimizer and leaf shapes)."""
+  whole = signature.unflatten([jax.ShapeDtypeStruct(s, d)
+                               for s, d in zip(signature.shapes, signature.dtypes)])
+  update = _varying(optimizer, axes, typed)
+  return jaxprs.program(jax.make_jaxpr(update)(whole, jax.eval_shape(optimizer.init, whole),
+                                               whole).jaxpr)
