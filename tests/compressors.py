@@ -32,7 +32,9 @@ SMALL = {
     "onebit_adam": {"learning_rate": 0.01, "freeze_steps": 2},
     "dion_r8": {"rank": 2},  # compresses the tests' (6, 16) and (16, 3) matrices, as big ones
     "dion_r4": {"rank": 2},
-    "demo": {"chunk": 2, "k": 2},  # sends half of every tile of 2 × 2 (of 2 × 1, 1 × 2: one)
+    # one of every tile of the matrices' (3 × 4, 4 × 3); the vectors' tiles would send more than
+    # their means: those are all-reduced
+    "demo": {"chunk": 4, "k": 1},
     "local_sgd_h8": {"sync_every": 2, "start_iter": 1},
     "diloco_h20": {"sync_every": 4},
     "diloco_h20_fp16": {"sync_every": 4},

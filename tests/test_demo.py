@@ -54,7 +54,9 @@ class RefDeMo:
   ``δ ← decay·δ + lr·g``, the orthonormal 2-D DCT-II of each tile (SciPy's), the k largest
   |coefficients| per tile, ``δ ← δ − IDCT(sent)``; every device's (position, value) pairs; per
   coefficient the mean of the values sent for it; the inverse DCT, sign, SGD with decoupled weight
-  decay. A leaf is a matrix of its last axis (a vector (1, n), a scalar (1, 1))."""
+  decay. A leaf is a matrix of its last axis (a vector (1, n), a scalar (1, 1)). A leaf whose tiles
+  would send at least its dense mean (W devices' k values and int16 positions per tile against 8
+  bytes a value) sends every coefficient."""
 
   def __init__(self, params):
     self.x = {k: np.asarray(v, np.float64) for k, v in params.items()
@@ -78,6 +80,8 @@ class RefDeMo:
     for name, x in self.x.items():
       a, b, h, w = self.tiles(x.shape)
       k = min(K, h * w)
+      if W * (a // h) * (b // w) * k * (4 + 2) >= 8 * a * b:  # cheaper as the dense mean
+        k = h * w
       total, count = np.zeros((a, b)), np.zeros((a, b))
       for d in range(W):
         self.delta[name][d] = DECAY * self.delta[name][d] + LR * grads[name][d]
@@ -167,12 +171,13 @@ def test_positions_travel_as_int16_and_the_bytes_are_the_compiled_steps():
   step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
   report = jaxcomp.comm_report(step, gradients(1)[0], state, replicate(params_tree(), W),
                                num_devices=W)
-  # (tiles, coefficients sent per tile) of each leaf
-  sent = {"w": (6, 5), "odd": (11, 5), "t": (2, 5), "v": (5, 5), "s": (1, 1)}
+  # (tiles, coefficients sent per tile) of each leaf; "v" (5 tiles of 1 × 8) and "s" would send
+  # more as tiles than as their mean: an all-reduce of their 41 values.
+  sent = {"w": (6, 5), "odd": (11, 5), "t": (2, 5)}
   values = sum(tiles * k for tiles, k in sent.values())
-  assert report.bytes_by_dtype() == {"s16": 2 * W * values, "f32": 4 * W * values}
-  assert sorted(c.op for c in report.collectives) == ["all-gather", "all-gather"]
-  assert report.payload_bytes == 6 * W * values
+  assert report.bytes_by_dtype() == {"s16": 2 * W * values, "f32": 4 * W * values + 4 * 41}
+  assert sorted(c.op for c in report.collectives) == ["all-gather", "all-gather", "all-reduce"]
+  assert report.payload_bytes == 6 * W * values + 4 * 41
 
 
 def test_defaults_send_32_of_each_64_by_64_tile_85_times_less_than_the_mean():
@@ -220,8 +225,8 @@ def test_a_chained_optimizer_missing_params_and_bad_settings_are_refused():
   grads = {"w": jnp.ones((8, 8))}
   tx = make(axis_name=None)
   with pytest.raises(ValueError, match=r"jaxcomp.demo is followed in an optax.chain"):
-    chained = optax.chain(tx, optax.sgd(0.1))
-    jax.eval_shape(chained.update, grads, chained.init(grads), grads)
+    chained = optax.chain(tx, optax.sgd(0.1))  # found from the state, by jaxcomp.check
+    jaxcomp.check(chained.update, grads, chained.init(grads), grads)
   with pytest.raises(ValueError, match=r"weight decay needs the parameters"):
     jax.eval_shape(tx.update, grads, tx.init(grads))
   no_decay = jaxcomp.demo(LR, axis_name=None)
@@ -253,3 +258,23 @@ def test_the_learning_rate_scales_the_gradient_into_the_momentum_and_the_step_ou
     np.testing.assert_allclose(twice_state.coefficients[k],
                                2 * np.asarray(fixed_state.coefficients[k]),
                                rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape, worth", [((509, 64), False), ((4099,), False), ((512, 64), True)])
+def test_a_leaf_never_sends_more_than_its_mean(shape, worth):
+  # A prime side cuts tiles one row high, and a vector of prime length tiles of one value: there
+  # DeMo sends the leaf's mean, an all-reduce; (512, 64) keeps its 64 × 64 tiles, 21× fewer bytes.
+  w = 8
+  grads = {"x": np.ones((w,) + shape, np.float32)}
+  tx = jaxcomp.demo(1e-3)
+  state = replicate(tx.init({"x": grads["x"][0]}), w)
+  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:w])
+  demo_bytes = jaxcomp.comm_report(step, grads, state).ring_bytes
+  mean = optax.chain(jaxcomp.allreduce(), optax.sgd(1e-3))
+  mean_step = jax.pmap(mean.update, axis_name="batch", devices=jax.devices()[:w])
+  mean_bytes = jaxcomp.comm_report(mean_step, grads, replicate(mean.init({"x": grads["x"][0]}),
+                                                               w)).ring_bytes
+  assert demo_bytes <= mean_bytes
+  assert (demo_bytes * 21 < mean_bytes) == worth
+  updates, _ = step(grads, state)
+  assert np.isfinite(np.asarray(updates["x"])).all()

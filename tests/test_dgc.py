@@ -495,11 +495,11 @@ def test_vmap_with_an_axis_name_matches_pmap():
 
 def test_phases_are_the_densities_warm_up_first():
   # A density repeated, or equal to ratio, is one phase: the report counts each once.
-  config = dgc_module.DGC.configure(ratio=0.01, warmup=((2, 0.25), (4, 0.01), (6, 0.25)))
-  assert [(p.name, p.share, p.value) for p in dgc_module.phases(config)] == [
-      ("density=0.25", 0.0, 0.25), ("density=0.01", 1.0, 0.01)]
-  assert [int(dgc_module.phase_of(config, jnp.int32(c))) for c in range(8)] == [0, 0, 1, 1, 0, 0,
-                                                                                1, 1]
+  config = dgc_module.config(dgc_module.TopKExchange, 0.01,
+                            warmup=((2, 0.25), (4, 0.01), (6, 0.25)))
+  assert [(p.name, p.share, p.value) for p in config.phases()] == [
+      ("dgc.density=0.25", 0.0, 0.25), ("dgc.density=0.01", 1.0, 0.01)]
+  assert [int(config.phase_of(jnp.int32(c))) for c in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 def test_bad_arguments_name_the_argument():

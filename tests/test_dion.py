@@ -228,8 +228,8 @@ def test_a_chained_optimizer_missing_params_and_bad_settings_are_refused():
   grads = {"w": jnp.ones((8, 8))}
   tx = jaxcomp.dion(LR, axis_name=None)
   with pytest.raises(ValueError, match=r"jaxcomp.dion is followed in an optax.chain"):
-    chained = optax.chain(tx, optax.sgd(0.1))
-    jax.eval_shape(chained.update, grads, chained.init(grads), grads)
+    chained = optax.chain(tx, optax.sgd(0.1))  # found from the state, by jaxcomp.check
+    jaxcomp.check(chained.update, grads, chained.init(grads), grads)
   with pytest.raises(ValueError, match=r"weight decay needs the parameters"):
     jax.eval_shape(tx.update, grads, tx.init(grads))
   no_decay = jaxcomp.dion(LR, weight_decay=0.0, axis_name=None)

@@ -279,3 +279,45 @@ def test_the_package_reads_no_other_librarys_internals():
   assert not [p for p, text in sources.items()
               if re.search(r"f_locals|__closure__|__code__|ContextVar", text)]
   assert [p.name for p, text in sources.items() if "jax._src" in text] == ["jax_internals.py"]
+
+
+# -------------------------------------------------- refusals that name the cause, and what works
+
+
+def test_a_hook_that_returns_only_its_buffer_is_told_to_return_the_state_too():
+  def forgetful(state, bucket):
+    return jaxcomp.axis.mean(bucket.buffer, bucket.axis_name)
+
+  tx = jaxcomp.comm_hook(forgetful)
+  with pytest.raises(TypeError, match=r"hook 'forgetful' must return \(buffer, state\)"):
+    run(tx, [grads()])
+
+
+def test_reduce_on_plateau_takes_the_devices_mean_loss_under_data_parallel():
+  # Its update needs value=: data_parallel passes the mean of the devices' losses, one decision.
+  tx = optax.chain(jaxcomp.allreduce(), optax.sgd(0.1),
+                   optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+  mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
+  dp = jaxcomp.data_parallel(lambda p, x: jnp.mean((x @ p["w"]) ** 2), mesh, tx=tx)
+  p, state = params(), dp.make_state(params())
+  x = dp.shard(np.random.default_rng(0).normal(size=(2 * W, 6)).astype(np.float32))
+  for _ in range(3):
+    p, state, loss = dp.step(p, state, x)
+    float(loss.mean())
+  assert np.unique(np.asarray(state[2].scale)).size == 1  # the same on every device
+
+
+def test_lookahead_under_the_loss_form_is_refused_with_the_step_form_as_the_fix():
+  tx = optax.lookahead(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)), 2, 0.5)
+  mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
+  dp = jaxcomp.data_parallel(lambda p, x: jnp.mean((x @ p["w"]) ** 2), mesh, tx=tx)
+  with pytest.raises(ValueError, match=r"optax.lookahead keeps two copies.*per-device-step form"):
+    dp.make_state(params())
+
+
+def test_momentum_after_sign_compress_is_warned_of():
+  tx = optax.chain(jaxcomp.sign_compress(), optax.sgd(0.1, momentum=0.9))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    check(tx)
+  assert any("sign_compress is followed by momentum" in str(w.message) for w in caught)

@@ -6,8 +6,6 @@ exact master the parameters follow; it works on a (data, model) mesh and through
 checkpoint; and it refuses every optimizer that would compute something else on a shard than on
 the whole leaf."""
 
-import dataclasses
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -182,15 +180,16 @@ def test_the_int8_reduce_scatter_loses_nothing_but_the_last_errors_of_the_sender
 
 
 def test_without_a_native_scatter_the_whole_mean_is_taken_and_the_shard_kept():
-  # The adapter's fallback, for algorithms without Algorithm.scatter (DGC, PowerSGD, ...) and for
+  # The adapter's fallback, for algorithms without a scatter step (DGC, PowerSGD, ...) and for
   # bucketed transformations: allreduce without its native reduce-scatter, whole and in buckets.
   mesh, data = mesh_1d(8), batches(2)
-  no_scatter = dataclasses.replace(dense.ALLREDUCE, scatter=None)
   native, _, _ = train(jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adamw(0.05)), mesh,
                        data)
   params = init_params()
-  for exchange in (compressor.transformation(no_scatter, "batch"),
-                   compressor.transformation(dense.ALLREDUCE, "batch", bucket_cap_mb=1e-4)):
+  config = dense.DenseConfig(None)
+  for exchange in (compressor.transformation(config, dense.init, dense.step, "batch"),
+                   compressor.transformation(config, dense.init, dense.step, "batch",
+                                             scatter=dense.scatter, bucket_cap_mb=1e-4)):
     tx = jaxcomp.sharded_optimizer(exchange, optax.adamw(0.05))
     got, state, dp = train(tx, mesh, data)
     chex.assert_trees_all_close(got, native, **rounding_tol(8 * 8 * 2))
@@ -395,3 +394,25 @@ def test_an_nnx_model_is_refused_with_the_array_form_as_the_fix():
   with pytest.warns(UserWarning, match="not bound"), \
       pytest.raises(ValueError, match="made on each device.*nnx.split it"):
     dp.make_state(model)
+
+
+def test_a_weakly_typed_scalar_parameter_is_sharded_like_any_other():
+  # jnp.asarray(1.0) is weakly typed: its shard and its leaf trace the same program.
+  mesh, data = mesh_1d(8), batches(2)
+  params = dict(init_params(), scale=jnp.asarray(1.0))
+  assert params["scale"].weak_type
+
+  def loss_fn(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] * p["scale"] - y) ** 2)
+
+  got = {}
+  for name, tx in [("sharded", jaxcomp.sharded_optimizer(jaxcomp.allreduce(), optax.adam(1e-2))),
+                   ("chain", optax.chain(jaxcomp.allreduce(), optax.adam(1e-2)))]:
+    dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)
+    p, state = params, dp.make_state(params)
+    for x, y in data:
+      p, state, loss = dp.step(p, state, *dp.shard((x, y)))
+      float(loss.mean())
+    got[name] = p
+  chex.assert_trees_all_close(got["sharded"], got["chain"], **rounding_tol(8 * 8 * 2))
+  assert float(got["sharded"]["scale"]) != 1.0  # trained

@@ -163,11 +163,14 @@ def refuse_summed_gradient(leaves: Sequence, axis_name: AxisName, name: str) -> 
   if any(set(names) & varying_axes(x) for x in leaves):
     return
   raise ValueError(
-      f"{name}: the gradient it receives is already the same on every device along {axis_name!r}: "
-      "autodiff summed it over the devices (in float32, before any compression), because it was "
-      "taken of parameters that are replicated there. Averaged again, the update would be W times "
-      "too large. Take the gradient of a per-device copy, jax.grad(loss)(jax.lax.pcast(params, "
-      f"{axis_name!r}, to='varying'), ...), as jaxcomp.data_parallel's loss form does for you")
+      f"{name}: the gradient it receives is already the same on every device along {axis_name!r}, "
+      "so it would be averaged twice. Either a mean before it averaged it (jaxcomp.allreduce, or "
+      f"any compressor, chained before {name}: {name} averages the gradient itself, so drop the "
+      "other), or autodiff summed it over the devices (in float32, before any compression) because "
+      "it was taken of parameters that are replicated there, and averaged again the update would "
+      "be W times too large: take the gradient of a per-device copy, "
+      f"jax.grad(loss)(jax.lax.pcast(params, {axis_name!r}, to='varying'), ...), as "
+      "jaxcomp.data_parallel's loss form does for you")
 
 
 def make_varying(x, axes: tuple):

@@ -170,7 +170,14 @@ def comm_hook(hook: Hook, state: Any = None, *, axis_name: axis.AxisName = "batc
     for (members, bucket), bucket_state in zip(buckets_of(hook_state.signature, leaves),
                                                hook_state.hook_states):
       declared = isinstance(bucket_state, PerDevice)
-      reduced, bucket_state = hook(bucket_state.tree if declared else bucket_state, bucket)
+      result = hook(bucket_state.tree if declared else bucket_state, bucket)
+      if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(
+            f"hook {getattr(hook, '__name__', hook)!r} must return (buffer, state), the reduced "
+            f"buffer and the hook's new state; got {type(result).__name__} for bucket "
+            f"{bucket.index}. A hook without state returns (buffer, state) with the state it was "
+            "given")
+      reduced, bucket_state = result
       bucket_state = PerDevice(bucket_state) if declared else bucket_state
       if reduced.shape != bucket.buffer.shape or reduced.dtype != bucket.buffer.dtype:
         raise ValueError(f"hook {getattr(hook, '__name__', hook)!r} returned a buffer of "

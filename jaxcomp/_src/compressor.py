@@ -275,32 +275,31 @@ def bucket_state(config: MeanConfig, init: Init) -> Callable[[buckets.GradBucket
 
 
 def hook_state(name: str, config: MeanConfig, init: Init) -> Callable[[buckets.GradBucket], Any]:
-  """``bucket_state`` for ``jaxcomp.hooks.<name>_state``: its settings must be Python values (a
-  hook's state is made once, outside any step), and it must run bucket by bucket.
+  """``bucket_state`` for ``jaxcomp.hooks.<name>_state`` (``config`` from ``config_of``): the
+  configuration must run bucket by bucket.
 
   Raises:
-    TypeError: a setting is an array.
-    ValueError: the configuration cannot run bucket by bucket.
+    ValueError: it cannot.
   """
-  static, traced = validate.split_traced(config)
-  if traced:
-    raise TypeError(f"{name}_state: {', '.join(traced)} must be Python values: a hook's state is "
-                    "made once, outside any step; schedule them with the transformation, "
-                    f"jaxcomp.{static.name}(..., bucket_cap_mb=...), under "
-                    "optax.inject_hyperparams")
-  reason = static.unbucketable()
+  reason = config.unbucketable()
   if reason:
     raise ValueError(f"{name}_state: {reason}")
-  return bucket_state(static, init)
+  return bucket_state(config, init)
 
 
 def config_of(config_type: type, name: str, **settings) -> MeanConfig:
   """``config_type(**settings)`` for a hook state factory, whose keyword arguments are the
-  transformation's: an unknown one is named with the settings there are.
+  transformation's: an unknown one is named with the settings there are, and every one must be a
+  Python value (a hook's state is made once, outside any step).
 
   Raises:
-    TypeError: no setting of that name.
+    TypeError: a setting is an array, or there is no setting of that name.
   """
+  arrays = [key for key, value in settings.items() if validate.is_array(value)]
+  if arrays:
+    raise TypeError(f"{name}_state: {', '.join(arrays)} must be Python values: a hook's state is "
+                    "made once, outside any step; schedule them with the transformation itself "
+                    "(its bucket_cap_mb= gives the same buckets) under optax.inject_hyperparams")
   try:
     return config_type(**settings)
   except TypeError as e:

@@ -77,7 +77,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jaxcomp._src import axis, nnx_step, placement, spmd, validate
+from jaxcomp._src import axis, misuse, nnx_step, placement, spmd, validate
 
 _LOSS_FORM = ("params", "opt_state")
 BUFFER_POLICIES = ("mean", "first", "per_device")
@@ -90,8 +90,12 @@ def _loss_step(loss_fn, tx, axes, has_aux, buffers, params, opt_state, *batch):
   # 2: no hidden all-reduce of the gradient (per-device parameters already are a per-device copy).
   local_params = jax.tree.map(lambda p: axis.make_varying(p, axes), params)
   value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local_params, *batch)
-  updates, opt_state = tx.update(grads, opt_state, params)
+  extra = {}
+  if misuse.takes_the_loss(opt_state):  # optax.contrib.reduce_on_plateau: the devices' mean loss
+    extra["value"] = axis.mean(value[0] if has_aux else value, axes)
+  updates, opt_state = tx.update(grads, opt_state, params, **extra)
   return optax.apply_updates(params, updates), opt_state, value
+
 
 def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch",
                   tx: Optional[placement.Optimizer] = None, has_aux: bool = False,

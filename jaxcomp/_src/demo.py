@@ -12,7 +12,12 @@ bloc97/DeMo's ``demo.py``, the paper's Algorithm 1):
 
 1. The tiles: a leaf is a matrix (a, b) = (prod(shape[:-1]), shape[-1]) (a vector (1, n), a scalar
    (1, 1)), cut into tiles of h × w, h the largest divisor of a that is at most ``chunk`` (w of b;
-   ref.'s ``_get_smaller_split``); k' = min(k, h·w) coefficients of each tile are sent.
+   ref.'s ``_get_smaller_split``); k' = min(k, h·w) coefficients of each tile are sent. A leaf
+   whose tiles would send at least its dense mean — the W devices' k' values and positions per
+   tile against an all-reduce of its values: a side with no divisor near ``chunk`` (a prime)
+   cuts thin tiles, and a small leaf has few values to choose from — sends every coefficient,
+   as that all-reduce (steps 4–7 with every coefficient sent by every device: the mean of C),
+   and keeps none. DeMo never sends more than the mean for a leaf.
 2. ``δ ← decay·δ + lr(t)·g``, this device's own gradient (ref.: ``delta.mul_(decay).add_(grad,
    alpha=lr)``), kept as its DCT coefficients C (the state): ``C ← decay·C + lr(t)·DCT(g)``, the
    DCT being linear.
@@ -40,7 +45,8 @@ Bytes per device per step (payload, ``comm_report``): W·k'·(4 + 2) per tile (t
 and int16 positions of every device), against 4·h·w of a float32 mean. With 64 × 64 tiles and
 k = 32 a device's own share is 85× smaller than its float32 tile (the paper's "data per GPU"); at
 W = 8 the gathered payload is 10.7× smaller than a float32 all-reduce's and the ring traffic 21×
-(an all-gather forwards every device's share).
+(an all-gather forwards every device's share). A leaf that falls back to its mean (1) sends 4 bytes
+per value, an all-reduce.
 
 Differences from ref. The momentum is kept as its DCT coefficients, so a step takes one DCT (of
 the gradient) and one inverse (of the mean) where ref. takes three (δ's DCT, the inverse of what
@@ -52,6 +58,7 @@ two dimensions are matrices of their last axis (ref. handles 1-D and 2-D tensors
 momentum and the values sent are float32 for every gradient dtype (ref.: the parameter's). The
 parameters keep their own dtype: the update is computed in float32 and cast. A non-finite
 gradient leaves the state as it was (9; ref. has no such policy: one NaN poisons its momentum).
+A leaf whose tiles would cost more than its mean is averaged whole (1; ref. sends its tiles).
 
 References:
   Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", 2024
@@ -228,30 +235,40 @@ def step(config: DeMoConfig, state: DeMoState, leaves: list, axis_name, phase,
   rate = config.learning_rate
   rate = jnp.asarray(rate(state.count) if callable(rate) else rate, jnp.float32)
   layout = [_tiles(config, g.shape) for g in leaves]
-  positions, values, kept = [], [], []
-  for t, g, old in zip(layout, leaves, state.signature.pick(state.coefficients)):
+  world = axis.axis_size(axis_name)
+  dense = [i for i, t in enumerate(layout) if _sends_dense(t, world)]
+  sparse = [i for i in range(len(leaves)) if i not in dense]
+  coefficients, kept = [None] * len(leaves), [None] * len(leaves)
+  positions, values = [], []
+  for i, (t, g, old) in enumerate(zip(layout, leaves, state.signature.pick(state.coefficients))):
     with kernels.part("encode"):
       # 2–3: C ← decay·C + lr·DCT(g), tile by tile.
       c = (config.decay * old.reshape(-1, t.h * t.w)
            + rate * _encode(t, g.astype(jnp.float32).reshape(t.a, t.b)).reshape(-1, t.h * t.w))
-      # 4: the k' largest |coefficients| of each tile.
+    if i in dense:  # 4–5: every coefficient sent, none kept
+      coefficients[i], kept[i] = c, jnp.zeros_like(old)
+      continue
+    with kernels.part("encode"):  # 4: the k' largest |coefficients| of each tile
       where = lax.top_k(jnp.abs(c), t.k)[1]
       sent = jnp.take_along_axis(c, where, axis=-1)
     with kernels.part("error_feedback"):  # 5: δ − IDCT(sent): C without the coefficients sent
-      kept.append(c.at[jnp.arange(c.shape[0])[:, None], where].set(0.0).reshape(g.shape))
+      kept[i] = c.at[jnp.arange(c.shape[0])[:, None], where].set(0.0).reshape(g.shape)
     positions.append(where.astype(t.index_dtype))
     values.append(sent)
-  # 6: every device's positions and values (one all-gather per dtype).
-  gathered = kernels.all_gather(positions + values, axis_name)
-  ok = finite.reduced_finite(gathered[len(leaves):])  # 9
-  rate = jnp.where(ok, rate, jnp.nan)  # 9: every update it scales NaN
+  # 6: every device's positions and values (one all-gather per dtype); the dense leaves' mean.
+  gathered = kernels.all_gather(positions + values, axis_name) if sparse else []
   means = [None] * len(leaves)
+  for i in dense:
+    means[i] = axis.mean(coefficients[i], axis_name)
+  ok = finite.reduced_finite(gathered[len(sparse):] + [means[i] for i in dense])  # 9
+  rate = jnp.where(ok, rate, jnp.nan)  # 9: every update it scales NaN
   with kernels.part("decode"):  # 7: the mean of what was sent, the tiles of one size together
-    for size, members in _groups(layout).items():
-      joined = [jnp.concatenate([gathered[j + i] for i in members], axis=1)
-                if len(members) > 1 else gathered[j + members[0]] for j in (0, len(leaves))]
-      for i, part in zip(members, _split(_mean_of_sent(*joined, size), layout, members)):
-        means[i] = part
+    tiled = [layout[i] for i in sparse]
+    for size, members in _groups(tiled).items():
+      joined = [jnp.concatenate([gathered[j + m] for m in members], axis=1)
+                if len(members) > 1 else gathered[j + members[0]] for j in (0, len(sparse))]
+      for m, part in zip(members, _split(_mean_of_sent(*joined, size), tiled, members)):
+        means[sparse[m]] = part
   updates = []
   for i, (t, g) in enumerate(zip(layout, leaves)):
     with kernels.part("decode"):  # 7: its inverse DCT
@@ -262,6 +279,15 @@ def step(config: DeMoConfig, state: DeMoState, leaves: list, axis_name, phase,
     updates.append((-rate * direction).astype(g.dtype))
   new_state = state._replace(coefficients=state.signature.place(kept))
   return updates, finite.keep_if_finite(ok, new_state, state), ok  # 9
+
+
+def _sends_dense(t: _Tiles, world: int) -> bool:
+  """1: whether a leaf's tiles would send at least its dense mean: the all-gather of every
+  device's k' values and positions per tile, against an all-reduce of its a·b float32 values
+  (per device, (W − 1)·sent against 2(W − 1)/W·4ab bytes). A side whose largest divisor is small
+  (a prime) cuts thin tiles, and a small leaf has few values to choose from."""
+  sent = math.prod(t.grid) * t.k * (4 + jnp.dtype(t.index_dtype).itemsize)
+  return world * sent >= 8 * t.a * t.b
 
 
 def demo(learning_rate, *, chunk: int = 64, k: int = 32, decay: float = 0.999,

@@ -225,7 +225,13 @@ def config(exchange: type, ratio: float, *, momentum=0.9, nesterov=False, moment
            value_dtype=None, sparsify=None, **exchange_settings) -> DGCConfig:
   """The ``DGCConfig`` of ``dgc``'s (``exchange=TopKExchange``) or ``coarse_dgc``'s
   (``ChunkExchange``) keyword arguments: the exchange's settings (None: its default) go to the
-  exchange, ``warmup`` and ``steps_per_epoch`` make the stages."""
+  exchange, ``warmup`` and ``steps_per_epoch`` make the stages. Every static one given as an
+  array is refused in one message, the exchange's among them."""
+  validate.refuse_static_arrays(exchange.name, dict(
+      ratio=ratio, **exchange_settings, momentum=momentum, nesterov=nesterov,
+      momentum_masking=momentum_masking, clip_norm=clip_norm, clip_exponent=clip_exponent,
+      warmup=warmup, steps_per_epoch=steps_per_epoch, value_dtype=value_dtype,
+      sparsify=sparsify), ("momentum", "clip_norm", "clip_exponent"))
   return DGCConfig(
       ratio, exchange(**{k: v for k, v in exchange_settings.items() if v is not None}),
       momentum=momentum, nesterov=nesterov, momentum_masking=momentum_masking,

@@ -61,7 +61,7 @@ from jaxcomp._src import tree as tree_lib
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class DiLoCoConfig(validate.Config):
+class DiLoCoConfig(local_steps.LocalStepsConfig):
   """DiLoCo's settings, validated; a static node of the state.
 
   Attributes:

@@ -194,8 +194,19 @@ class _Matrix(NamedTuple):
     return (min(self.a, self.b), self.rank)
 
 
-def _layout(config: DionConfig, signature: tree_lib.TreeSignature) -> tuple:
-  """1: ``(matrices, the positions of the scalar leaves)`` among the reduced leaves."""
+class _Groups(NamedTuple):
+  """1: the reduced leaves as Dion treats them (positions among the reduced leaves)."""
+  compressed: tuple  # the matrices whose factors are exchanged (``_Matrix``)
+  dense: tuple  # the matrices too small to compress, whose mean gradient is exchanged
+  scalars: tuple  # the scalar optimizer's leaves
+
+  @property
+  def matrices(self) -> tuple:
+    return self.compressed + self.dense
+
+
+def _layout(config: DionConfig, signature: tree_lib.TreeSignature) -> _Groups:
+  """1: the groups of the reduced leaves."""
   fan_in = config.fan_in or dion_fan_in
   matrices, scalars = [], []
   for k, (leaf, i) in enumerate(zip(signature.reduced_structs(), signature.reduced)):
@@ -211,7 +222,8 @@ def _layout(config: DionConfig, signature: tree_lib.TreeSignature) -> tuple:
     r = (min(a, b, config.rank) if config.rank is not None else
          min(a, b, math.ceil((config.rank_fraction or 0.25) * min(a, b))))
     matrices.append(_Matrix(k, a, b, r, r * (a + b) < a * b, signature.paths[i]))
-  return matrices, scalars
+  return _Groups(tuple(m for m in matrices if m.compressed),
+                 tuple(m for m in matrices if not m.compressed), tuple(scalars))
 
 
 def _draw_q(config: DionConfig, matrix: _Matrix) -> jax.Array:
@@ -222,15 +234,15 @@ def _draw_q(config: DionConfig, matrix: _Matrix) -> jax.Array:
 
 def init(config: DionConfig, signature: tree_lib.TreeSignature) -> DionState:
   """Zero momenta, Qs drawn from ``seed``, the scalar optimizer's own init."""
-  matrices, scalars = _layout(config, signature)
+  groups = _layout(config, signature)
   structs = signature.reduced_structs()
   per_device, shared, q = ([optax.MaskedNode()] * len(structs) for _ in range(3))
-  for m in matrices:
+  for m in groups.matrices:
     zeros = jnp.zeros(structs[m.index].shape, jnp.float32)
     (per_device if m.compressed else shared)[m.index] = zeros
     q[m.index] = _draw_q(config, m)
   scalar = config.scalar_transformation().init(
-      [jnp.zeros(structs[k].shape, jnp.float32) for k in scalars])
+      [jnp.zeros(structs[k].shape, jnp.float32) for k in groups.scalars])
   return DionState(jnp.zeros([], jnp.int32), signature.place(per_device), signature.place(shared),
                    signature.place(q), scalar, config, signature)
 
@@ -263,6 +275,42 @@ def _needs_params(config: DionConfig) -> bool:
   return any(validate.is_array(w) or w for w in (config.weight_decay, config.scalar_weight_decay))
 
 
+def _split(values: list, *sizes: int) -> list:
+  """``values`` cut into consecutive lists of ``sizes``, and the rest."""
+  parts = []
+  for size in sizes:
+    parts.append(values[:size])
+    values = values[size:]
+  return parts + [values]
+
+
+def _exchange(config: DionConfig, groups: _Groups, grads: list, own: list, shared: list,
+              qs: list, axis_name) -> tuple:
+  """Steps 2–4, the exchange: ``(the scalar leaves' mean gradients, and per matrix of
+  ``groups.matrices`` its B = M + G, P̂ and R̄; finite)``."""
+  view = lambda m, x: x.reshape(m.a, m.b)  # noqa: E731
+  bs = [kernels.Sum((view(m, grads[m.index]), view(m, own[m.index])))
+        for m in groups.compressed]
+  # 2: one all-reduce (÷W) of the dense leaves and of every compressed matrix's P = (M + G)·Q.
+  scalar_means, dense_means, ps = _split(axis.mean_many(
+      [grads[k] for k in groups.scalars] + [grads[m.index] for m in groups.dense]
+      + [_factor(m, b, qs[m.index], True) for m, b in zip(groups.compressed, bs)], axis_name),
+      len(groups.scalars), len(groups.dense))
+  # 3: the uncompressed matrices' B = M + Ḡ and P = B·Q, locally; P̂ = orth(P̄).
+  dense_bs = [kernels.Sum((view(m, g), view(m, shared[m.index])))
+              for m, g in zip(groups.dense, dense_means)]
+  ps += [_factor(m, b, qs[m.index], True) for m, b in zip(groups.dense, dense_bs)]
+  bs += dense_bs
+  p_hats = [powersgd.orthogonalize(p) for p in ps]
+  # 4: R = Bᵀ·P̂; one all-reduce (÷W) of the compressed matrices' R.
+  rs = [_factor(m, b, p, False) for m, b, p in zip(groups.matrices, bs, p_hats)]
+  compressed_rs, dense_rs = _split(rs, len(groups.compressed))
+  compressed_rs = axis.mean_many(compressed_rs, axis_name)
+  ok = finite.reduced_finite((scalar_means, dense_means, ps[:len(groups.compressed)],
+                              compressed_rs))  # 9
+  return scalar_means, dense_means, bs, p_hats, compressed_rs + dense_rs, ok
+
+
 def step(config: DionConfig, state: DionState, leaves: list, axis_name, phase,
          params: Optional[list] = None) -> tuple:
   """Steps 1–9 on the reduced leaves: ``(updates, new state, finite)``."""
@@ -272,59 +320,36 @@ def step(config: DionConfig, state: DionState, leaves: list, axis_name, phase,
                      " (nnx.Optimizer and the usual optax loop do), or set weight_decay=0 and "
                      "scalar_weight_decay=0")
   signature = state.signature
-  matrices, scalars = _layout(config, signature)
+  groups = _layout(config, signature)
   grads = [g.astype(jnp.float32) for g in leaves]
   own, shared, qs = (signature.pick(f) for f in (state.momentum, state.mean_momentum, state.q))
-  packed = [m for m in matrices if m.compressed]
-  dense = [m for m in matrices if not m.compressed]
-  view = lambda m, x: x.reshape(m.a, m.b)  # noqa: E731
-  # 2: one all-reduce (÷W) of the dense leaves and of every compressed matrix's P = (M + G)·Q.
-  own_terms = {m.index: kernels.Sum((view(m, grads[m.index]), view(m, own[m.index])))
-               for m in packed}
-  sums = axis.mean_many([grads[k] for k in scalars] + [grads[m.index] for m in dense]
-                        + [_factor(m, own_terms[m.index], qs[m.index], True) for m in packed],
-                        axis_name)
-  scalar_means, dense_means = sums[:len(scalars)], sums[len(scalars):len(scalars) + len(dense)]
-  p_means = dict(zip([m.index for m in packed], sums[len(scalars) + len(dense):]))
-  # 3: the uncompressed matrices' B = M + Ḡ and P = B·Q, locally; P̂ = orth(P̄).
-  terms = {**own_terms, **{m.index: kernels.Sum((view(m, g), view(m, shared[m.index])))
-                           for m, g in zip(dense, dense_means)}}
-  for m in dense:
-    p_means[m.index] = _factor(m, terms[m.index], qs[m.index], True)
-  p_hats = {k: powersgd.orthogonalize(p) for k, p in p_means.items()}
-  # 4: R = Bᵀ·P̂; one all-reduce (÷W) of the compressed matrices' R.
-  rs = {m.index: _factor(m, terms[m.index], p_hats[m.index], False) for m in matrices}
-  rs.update(zip([m.index for m in packed],
-                axis.mean_many([rs[m.index] for m in packed], axis_name)))
-  ok = finite.reduced_finite((sums, [rs[m.index] for m in packed]))  # 9
+  scalar_means, dense_means, _, p_hats, rs, ok = _exchange(config, groups, grads, own, shared, qs,
+                                                           axis_name)  # 2–4
   rate = _nan_unless(ok, _rate(config.learning_rate, state.count))
-  updates = [None] * len(leaves)
   x = [None] * len(leaves) if params is None else [p.astype(jnp.float32) for p in params]
 
   def decayed(u, w, k):  # 7, 8: the direction plus the decoupled weight decay w·X
     return u if x[k] is None or (not validate.is_array(w) and w == 0) else u + w * x[k]
 
-  new_q, mu = list(qs), config.mu
-  for m in matrices:
-    k, p_hat, r = m.index, p_hats[m.index], rs[m.index]
+  updates, new_q = [None] * len(leaves), list(qs)
+  gradients = [grads[m.index] for m in groups.compressed] + dense_means  # what B added to M
+  for m, g, p_hat, r in zip(groups.matrices, gradients, p_hats, rs):
+    k = m.index
+    momenta = own if m.compressed else shared
     # 5: M ← B − (1 − μ)·P̂·R̄ᵀ, over the old momentum's block (kernels.in_place).
-    old = (own if m.compressed else shared)[k]
-    g = grads[k] if m.compressed else dense_means[dense.index(m)]
-    new_m = kernels.in_place(lambda e, g, o: e + g - (1 - mu) * o, old, g,
-                             _outer(m, p_hat, r).reshape(old.shape))
-    (own if m.compressed else shared)[k] = new_m
+    momenta[k] = kernels.in_place(lambda e, g, o: e + g - (1 - config.mu) * o, momenta[k], g,
+                                  _outer(m, p_hat, r).reshape(momenta[k].shape))
     # 6: Q ← R̄ column-normalised; an all-zero column keeps its old Q.
     q = r / (jnp.sqrt(jnp.sum(jnp.square(r), axis=0)) + config.eps)
     new_q[k] = jnp.where(jnp.all(r == 0, axis=0), qs[k], q)
     # 7: −lr·(√(fan_out/fan_in)·P̂·Qᵀ + weight_decay·X).
-    scale = math.sqrt(m.b / m.a)
-    direction = (scale * _outer(m, p_hat, q)).reshape(leaves[k].shape)
+    direction = (math.sqrt(m.b / m.a) * _outer(m, p_hat, q)).reshape(leaves[k].shape)
     updates[k] = -rate * decayed(direction, config.weight_decay, k)
   # 8: the scalar optimizer on the dense means.
   directions, scalar = config.scalar_transformation().update(scalar_means, state.scalar)
   scalar_rate = (rate if config.scalar_learning_rate is None
                  else _nan_unless(ok, _rate(config.scalar_learning_rate, state.count)))
-  for k, d in zip(scalars, directions):
+  for k, d in zip(groups.scalars, directions):
     updates[k] = -scalar_rate * decayed(d, config.scalar_weight_decay, k)
   new_state = state._replace(momentum=signature.place(own), mean_momentum=signature.place(shared),
                              q=signature.place(new_q), scalar=scalar)

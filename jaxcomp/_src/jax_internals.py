@@ -11,7 +11,9 @@ weaker, where a later JAX moves it:
 * ``all_gather_invariant``: the all-gather whose result ``shard_map(check_vma=True)`` types as
   the same on every device (``lax.all_gather``'s is typed varying); without it, ``lax.all_gather``.
 * ``source_line``: the user's line that made an equation of a jaxpr, for messages; without it,
-  the primitive's name alone.
+  the primitive's name alone;
+* ``name_stack``: the name scopes an equation of a jaxpr was made in (relative to its jaxpr);
+  without it, none (jaxcomp's own decisions are then checked as a user's are).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def trace_key() -> Optional[object]:
   try:
     from jax._src import core
     trace = core.trace_ctx.trace
+    if isinstance(trace, core.EvalTrace):
+      return None
     while isinstance(getattr(trace, "parent_trace", None), core.Trace) and not isinstance(
         trace.parent_trace, core.EvalTrace):
       trace = trace.parent_trace
@@ -59,4 +63,12 @@ def source_line(eqn) -> str:
     from jax._src import source_info_util
     return source_info_util.summarize(eqn.source_info)
   except (ImportError, AttributeError):
+    return ""
+
+
+def name_stack(eqn) -> str:
+  """The name scopes the jaxpr equation ``eqn`` was made in, joined by ``/``, or ""."""
+  try:
+    return str(eqn.source_info.name_stack)
+  except AttributeError:
     return ""

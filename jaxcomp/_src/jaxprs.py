@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.extend
 
-from jaxcomp._src import jax_internals
+from jaxcomp._src import jax_internals, phases
 
 # Primitives that combine the elements of an array (a dot_general only when it contracts).
 _REDUCTIONS = frozenset({
@@ -67,7 +67,8 @@ def _reduces(eqn) -> bool:
   return eqn.primitive.name in _REDUCTIONS
 
 
-def shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list, drawn: list) -> list:
+def shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list, drawn: list,
+                typed: bool = False) -> list:
   """Propagates through ``jaxpr`` which values depend on a reduction over shard elements that no
   collective over ``axes`` made global (a taint: the reductions' names and lines).
 
@@ -77,6 +78,9 @@ def shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list, drawn: li
     axes: the axis names the state is sharded over.
     exchanged: collects the collectives over ``axes`` applied to shard values themselves.
     drawn: collects the draws of random numbers.
+    typed: the values are typed varying or invariant along ``axes`` (``shard_map(check_vma=True)``):
+      a reduction of values the same on every device (a leaf kept whole on every device) is over
+      the whole leaf, not over a shard.
 
   Returns:
     A frozenset of reductions per output.
@@ -90,14 +94,17 @@ def shard_local(jaxpr, taints: list, axes: frozenset, exchanged: list, drawn: li
       if not inputs:
         exchanged.append(where(eqn))
       out = frozenset()  # made the same on every device: global
-    elif _reduces(eqn):
+    elif _reduces(eqn) and (not typed or any(
+        declared_varying(v) & axes for v in eqn.invars
+        if not isinstance(v, jax.extend.core.Literal))):
       out = inputs | {where(eqn)}
     else:
       if eqn.primitive.name in _RANDOM:
         drawn.append(where(eqn))
       out = inputs
       for sub in subjaxprs(eqn):
-        out = out.union(*shard_local(sub, [inputs] * len(sub.invars), axes, exchanged, drawn))
+        out = out.union(*shard_local(sub, [inputs] * len(sub.invars), axes, exchanged, drawn,
+                                     typed))
     for v in eqn.outvars:
       taint[v] = out
   return [of(v) for v in jaxpr.outvars]
@@ -224,7 +231,10 @@ def _varying_outputs(eqn, inputs: list, hazards: list) -> list:
 
 def _hazard(eqn, predicate: frozenset, body, hazards: list) -> None:
   """Records a ``Hazard`` where a collective of ``body`` runs over an axis ``predicate`` differs
-  along."""
+  along; not for jaxcomp's own phases (``phases.AGREED``), chosen by a count every device holds
+  alike."""
+  if phases.AGREED in jax_internals.name_stack(eqn):
+    return
   under = {a: places for a, places in collective_axes(body).items() if a in predicate}
   if under:
     hazards.append(Hazard(where(eqn), tuple(p for places in under.values() for p in places),

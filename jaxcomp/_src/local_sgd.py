@@ -72,7 +72,7 @@ from jaxcomp._src import tree as tree_lib
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class LocalSGDConfig(validate.Config):
+class LocalSGDConfig(local_steps.LocalStepsConfig):
   """Local SGD's settings, validated; a static node of the state.
 
   Attributes:

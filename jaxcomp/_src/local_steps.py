@@ -5,7 +5,7 @@ Local SGD, DiLoCo, Streaming DiLoCo and SparseLoCo run an inner optimizer on eac
 gradient, with no communication, and every few steps set every device's parameters to one
 synchronized value. Each is a module that holds its math and nothing else:
 
-* a **configuration**: a frozen dataclass derived from ``validate.Config`` (its fields declared
+* a **configuration**: a frozen dataclass derived from ``LocalStepsConfig`` (its fields declared
   with ``validate.setting``) with the ``inner`` optimizer and a public ``name``; it says when the
   devices synchronize (``syncs_after``, and the phases its step labels, ``"<name>.sync"``);
 * ``init(config, signature, params) -> state``: a NamedTuple with ``count``, ``config`` and
@@ -42,13 +42,13 @@ parameters as ``Assign`` updates. These pieces serve them all:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, finite, interface, jaxprs, kernels
+from jaxcomp._src import axis, finite, interface, jaxprs, kernels, validate
 from jaxcomp._src import tree as tree_lib
 
 
@@ -180,16 +180,24 @@ def from_device(stored):
   return jax.tree.map(lambda x: x[0], stored)
 
 
+class LocalStepsConfig(validate.Config):
+  """The configuration of an optimizer that owns the parameters: its settings (``inner``, the
+  optimizer each device runs, among them), and ``output``: its updates are ``Assign``, so nothing
+  may follow it in an ``optax.chain``."""
+  output: ClassVar[str] = "assign"
+
+
 class Init(Protocol):
-  def __call__(self, config: Any, signature: tree_lib.TreeSignature, params: Any) -> Any: ...
+  def __call__(self, config: LocalStepsConfig, signature: tree_lib.TreeSignature,
+               params: Any) -> Any: ...
 
 
 class Step(Protocol):
-  def __call__(self, config: Any, state: Any, grads: Any, params: Any,
+  def __call__(self, config: LocalStepsConfig, state: Any, grads: Any, params: Any,
                axis_name: axis.AxisName) -> tuple: ...
 
 
-def transformation(config, init: Init, step: Step,
+def transformation(config: LocalStepsConfig, init: Init, step: Step,
                    axis_name: axis.AxisName) -> interface.Transformation:
   """The optax transformation of an optimizer that owns the parameters (the module docstring).
 

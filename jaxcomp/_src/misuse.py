@@ -82,6 +82,32 @@ def check_program(jaxpr, seeds: list) -> list:
   return outputs
 
 
+def diagnose(unchecked: Callable, *args, error: Exception) -> None:
+  """1 for a mapped step that JAX refused to trace with its types (``shard_map(check_vma=True)``
+  refuses a conditional whose branches differ in what varies between devices, as a collective in
+  one branch makes them): ``unchecked`` is the same step with ``check_vma=False``, traced to find
+  the hazard from its specs (what they split over an axis differs along it).
+
+  Raises:
+    ValueError: the hazard, from ``error``; nothing where none is found (``error`` stands).
+  """
+  try:
+    program = jax.make_jaxpr(unchecked)(*args)
+  except Exception:  # noqa: BLE001 (the step fails untyped too: the original error stands)
+    return
+  for body in _mapped_bodies(program.jaxpr, {}, {}):
+    params = body.eqn.params
+    seeds = [frozenset(a for names in _spec_axes(spec) for a in names)
+             for spec in params["in_specs"]]
+    hazards: list = []
+    jaxprs.varying(params["jaxpr"], seeds, hazards)
+    if hazards:
+      try:
+        refuse_hazards(hazards)
+      except ValueError as found:
+        raise found from error
+
+
 # -------------------------------------------------------------------- the optimizer state (3)
 
 
@@ -167,6 +193,13 @@ def check_state(tree) -> None:
                and (whole.output == "assign" or not _is_guard(e))]
       if after:
         _refuse_follower(whole)
+      if getattr(_config(element), "name", None) == "sign_compress" and _holds(
+          tree[i + 1:], optax.TraceState):
+        axis.warn_once_per_trace("sign_compress and momentum", (
+            "jaxcomp: sign_compress is followed by momentum (optax.sgd(..., momentum=...) or "
+            "optax.trace): its error feedback already carries what a step leaves out, and "
+            "momentum on top of the scaled signs trains badly. Use optax.sgd without momentum "
+            "after it, or jaxcomp.onebit_adam, whose momentum is what crosses the wire"))
   for child in _children(tree):
     check_state(child)
 
@@ -176,6 +209,39 @@ def _is_chain_state(node) -> bool:
   a NamedTuple, or such a tuple), not of arrays or dicts (a step's ``(params, opt_state)``)."""
   return (isinstance(node, tuple) and not hasattr(node, "_fields")
           and all(hasattr(e, "_fields") or _is_chain_state(e) for e in node))
+
+
+def takes_the_loss(tree) -> bool:
+  """Whether an optimizer state holds ``optax.contrib.reduce_on_plateau``'s, whose update needs the
+  loss (``value=``): ``jaxcomp.data_parallel`` passes it the devices' mean, so that every device
+  takes the same decision."""
+  if isinstance(tree, optax.contrib.ReduceLROnPlateauState):
+    return True
+  return any(takes_the_loss(child) for child in _children(tree))
+
+
+def refuse_lookahead(tree) -> None:
+  """``optax.lookahead`` needs its parameters as ``optax.LookaheadParams(fast, slow)``, which the
+  loss form of ``jaxcomp.data_parallel`` cannot give it (the loss function takes the model's).
+
+  Raises:
+    ValueError: naming the fix.
+  """
+  if isinstance(tree, optax.LookaheadState):
+    raise ValueError(
+        "tx: optax.lookahead keeps two copies of the parameters, optax.LookaheadParams(fast, "
+        "slow), and its update needs them, which jaxcomp.data_parallel's loss form cannot pass "
+        "(its loss function takes the model's parameters). Use the per-device-step form, "
+        "data_parallel(step, mesh), with LookaheadParams in the state and tx.update(grads, "
+        "opt_state, lookahead_params) in the step; or jaxcomp.diloco, whose outer step is a "
+        "lookahead across the devices")
+  for child in _children(tree):
+    refuse_lookahead(child)
+
+
+def _holds(tree, kind: type) -> bool:
+  """Whether an optimizer state (or a sequence of them) holds a state of type ``kind``."""
+  return isinstance(tree, kind) or any(_holds(child, kind) for child in _children(tree))
 
 
 def _refuse_follower(whole) -> None:
@@ -323,6 +389,8 @@ def _check_body(body: _Body, flat: list) -> set:
              else frozenset(a for names in _spec_axes(spec) for a in names)
              for k, spec in zip(body.sources, params["in_specs"])]
   outputs = check_program(inner, seeds)
+  if params["check_vma"]:  # JAX's own types keep what the step returns as replicated so
+    return set()
   return {target for target, axes in zip(body.targets, outputs)
           if target is not None and axes}
 

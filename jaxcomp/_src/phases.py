@@ -16,6 +16,7 @@ the configuration that makes it knows its public name (``validate.Config.name``)
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -26,6 +27,10 @@ from jax import lax
 from jaxcomp._src import axis
 
 WHEN = "jaxcomp_when"  # the name scope of ``when``'s loop
+# The name scope of a decision every device takes alike (a phase chosen by the step count): the
+# check for collectives under a per-device decision (jaxprs.varying) passes it by, as the type
+# checker cannot tell that every device holds the same count.
+AGREED = "jaxcomp_agreed"
 _LABEL = re.compile(r"jaxcomp_phase\[(?P<name>[^|\]]+)\|(?P<share>[0-9.e+-]+)\]")
 
 
@@ -69,13 +74,15 @@ def switch(index, phases: Sequence[Phase], branches: Sequence[Callable], *operan
   if len(branches) == 1:
     return run(phases[0], branches[0], *operands)
   labelled = [lambda *ops, p=p, b=b: run(p, b, *ops) for p, b in zip(phases, branches)]
-  return lax.switch(index, labelled, *operands)
+  with jax.named_scope(AGREED):
+    return lax.switch(index, labelled, *operands)
 
 
 def cond(predicate, phase: Phase, branch: Callable, otherwise: Callable, *operands):
   """``lax.cond(predicate, branch, otherwise, *operands)`` with ``branch`` labelled as ``phase``
   (``otherwise`` is the rest of the steps; it sends nothing)."""
-  return lax.cond(predicate, lambda *ops: run(phase, branch, *ops), otherwise, *operands)
+  with jax.named_scope(AGREED):
+    return lax.cond(predicate, lambda *ops: run(phase, branch, *ops), otherwise, *operands)
 
 
 def when(predicate, phase: Optional[Phase], branch: Callable, *operands):
@@ -111,6 +118,9 @@ def when(predicate, phase: Optional[Phase], branch: Callable, *operands):
     return jax.tree.map(lambda r, o: axis.make_varying(r, tuple(axis.varying_axes(o))), results,
                         ops)
 
-  with jax.named_scope(WHEN):  # the report reads the loop as the conditional it is
+  # The report reads the loop as the conditional it is; a labelled phase is one every device
+  # takes alike.
+  agreed = jax.named_scope(AGREED) if phase is not None else contextlib.nullcontext()
+  with jax.named_scope(WHEN), agreed:
     results = lax.fori_loop(0, jnp.asarray(predicate, jnp.int32), body, operands)
   return results[0] if single else results

@@ -155,7 +155,9 @@ class DataParallel:
       optimizer = nnx_step.optimizer(params, self.tx)
       _refuse_sharded_state(optimizer)
       return optimizer
-    return self.tx.init(params)
+    state = self.tx.init(params)
+    misuse.refuse_lookahead(state)
+    return state
 
   def _init_per_device(self, params, mask=None):
     """``tx.init(params)`` run on every device of the data axis, inside ``shard_map``: the leaves

@@ -85,6 +85,11 @@ class PowerSGDConfig(compressor.MeanConfig):
   def name(self) -> str:
     return "batched_powersgd" if self.batched else "powersgd"
 
+  def settings(self) -> tuple:
+    """Batched PowerSGD takes none of layer-wise PowerSGD's own settings."""
+    every = super().settings()
+    return tuple(n for n in every if n not in _LAYERWISE_ONLY) if self.batched else every
+
   def check(self):
     layerwise = [f.name for f in dataclasses.fields(self) if f.name in _LAYERWISE_ONLY and (
         validate.is_array(getattr(self, f.name)) or getattr(self, f.name) != f.default)]

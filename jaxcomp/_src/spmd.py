@@ -174,14 +174,20 @@ def global_step(local, mesh: Mesh, axes: tuple, names: tuple, mask_of: Callable,
   if not explicit:
     pins = None
   auto = all_auto(mesh)
+  body = functools.partial(_body, local, treedefs, masks, paths, axes, names, mask_of, pins)
   with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
     if explicit:  # every axis Auto inside: the partitioner handles the others
       leaves, batch = to_auto(auto, (leaves, batch))
-    new_leaves, out = jax.shard_map(
-        functools.partial(_body, local, treedefs, masks, paths, axes, names, mask_of, pins),
-        mesh=auto,
-        in_specs=(specs, PartitionSpec(axes)), out_specs=(specs, PartitionSpec(axes)),
-        axis_names=set(axes), check_vma=True)(leaves, batch)
+    mapped = functools.partial(jax.shard_map, body, mesh=auto,
+                               in_specs=(specs, PartitionSpec(axes)),
+                               out_specs=(specs, PartitionSpec(axes)), axis_names=set(axes))
+    try:
+      new_leaves, out = mapped(check_vma=True)(leaves, batch)
+    except (TypeError, ValueError) as error:
+      # JAX refuses some hazards by their types before the step's program exists (a conditional
+      # whose branches differ in what varies between devices): find them untyped, and name them.
+      misuse.diagnose(mapped(check_vma=False), leaves, batch, error=error)
+      raise
   if explicit:  # back to the caller's mesh
     new_leaves = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
                   for x, spec in zip(new_leaves, out_specs)]

@@ -178,13 +178,10 @@ class Config:
 
   def __post_init__(self):
     fields = dataclasses.fields(self)
-    static = [f.name for f in fields if is_array(getattr(self, f.name))
-              and not f.metadata.get("traceable")]
-    if static:
-      _refuse_static_arrays(self.name, static, [
-          f.name for f in fields if not f.metadata.get("traceable") and (
-              f.name in static or _is_number(getattr(self, f.name)))],
-                            [f.name for f in fields if f.metadata.get("traceable")])
+    taken = self.settings()
+    refuse_static_arrays(self.name, {f.name: getattr(self, f.name) for f in fields
+                                     if f.name in taken},
+                         [f.name for f in fields if f.metadata.get("traceable") and f.name in taken])
     for f in fields:
       if "check" not in f.metadata:
         continue
@@ -199,14 +196,25 @@ class Config:
   def check(self) -> None:
     """Checks what relates two settings (after each was checked); nothing by default."""
 
+  def settings(self) -> tuple:
+    """The names of the settings this configuration takes (its fields, by default): the public
+    factory's arguments, which a message about them lists."""
+    return tuple(f.name for f in dataclasses.fields(self))
 
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
 
+def refuse_static_arrays(name: str, settings: dict, traceables) -> None:
+  """Refuses the static ``settings`` given as arrays (``optax.inject_hyperparams`` makes an array of
+  every number it is not told is static), all of them in one message, whose fix names every static
+  number (those already Python numbers too, or copying it would drop them).
 
-def _refuse_static_arrays(name: str, static: list, numbers: list, traceables: list) -> None:
-  """The one message for static settings given as arrays; the fix names every static number
-  (those already Python numbers too), or copying it would drop them."""
+  Raises:
+    TypeError: naming them, ``static_args`` to pass and the settings that may be scheduled.
+  """
+  static = [n for n, value in settings.items() if is_array(value) and n not in traceables]
+  if not static:
+    return
+  numbers = [n for n, value in settings.items() if n not in traceables and (
+      n in static or (isinstance(value, (int, float)) and not isinstance(value, bool)))]
   listed = ", ".join(repr(n) for n in numbers) + ("," if len(numbers) == 1 else "")
   raise TypeError(
       f"{name}: {', '.join(static)} "

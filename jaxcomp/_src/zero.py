@@ -308,11 +308,15 @@ def elementwise_update(optimizer: optax.GradientTransformation, shard_args: tupl
   axes = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
   typed = axis.vma_checked(axis_name)
   shard_args = _strongly_typed(shard_args)  # a weakly typed scalar traces as its leaf does
-  outputs, on_shards = jaxprs.traced_once(_varying(optimizer, axes, typed), *shard_args)
+  # What differs from device to device, per argument leaf: the leaves' program is traced alike.
+  vmas = tuple(axis.varying_axes(x) & axes if typed else frozenset()
+               for x in jax.tree.leaves(shard_args))
+  outputs, on_shards = jaxprs.traced_once(optimizer.update, *shard_args)
   if axis.axis_size(axis_name) > 1:
     exchanged, drawn = [], []
     reductions = frozenset().union(*jaxprs.shard_local(
-        on_shards.jaxpr, [frozenset()] * len(on_shards.jaxpr.invars), axes, exchanged, drawn))
+        on_shards.jaxpr, [frozenset()] * len(on_shards.jaxpr.invars), axes, exchanged, drawn,
+        typed))
     if exchanged:
       raise ValueError(
           f"sharded_optimizer: the optimizer communicates over {axis_name!r} on the shards "
@@ -331,7 +335,7 @@ def elementwise_update(optimizer: optax.GradientTransformation, shard_args: tupl
           "optax.clip_by_global_norm; jaxcomp.skip_if_nonfinite(sharded_optimizer(...), n) "
           "replaces optax.apply_if_finite inside it; a per-leaf norm (LAMB, LARS) needs the whole "
           "leaf: use optax.chain(exchange, optimizer)")
-  if jaxprs.program(on_shards.jaxpr) != _program_on_leaves(optimizer, signature, axes, typed):
+  if jaxprs.program(on_shards.jaxpr) != _program_on_leaves(optimizer, signature, vmas):
     raise ValueError(
         "sharded_optimizer: the optimizer computes differently on a shard of a leaf than on the "
         "whole leaf: it decides by the leaves' shapes (Adafactor's factored moments, a mask on a "
@@ -348,22 +352,18 @@ def _strongly_typed(tree):
                       if getattr(x, "weak_type", False) else x, tree)
 
 
-def _varying(optimizer: optax.GradientTransformation, axes: frozenset, typed: bool):
-  """``optimizer.update`` on arguments marked varying along ``axes`` where values are typed
-  (``shard_map(check_vma=True)``), as the shards are."""
-  if not typed:
-    return optimizer.update
-  return lambda *args: optimizer.update(
-      *jax.tree.map(lambda x: axis.make_varying(x, tuple(axes)), args))
-
-
 @functools.lru_cache(maxsize=256)
 def _program_on_leaves(optimizer: optax.GradientTransformation,
-                       signature: tree_lib.TreeSignature, axes: frozenset, typed: bool) -> tuple:
-  """The primitives of ``optimizer.update`` on whole leaves of ``signature`` (traced once per
-  optimizer and leaf shapes)."""
+                       signature: tree_lib.TreeSignature, vmas: tuple) -> tuple:
+  """The primitives of ``optimizer.update`` on whole leaves of ``signature``, each argument leaf
+  typed as the shards' (``vmas``, the axes along which it differs between devices); traced once per
+  optimizer, leaf shapes and types."""
   whole = signature.unflatten([jax.ShapeDtypeStruct(s, d)
                                for s, d in zip(signature.shapes, signature.dtypes)])
-  update = _varying(optimizer, axes, typed)
-  return jaxprs.program(jax.make_jaxpr(update)(whole, jax.eval_shape(optimizer.init, whole),
-                                               whole).jaxpr)
+  flat, treedef = jax.tree.flatten((whole, jax.eval_shape(optimizer.init, whole), whole))
+
+  def update(*leaves):
+    leaves = [axis.make_varying(x, tuple(sorted(v))) for x, v in zip(leaves, vmas)]
+    return optimizer.update(*jax.tree.unflatten(treedef, leaves))
+
+  return jaxprs.program(jax.make_jaxpr(update)(*flat).jaxpr)
