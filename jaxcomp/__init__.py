@@ -25,13 +25,13 @@ from jaxcomp._src.dense import fp16_compress
 from jaxcomp._src.demo import DeMoConfig
 from jaxcomp._src.demo import DeMoState
 from jaxcomp._src.demo import demo
-from jaxcomp._src.dgc import PAPER_WARMUP
-from jaxcomp._src.dgc import ChunkExchange
-from jaxcomp._src.dgc import DGCConfig
 from jaxcomp._src.dgc import DGCState
-from jaxcomp._src.dgc import TopKExchange
 from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
+from jaxcomp._src.dgc_config import PAPER_WARMUP
+from jaxcomp._src.dgc_config import ChunkExchange
+from jaxcomp._src.dgc_config import DGCConfig
+from jaxcomp._src.dgc_config import TopKExchange
 from jaxcomp._src.diloco import DiLoCoConfig
 from jaxcomp._src.diloco import DiLoCoState
 from jaxcomp._src.diloco import diloco

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 from jaxcomp import hooks
 from jaxcomp._src import dgc as dgc_module
+from jaxcomp._src import dgc_config
 from jaxcomp._src import topk
 from jaxcomp._src import validate
 
@@ -495,7 +496,7 @@ def test_vmap_with_an_axis_name_matches_pmap():
 
 def test_phases_are_the_densities_warm_up_first():
   # A density repeated, or equal to ratio, is one phase: the report counts each once.
-  config = dgc_module.config(dgc_module.TopKExchange, 0.01,
+  config = dgc_config.config(dgc_config.TopKExchange, 0.01,
                             warmup=((2, 0.25), (4, 0.01), (6, 0.25)))
   assert [(p.name, p.share, p.value) for p in config.phases()] == [
       ("dgc.density=0.25", 0.0, 0.25), ("dgc.density=0.01", 1.0, 0.01)]

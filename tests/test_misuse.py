@@ -83,7 +83,7 @@ def masked_powersgd():
                      optax.sgd(0.1))
 
 
-# ------------------------------------------------------------------ 1: a collective under a decision
+# ----------------------------------------------------------------- 1: a collective under a decision
 
 
 def test_apply_if_finite_around_a_compressor_is_refused_under_data_parallel_and_by_check():

@@ -12,8 +12,8 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxcomp._src import axis, chunked_topk, compressor, dgc, onebit_adam, powersgd, quantized
-from jaxcomp._src import sign
+from jaxcomp._src import axis, chunked_topk, compressor, dgc, dgc_config, onebit_adam, powersgd
+from jaxcomp._src import quantized, sign
 from jaxcomp._src.buckets import GradBucket, Hook
 
 
@@ -153,7 +153,8 @@ def dgc_state(ratio: float = 0.001, **settings):
     A function ``bucket -> jaxcomp.DGCState``.
   """
   return compressor.hook_state("dgc", compressor.config_of(
-      functools.partial(dgc.config, dgc.TopKExchange), "dgc", ratio=ratio, **settings), dgc.init)
+      functools.partial(dgc_config.config, dgc_config.TopKExchange), "dgc", ratio=ratio,
+      **settings), dgc.init)
 
 
 def quantized_hook(state, bucket: GradBucket):

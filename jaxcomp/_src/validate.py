@@ -179,9 +179,9 @@ class Config:
   def __post_init__(self):
     fields = dataclasses.fields(self)
     taken = self.settings()
-    refuse_static_arrays(self.name, {f.name: getattr(self, f.name) for f in fields
-                                     if f.name in taken},
-                         [f.name for f in fields if f.metadata.get("traceable") and f.name in taken])
+    taken_fields = [f for f in fields if f.name in taken]
+    refuse_static_arrays(self.name, {f.name: getattr(self, f.name) for f in taken_fields},
+                         [f.name for f in taken_fields if f.metadata.get("traceable")])
     for f in fields:
       if "check" not in f.metadata:
         continue
