@@ -144,6 +144,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from jaxcomp.train import job
-  job.simulate_cpu_devices(8)  # --kernels runs a DGC update on W = 8
+  from jaxcomp.train import device_setup
+  device_setup.simulate_cpu_devices(8)  # --kernels runs a DGC update on W = 8
   sys.exit(main())

@@ -5,7 +5,7 @@ on, the paper's four warm-up densities over the first 10% of the steps) with one
 changed: the density, the warm-up's length, local gradient clipping (``clip_norm``, the paper's
 §3.3), momentum factor masking, AdamW behind it instead of SGD, and where the main job's global
 clipping sits. The variants are trained side by side with allreduce by the main job's own loop
-(``jaxcomp.train.job.train``: the same batches, initial parameters, learning-rate schedule and
+(``jaxcomp.train.training_loop.train``: the same batches, initial parameters, learning-rate schedule and
 evaluations as ``benchmarks/quality.py``), and the table is ``quality.py``'s.
 
 The main job's optimizer is ``chain(compressor, clip_by_global_norm(1), sgd(lr))``
@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from benchmarks import common, quality  # noqa: E402
-from jaxcomp.train import job, registry, tasks  # noqa: E402
+from jaxcomp.train import device_setup, registry, tasks, training_loop  # noqa: E402
+from jaxcomp.train.runs import WINDOW, target_of  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,14 +153,14 @@ def main(argv=None) -> int:
   if steps < 1:
     p.error(f"--steps must be a positive number of steps; got {steps}")
   names = variant_names(args.variants or ",".join(QUICK if args.quick else SCREEN))
-  devices = job.setup_devices(args.devices or (2 if args.quick else 8))
+  devices = device_setup.setup_devices(args.devices or (2 if args.quick else 8))
   task = study_task(tasks.chars(quick=args.quick), names)
   start = time.perf_counter()
   with registry.registered([VARIANTS[n].entry(n) for n in names]):
-    runs = job.train(task, names, steps=steps, devices=devices, batch_size=32, seed=0,
-                     max_steps=steps, progress=not args.quick, schedule="cosine")
+    runs = training_loop.train(task, names, steps=steps, devices=devices, batch_size=32, seed=0,
+                               max_steps=steps, progress=not args.quick, schedule="cosine")
   trained = time.perf_counter() - start
-  base, target = job.target_of(runs)
+  base, target = target_of(runs)
   whole = {r.name: r.bytes_to(r.steps) / r.steps for r in runs}  # warm-up's dense steps included
   header = quality.HEADER + ["whole run: allreduce's bytes / its"]
   rows = [quality.row(r, base, target) + [f"{whole[base.name] / whole[r.name]:.1f}x"]
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
                    losses={r.name: r.final[0] for r in runs})
   print(f"The chars transformer ({params:,} parameters), {steps} steps, {len(devices)} simulated "
         f"CPU devices, global batch 32, seed 0, learning rates cosine; {trained:.0f} s training. "
-        f"Held-out loss: the mean of the last {job.WINDOW} evaluations; target: allreduce's, "
+        f"Held-out loss: the mean of the last {WINDOW} evaluations; target: allreduce's, "
         f"{target:.3f}; bytes: each device's per step in the steady state (ring), and over the "
         "whole run (the warm-up's dense and denser steps included).\n")
   print(common.markdown_table(header, rows) + "\n")

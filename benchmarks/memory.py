@@ -52,10 +52,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxcomp.train import job  # noqa: E402
+from jaxcomp.train import device_setup  # noqa: E402
 
 W = 8
-job.simulate_cpu_devices(W)  # before JAX starts its backends
+device_setup.simulate_cpu_devices(W)  # before JAX starts its backends
 
 from benchmarks import common  # noqa: E402
 

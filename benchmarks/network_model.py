@@ -90,8 +90,8 @@ def plot(path, compressor_names, speedups, compute_ms, alpha_us):
 
 
 def main(argv=None) -> int:
-  from jaxcomp.train import job
-  job.simulate_cpu_devices(8)  # before JAX starts; importing the formulas does not
+  from jaxcomp.train import device_setup
+  device_setup.simulate_cpu_devices(8)  # before JAX starts; importing the formulas does not
   from benchmarks.compute_vs_torch import jax_runner
   p = common.parser(__doc__.split("\n\n")[0])
   p.add_argument("--compute-ms", type=float, default=100.0,

