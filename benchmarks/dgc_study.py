@@ -166,7 +166,7 @@ def main(argv=None) -> int:
   rows = [quality.row(r, base, target) + [f"{whole[base.name] / whole[r.name]:.1f}x"]
           for r in runs]
   params = common.num_params(jax.eval_shape(task.init, 0))
-  common.write_out(args.out, "dgc_study.py", header, rows, True, steps=steps,
+  common.write_out(args.out, "dgc_study.py", argv, header, rows, True, steps=steps,
                    seconds=round(trained, 1), params=params, target=target,
                    losses={r.name: r.final[0] for r in runs})
   print(f"The chars transformer ({params:,} parameters), {steps} steps, {len(devices)} simulated "

@@ -190,9 +190,9 @@ def main(argv=None) -> int:
                    f"{(state + temp - base) / grad:.2f}"])
       keys.append(key.strip())
       print(f"  {model} {c.name}: extra {rows[-1][-1]}× the gradient", file=sys.stderr, flush=True)
-      common.write_out(args.out, "memory.py", header, rows, False, keys=keys,
+      common.write_out(args.out, "memory.py", args.argv, header, rows, False, keys=keys,
                        platform=devices[0].platform)
-  common.write_out(args.out, "memory.py", header, rows, True, keys=keys,
+  common.write_out(args.out, "memory.py", args.argv, header, rows, True, keys=keys,
                    platform=devices[0].platform)
   table = common.markdown_table(header, rows, "llrrrrr")
   where = "" if devices[0].platform == "cpu" else f" {devices[0].device_kind},"

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
             f"recipe and schedule for {own}")
   rows = [row(r, base, target) for r in runs]
   params = common.num_params(jax.eval_shape(task.init, 0))
-  common.write_out(args.out, "quality.py", HEADER, rows, True, steps=steps,
+  common.write_out(args.out, "quality.py", args.argv, HEADER, rows, True, steps=steps,
                    max_steps=max_steps, seconds=round(trained, 1), params=params, target=target,
                    world=world)
   size = ("" if args.size == "small" else " (quick: a tiny one)" if args.quick else

@@ -188,9 +188,9 @@ def main(argv=None) -> int:
         keys.append(key)
         print(f"  {model} W={count} {c.name}: {rows[-1][4]}", file=sys.stderr, flush=True)
       del runners
-      common.write_out(args.out, "step_time.py", header, rows, False, keys=keys,
+      common.write_out(args.out, "step_time.py", args.argv, header, rows, False, keys=keys,
                        repeats=repeats, platform=devices[0].platform)
-  common.write_out(args.out, "step_time.py", header, rows, True, keys=keys,
+  common.write_out(args.out, "step_time.py", args.argv, header, rows, True, keys=keys,
                    repeats=repeats, platform=devices[0].platform)
   table = common.markdown_table(header, rows, "lllrrrr")
   where = ("W simulated devices" if devices[0].platform == "cpu" else
