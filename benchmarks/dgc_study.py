@@ -1,12 +1,13 @@
-"""DGC on the chars transformer: which parts of its recipe close its gap to allreduce's held-out loss.
+"""DGC on the chars transformer: which parts of its recipe close its gap to allreduce's held-out
+loss.
 
 Each variant is the registry's ``dgc`` entry (top 0.1% of each matrix, momentum 0.9 inside, masking
 on, the paper's four warm-up densities over the first 10% of the steps) with one or more things
 changed: the density, the warm-up's length, local gradient clipping (``clip_norm``, the paper's
 §3.3), momentum factor masking, AdamW behind it instead of SGD, and where the main job's global
 clipping sits. The variants are trained side by side with allreduce by the main job's own loop
-(``jaxcomp.train.training_loop.train``: the same batches, initial parameters, learning-rate schedule and
-evaluations as ``benchmarks/quality.py``), and the table is ``quality.py``'s.
+(``jaxcomp.train.training_loop.train``: the same batches, initial parameters, learning-rate schedule
+and evaluations as ``benchmarks/quality.py``), and the table is ``quality.py``'s.
 
 The main job's optimizer is ``chain(compressor, clip_by_global_norm(1), sgd(lr))``
 (``tasks.Task.optimizer``). After allreduce the clip sees the mean gradient; after DGC it sees DGC's
@@ -44,8 +45,8 @@ class Variant:
     about: one line for the legend.
     base: the registry entry it starts from.
     settings: the factory's settings over the entry's (``jaxcomp.dgc``'s keywords).
-    warmup: the fraction of the run over which DGC's four warm-up densities ramp (the registry: 0.1);
-      None keeps the entry's recipe.
+    warmup: the fraction of the run over which DGC's four warm-up densities ramp (the registry:
+      0.1); None keeps the entry's recipe.
     clipped: the main job's ``clip_by_global_norm(1)`` after the compressor (``Task.optimizer``).
     inner: the optimizer behind it, ``"sgd"`` (momentum inside DGC) or ``"adamw"``.
   """
@@ -105,8 +106,9 @@ VARIANTS = {
 }
 """Every variant, by name."""
 
-SCREEN = ("allreduce", "allreduce_inner_adamw", "dgc", "dgc_unclipped", "dgc_local_clip", "dgc_1pct",
-          "dgc_1pct_unclipped", "dgc_warm25_unclipped", "dgc_nomask_unclipped", "dgc_adamw")
+SCREEN = ("allreduce", "allreduce_inner_adamw", "dgc", "dgc_unclipped", "dgc_local_clip",
+          "dgc_1pct", "dgc_1pct_unclipped", "dgc_warm25_unclipped", "dgc_nomask_unclipped",
+          "dgc_adamw")
 """The default variants: one factor at a time against the registry's entry."""
 
 QUICK = ("allreduce", "dgc", "dgc_unclipped")
@@ -114,7 +116,8 @@ QUICK = ("allreduce", "dgc", "dgc_unclipped")
 
 @dataclasses.dataclass(frozen=True)
 class StudyTask(tasks.Task):
-  """``tasks.Task`` whose optimizer leaves out the global clip after the entries in ``unclipped``."""
+  """``tasks.Task`` whose optimizer leaves out the global clip after the entries in
+  ``unclipped``."""
   unclipped: frozenset = frozenset()
 
   def optimizer(self, entry, steps=None, schedule="constant", clip=True, **overrides):

@@ -186,8 +186,8 @@ def report(out_dir: str, work: str, dry: bool, started: float, budget: float, en
           f"(budget {budget:.0f} s).", ""]
   if dry:
     head += ["**Dry run**: the same code on CPU devices with tiny models, two registry entries on "
-             "the MLP (allreduce alone elsewhere) and one repeat, so that the script cannot rot. No "
-             "figure below means anything.", ""]
+             "the MLP (allreduce alone elsewhere) and one repeat, so that the script cannot rot. "
+             "No figure below means anything.", ""]
   if stops:
     head += [f"**STOP: {line}**" for line in stops] + [""]
   lanes = "; ".join(f"{lane}: {ended.get(lane, '?')}" for lane in statuses)

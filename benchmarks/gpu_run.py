@@ -1,5 +1,5 @@
-"""``bash benchmarks/gpu.sh OUT_DIR [--dry-run]``: the benchmarks a lent GPU runs, in one command that
-fits in 8 minutes, and their Markdown report ``OUT_DIR/gpu_report.md``.
+"""``bash benchmarks/gpu.sh OUT_DIR [--dry-run]``: the benchmarks a lent GPU runs, in one command
+that fits in 8 minutes, and their Markdown report ``OUT_DIR/gpu_report.md``.
 
 The work runs in three processes ("lanes") at once, each calling the benchmark scripts' own
 ``main(argv)`` one after the other (one JAX start per lane; every section's standalone command is in

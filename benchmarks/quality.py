@@ -1,16 +1,16 @@
 """Quality on a transformer: every registry entry trained for hundreds of steps, against allreduce.
 
-The main job's machinery (``jaxcomp.train.training_loop.train``: the chars task, the registry's recipes for
-the run's length, ``jaxcomp.data_parallel``'s step on W simulated CPU devices, every entry side by
-side on the same batches from the same initial parameters), with the learning rates on a schedule
-(``--schedule``, default warm-up and cosine decay: ``jaxcomp.train.tasks.learning_rate_schedule``).
-Per entry it prints the final held-out loss (the mean of the last evaluations, as the main job's)
-and its ratio to allreduce's, the steps until the held-out loss first reaches allreduce's final one
-(the target) and their ratio to allreduce's own, and the bytes each device sends per step in the
-steady state (``jaxcomp.report``, ring algorithm, requested wire dtypes) with allreduce's bytes /
-the entry's. Entries that have not reached the target after their steps go on up to
-``--max-steps`` (the recipes and the schedule stay those of their steps, so the rate stays at the
-schedule's last).
+The main job's machinery (``jaxcomp.train.training_loop.train``: the chars task, the registry's
+recipes for the run's length, ``jaxcomp.data_parallel``'s step on W simulated CPU devices, every
+entry side by side on the same batches from the same initial parameters), with the learning rates on
+a schedule (``--schedule``, default warm-up and cosine decay:
+``jaxcomp.train.tasks.learning_rate_schedule``). Per entry it prints the final held-out loss (the
+mean of the last evaluations, as the main job's) and its ratio to allreduce's, the steps until the
+held-out loss first reaches allreduce's final one (the target) and their ratio to allreduce's own,
+and the bytes each device sends per step in the steady state (``jaxcomp.report``, ring algorithm,
+requested wire dtypes) with allreduce's bytes / the entry's. Entries that have not reached the
+target after their steps go on up to ``--max-steps`` (the recipes and the schedule stay those of
+their steps, so the rate stays at the schedule's last).
 
 Under a decaying schedule every run's loss falls most as its rate decays, at its own end, so an
 entry a little short of the target at ``--steps`` seldom reaches it in the extra steps, at a tenth
@@ -19,9 +19,9 @@ of the peak rate. "Does it reach allreduce's loss within F× allreduce's steps?"
 fitted to that length, as a user with F× the budget would train it.
 
 ``--size`` picks a larger chars transformer (``tasks.CHARS_SIZES``: ``768x4`` is 28.6M parameters
-on the whole standard library's source), ``--batch-size`` the global batch. On one device (``gpu.sh``
-runs it on one GPU) nothing is sent: the bytes columns are then those of the same steps lowered for
-8 CPU devices (``--bytes-devices``). ``--out`` writes the rows as JSON.
+on the whole standard library's source), ``--batch-size`` the global batch. On one device
+(``gpu.sh`` runs it on one GPU) nothing is sent: the bytes columns are then those of the same steps
+lowered for 8 CPU devices (``--bytes-devices``). ``--out`` writes the rows as JSON.
 
   PYTHONPATH=. python benchmarks/quality.py [--quick] [--write] [--compressors a,b] [--steps N]
       [--stretch F] [--size 768x4] [--batch-size 64] [--devices 1] [--out rows.json]
@@ -74,7 +74,8 @@ def table(runs) -> str:
 
 def bytes_over_cpu_devices(task, names, world: int) -> dict:
   """``{entry: bytes each device sends per steady-state step}`` with the same model over ``world``
-  CPU devices, read from the step lowered there (as ``training_loop.train`` reads them on its own devices)."""
+  CPU devices, read from the step lowered there (as ``training_loop.train`` reads them on its own
+  devices)."""
   import jaxcomp  # noqa: PLC0415
   from jaxcomp.train import training_step  # noqa: PLC0415
   cpus = jax.devices("cpu")

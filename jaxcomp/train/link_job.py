@@ -122,8 +122,8 @@ def run_job(job: Job, worker: Optional[Sequence[str]] = None, timeout: float = 3
 
 class _Worker:
   """One worker process: jax.distributed over the namespace's loopback, one CPU device; its steps
-  are the main job's (``training_step.make_step``: ``jaxcomp.data_parallel`` over a mesh of every worker's
-  device)."""
+  are the main job's (``training_step.make_step``: ``jaxcomp.data_parallel`` over a mesh of every
+  worker's device)."""
 
   def __init__(self, job: Job, rank: int):
     import jax
@@ -164,7 +164,8 @@ class _Worker:
     self.steps_timed = getattr(self, "steps_timed", 0) + 1
     return self.steps_timed
 
-  def compressor_step(self, name: str, steps: Optional[int] = None, settings: Optional[dict] = None):
+  def compressor_step(self, name: str, steps: Optional[int] = None,
+                      settings: Optional[dict] = None):
     """``(run, collectives)`` of one compressor's training step, its recipe for ``steps`` steps or
     its steady state with ``settings``: ``run(t)`` takes the step on the batch of step ``t`` and
     returns this worker's loss (numpy, so it has blocked until every worker finished the step);
@@ -253,8 +254,8 @@ class _Worker:
       self.barrier(f"link {rate}")
       measured = namespaces.probe() if self.rank == 0 else {}
       self.barrier(f"probed {rate}")
-      self.say(f"link {rate}: " + (f"{measured['beta'] * 8e-6:.0f} Mbit/s, α {measured['alpha'] * 1e6:.0f} µs"
-                                   if measured else ""))
+      self.say(f"link {rate}: " + (f"{measured['beta'] * 8e-6:.0f} Mbit/s, "
+                                   f"α {measured['alpha'] * 1e6:.0f} µs" if measured else ""))
       times = self.time_programs(runners, {key: period(c) for key, c in collectives.items()})
       links[rate] = dict(measured, rounds=times,
                          seconds={k: float(np.median(v)) for k, v in times.items()})

@@ -65,8 +65,8 @@ def check_rate(rate: str) -> str:
   """
   if rate == "none" or (isinstance(rate, str) and _RATE.match(rate)):
     return rate
-  raise ValueError(f"rate must be 'none' or a number with kbit, mbit or gbit, e.g. 100mbit or 1gbit; "
-                   f"got {rate!r}")
+  raise ValueError(f"rate must be 'none' or a number with kbit, mbit or gbit, e.g. 100mbit or "
+                   f"1gbit; got {rate!r}")
 
 
 def rate_bits(rate: str) -> Optional[float]:
@@ -86,8 +86,8 @@ def unavailable_reason() -> Optional[str]:
             "with tc); run as root")
   missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
   if missing:
-    return (f"a slow link needs the {' and '.join(missing)} command{'s' if len(missing) > 1 else ''} "
-            "(iproute2: apt-get install iproute2)")
+    return (f"a slow link needs the {' and '.join(missing)} "
+            f"command{'s' if len(missing) > 1 else ''} (iproute2: apt-get install iproute2)")
   return None
 
 
@@ -114,8 +114,8 @@ def set_link(rate: str, latency_ms: float = 0.0, namespace: Optional[str] = None
     if done.returncode and i:
       message = (done.stderr.strip() or done.stdout.strip()).splitlines()[0]
       if "netem" in command:
-        raise LinkError(f"added latency needs the netem qdisc, which this kernel does not have (tc: "
-                        f"{message}); latency cannot be emulated here, leave it out")
+        raise LinkError(f"added latency needs the netem qdisc, which this kernel does not have "
+                        f"(tc: {message}); latency cannot be emulated here, leave it out")
       raise LinkError(f"tc {' '.join(command)}: {message}")
 
 

@@ -465,12 +465,12 @@ def render(result: Plan, alpha: float, other_dtypes: Sequence[str] = ()) -> str:
       lines.append(f"* [{key}] steps to target, measured on {run['model']}, {run['devices']}, "
                    f"{run['steps']} steps (target: allreduce's held-out loss {run['target']}), "
                    f"{run['date']}: `{run['command']}` ({run['source']}).")
-  lines.append("  NOT measured on this model: the compressors' gaps on that small model shrink with "
-               "the run's length (BENCHMARKS.md, \"Quality on a transformer\": PowerSGD r4 from "
-               "5.6% to 0.8% above allreduce's held-out loss, 600 to 2,000 steps) and their papers "
-               "report none at scale, so these ratios likely overstate the steps a compressor "
-               "needs: the time to target is biased against compression. \"> \": not reached, a "
-               "lower bound.")
+  lines.append("  NOT measured on this model: the compressors' gaps on that small model shrink "
+               "with the run's length (BENCHMARKS.md, \"Quality on a transformer\": PowerSGD r4 "
+               "from 5.6% to 0.8% above allreduce's held-out loss, 600 to 2,000 steps) and their "
+               "papers report none at scale, so these ratios likely overstate the steps a "
+               "compressor needs: the time to target is biased against compression. \"> \": not "
+               "reached, a lower bound.")
   lines.append("* crossover: the link speed below which the entry's projected time (per step, or "
                "to the target with its steps ratio) is shorter than allreduce's, looked for in "
                f"{SPEEDS[0]:g}–{SPEEDS[1]:,.0f} Gbit/s; to the target \"at most\": from a lower "
