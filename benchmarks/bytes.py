@@ -14,13 +14,13 @@ and DiLoCo (``registry.PERIODIC``) send once every H steps: their bytes are amor
 / H); their compiled step holds the sync in a conditional branch, which
 ``Compressor.bytes_per_step`` divides by H.
 
-Payload bytes are those of ``comm_report``: the reduced buffer for all-reduce, the gathered result (W
-contributions) for all-gather, the input for all-to-all. Under the ring algorithm an all-reduce sends
-2·(W−1)/W of its payload per device and the others (W−1)/W, so the last column, what each device
-sends against a float32 all-reduce, is the fair comparison between them. bf16 is read before
-optimisation (``stage="lowered"``): XLA:CPU widens bf16 collectives to f32 when it compiles (GPUs keep
-them narrow); the compiled figure is shown too. A float16 all-reduce (or reduce-scatter) runs on
-XLA:CPU as an all-to-all (and an all-gather) that ``comm_report`` counts as the collective it
+Payload bytes are those of ``comm_report``: the reduced buffer for all-reduce, the gathered result
+(W contributions) for all-gather, the input for all-to-all. Under the ring algorithm an all-reduce
+sends 2·(W−1)/W of its payload per device and the others (W−1)/W, so the last column, what each
+device sends against a float32 all-reduce, is the fair comparison between them. bf16 is read before
+optimisation (``stage="lowered"``): XLA:CPU widens bf16 collectives to f32 when it compiles (GPUs
+keep them narrow); the compiled figure is shown too. A float16 all-reduce (or reduce-scatter) runs
+on XLA:CPU as an all-to-all (and an all-gather) that ``comm_report`` counts as the collective it
 replaces, its bytes that collective's; "compiled collectives" names both.
 
   PYTHONPATH=. python benchmarks/bytes.py [--quick] [--write]
@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from jaxcomp.train import job  # noqa: E402
+from jaxcomp.train import device_setup  # noqa: E402
 
-job.simulate_cpu_devices(8)  # before JAX starts its backends
+device_setup.simulate_cpu_devices(8)  # before JAX starts its backends
 
 from benchmarks import common  # noqa: E402
 from jaxcomp.train import wire  # noqa: E402
@@ -110,15 +110,16 @@ def main(argv=None) -> int:
       ["model", "params", "compressor", "compiled B", "sent B", "minimum B", "ratio",
        "vs f32", "compiled collectives", "ring vs f32"], rows, "lrlrrrrrlr")
   body = (f"W = {W} simulated devices (`jax.pmap`); bytes per device per step (payload: reduced "
-          "buffer of an all-reduce, gathered result of an all-gather). \"sent\" is the compiled HLO's, "
-          "except bf16: XLA:CPU widens bf16 collectives to f32 when compiling (\"compiled B\"), so its "
-          "wire is read before optimisation. The minimum is each algorithm's count from its "
-          "definition (`jaxcomp.train.wire`, whose docstring has each formula; it counts the 4-byte "
-          "finiteness flag of chunked top-k and `comm_hook`). An all-reduce "
+          "buffer of an all-reduce, gathered result of an all-gather). \"sent\" is the compiled "
+          "HLO's, except bf16: XLA:CPU widens bf16 collectives to f32 when compiling "
+          "(\"compiled B\"), so its wire is read before optimisation. The minimum is each "
+          "algorithm's count from its definition (`jaxcomp.train.wire`, whose docstring has each "
+          "formula; it counts the 4-byte finiteness flag of chunked top-k and `comm_hook`). An "
+          "all-reduce "
           "moves its buffer twice under the ring algorithm, an all-gather or all-to-all once: "
           "\"ring vs f32\" compares what each device sends (`CommReport.ring_bytes`) with a "
-          "float32 ring all-reduce's. Local SGD and DiLoCo send once every H steps: their bytes are "
-          "amortised (sync bytes / H).\n\n" + table)
+          "float32 ring all-reduce's. Local SGD and DiLoCo send once every H steps: their bytes "
+          "are amortised (sync bytes / H).\n\n" + table)
   common.emit(args, "bytes", "Wire bytes per step against the algorithm's minimum", "bytes.py",
               body)
   return 0

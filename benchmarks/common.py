@@ -1,14 +1,15 @@
 """What every benchmark script shares: model-shaped pytrees, the compressors, timing, BENCHMARKS.md.
 
-* Shape pytrees (``jax.ShapeDtypeStruct`` leaves, nothing allocated) of ResNet-18, ResNet-50 and GPT-2
-  small, built from their published layer shapes in Flax layout: Conv kernels ``(kh, kw, in, out)``,
-  Dense kernels ``(in, out)``, BatchNorm / LayerNorm ``scale`` and ``bias``; ``torch_layout`` gives the
-  same parameters in torch's layout (Conv ``(out, in, kh, kw)``, Linear ``(out, in)``).
+* Shape pytrees (``jax.ShapeDtypeStruct`` leaves, nothing allocated) of ResNet-18, ResNet-50 and
+  GPT-2 small, built from their published layer shapes in Flax layout by ``jaxcomp.train.shapes``
+  (the planner's): Conv kernels ``(kh, kw, in, out)``, Dense kernels ``(in, out)``, BatchNorm /
+  LayerNorm ``scale`` and ``bias``; ``torch_layout`` gives the same parameters in torch's layout
+  (Conv ``(out, in, kh, kw)``, Linear ``(out, in)``).
 * ``compressors``: the entries of ``jaxcomp.train.registry`` a benchmark compares.
 * ``interleaved``: timings of several functions taken side by side (round-robin), so that a shared,
   busy machine slows them alike; ratios are taken per round, then the median.
-* ``write_section``: replaces one script's section of BENCHMARKS.md (between markers), so the scripts
-  do not overwrite each other.
+* ``write_section``: replaces one script's section of BENCHMARKS.md (between markers), so the
+  scripts do not overwrite each other.
 """
 
 from __future__ import annotations
@@ -28,89 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The planner's trees under the benchmarks' names (``dense``: for scaling.py's layers).
+from jaxcomp.train.shapes import dense, mlp, resnet18, resnet50, tiny  # noqa: F401
+from jaxcomp.train.shapes import gpt2 as gpt2_small
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS_MD = os.path.join(ROOT, "BENCHMARKS.md")
 AXIS = "batch"
 F32 = jnp.float32
 
 # -------------------------------------------------------------------------------- shape pytrees
-
-
-def _leaf(*shape):
-  return jax.ShapeDtypeStruct(tuple(shape), F32)
-
-
-def _conv(kh, kw, cin, cout):
-  return {"kernel": _leaf(kh, kw, cin, cout)}
-
-
-def _norm(width):
-  return {"scale": _leaf(width), "bias": _leaf(width)}
-
-
-def dense(cin, cout, bias=True):
-  out = {"kernel": _leaf(cin, cout)}
-  if bias:
-    out["bias"] = _leaf(cout)
-  return out
-
-
-def resnet18(num_classes: int = 1000, width: int = 64) -> dict:
-  """ResNet-18 (He et al. 2016; torchvision's 11,689,512 parameters at the defaults)."""
-  params = {"conv_init": _conv(7, 7, 3, width), "bn_init": _norm(width)}
-  cin = width
-  for stage, blocks in enumerate((2, 2, 2, 2)):
-    cout = width * 2**stage
-    for b in range(blocks):
-      block = {"conv1": _conv(3, 3, cin, cout), "bn1": _norm(cout),
-               "conv2": _conv(3, 3, cout, cout), "bn2": _norm(cout)}
-      if cin != cout:
-        block["proj_conv"], block["proj_bn"] = _conv(1, 1, cin, cout), _norm(cout)
-      params[f"stage{stage + 1}_block{b}"] = block
-      cin = cout
-  params["fc"] = dense(cin, num_classes)
-  return params
-
-
-def resnet50(num_classes: int = 1000, width: int = 64) -> dict:
-  """ResNet-50 with bottleneck blocks (torchvision's 25,557,032 parameters at the defaults)."""
-  params = {"conv_init": _conv(7, 7, 3, width), "bn_init": _norm(width)}
-  cin = width
-  for stage, blocks in enumerate((3, 4, 6, 3)):
-    mid = width * 2**stage
-    cout = 4 * mid
-    for b in range(blocks):
-      block = {"conv1": _conv(1, 1, cin, mid), "bn1": _norm(mid),
-               "conv2": _conv(3, 3, mid, mid), "bn2": _norm(mid),
-               "conv3": _conv(1, 1, mid, cout), "bn3": _norm(cout)}
-      if cin != cout:
-        block["proj_conv"], block["proj_bn"] = _conv(1, 1, cin, cout), _norm(cout)
-      params[f"stage{stage + 1}_block{b}"] = block
-      cin = cout
-  params["fc"] = dense(cin, num_classes)
-  return params
-
-
-def gpt2_small(vocab: int = 50257, context: int = 1024, width: int = 768, depth: int = 12) -> dict:
-  """GPT-2 small (124,439,808 parameters at the defaults; the output head is tied to ``wte``)."""
-  params = {"wte": {"embedding": _leaf(vocab, width)}, "wpe": {"embedding": _leaf(context, width)}}
-  for i in range(depth):
-    params[f"h{i}"] = {"ln_1": _norm(width), "attn_qkv": dense(width, 3 * width),
-                       "attn_proj": dense(width, width), "ln_2": _norm(width),
-                       "mlp_fc": dense(width, 4 * width), "mlp_proj": dense(4 * width, width)}
-  params["ln_f"] = _norm(width)
-  return params
-
-
-def mlp(sizes=(784, 1024, 1024, 1024, 10)) -> dict:
-  """``step_time.py``'s MLP (784-1024×3-10, 2,913,290 parameters) as a shape pytree."""
-  return {f"dense{i}": dense(a, b) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
-
-
-def tiny() -> dict:
-  """A few-thousand-parameter pytree with every kind of leaf the models have (quick mode)."""
-  return {"conv": _conv(3, 3, 4, 8), "bn": _norm(8), "embed": {"embedding": _leaf(100, 16)},
-          "dense": dense(72, 32), "head": dense(32, 10)}
 
 
 def models(quick: bool) -> dict:
@@ -158,9 +86,9 @@ def torch_layout(tree) -> dict:
   """The same parameters in torch's layout: Conv (out, in, kh, kw), Linear (out, in)."""
   def flip(path, x):
     if x.ndim == 4:
-      return _leaf(x.shape[3], x.shape[2], x.shape[0], x.shape[1])
+      return jax.ShapeDtypeStruct((x.shape[3], x.shape[2], x.shape[0], x.shape[1]), F32)
     if x.ndim == 2 and "embedding" not in jax.tree_util.keystr(path):  # Embedding: same layout
-      return _leaf(x.shape[1], x.shape[0])
+      return jax.ShapeDtypeStruct((x.shape[1], x.shape[0]), F32)
     return x
   return jax.tree_util.tree_map_with_path(flip, tree)
 
@@ -281,13 +209,14 @@ def devices(count: int, platform: Optional[str] = None) -> list:
   return found[:count]
 
 
-def write_out(path: Optional[str], script: str, header: list, rows: list, complete: bool,
-              **extra) -> None:
-  """Writes a script's rows as JSON to ``path`` (if given), atomically: the command, the machine,
-  the header, the rows so far and whether the run has finished."""
+def write_out(path: Optional[str], script: str, argv: Optional[Sequence[str]], header: list,
+              rows: list, complete: bool, **extra) -> None:
+  """Writes a script's rows as JSON to ``path`` (if given), atomically: the command (``script``
+  with ``argv``, as ``command``), the machine, the header, the rows so far and whether the run has
+  finished."""
   if not path:
     return
-  data = dict(script=script, command=command(script), machine=machine(), header=header,
+  data = dict(script=script, command=command(script, argv), machine=machine(), header=header,
               rows=rows, complete=complete, **extra)
   with open(path + ".tmp", "w") as f:
     json.dump(data, f, indent=1)
@@ -295,9 +224,10 @@ def write_out(path: Optional[str], script: str, header: list, rows: list, comple
 
 
 def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-  global _ARGV
-  _ARGV = None if argv is None else list(argv)
+  """``p.parse_args(argv)``, checked; ``args.argv`` keeps ``argv`` for the command the script
+  records (``command``, ``emit``)."""
   args = p.parse_args(argv)
+  args.argv = None if argv is None else list(argv)
   if args.quick and args.write:
     p.error("--quick runs are for CI: they do not write BENCHMARKS.md (drop --write)")
   if getattr(args, "variant", None):
@@ -311,12 +241,10 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
   return args
 
 
-_ARGV = None
-"""The arguments of the script's ``main(argv)`` when it was called from Python (``command``)."""
-
-
-def command(script: str, argv=None) -> str:
-  argv = (sys.argv[1:] if _ARGV is None else _ARGV) if argv is None else argv
+def command(script: str, argv: Optional[Sequence[str]]) -> str:
+  """The command line that runs ``script`` with ``argv``, the arguments its ``main(argv)`` was
+  given (None: this process's own, as ``argparse`` takes them)."""
+  argv = sys.argv[1:] if argv is None else argv
   return " ".join(["PYTHONPATH=. python", f"benchmarks/{script}"] + [shlex.quote(a) for a in argv])
 
 
@@ -384,4 +312,4 @@ def emit(args, key: str, title: str, script: str, body: str) -> None:
   """Prints the section, and writes it to BENCHMARKS.md when ``--write`` was given."""
   print(f"## {title}\n\n{body.strip()}\n", flush=True)
   if args.write:
-    write_section(key, title, command(script), body)
+    write_section(key, title, command(script, args.argv), body)

@@ -1,19 +1,19 @@
 """Compression compute against torch's DDP hooks, on the same gradients, in the same run.
 
-jaxcomp: one jitted ``update`` of the compressor on one device (``axis_name=None``, world size 1), its
-state threaded from call to call (not donated: the same gradient is fed every call, and donating the
-state alone would hand the update output an error buffer, see ``memory.py``). torch
+jaxcomp: one jitted ``update`` of the compressor on one device (``axis_name=None``, world size 1),
+its state threaded from call to call (not donated: the same gradient is fed every call, and
+donating the state alone would hand the update output an error buffer, see ``memory.py``). torch
 2.13: the hook on one bucket holding the whole gradient (the same values, in torch's layout: Conv
 ``(out, in, kh, kw)``, Linear ``(out, in)``), on a 1-process gloo group, waited on (``fut.wait()``),
 decompression callback included. Settings are the same on both sides: ``fp16_compress_hook`` against
 ``jaxcomp.fp16_compress``; ``powerSGD_hook`` (rank r, min_compression_rate 2, error feedback, warm
 start, compressing from the timed steps on) against ``jaxcomp.powersgd(r, start_iter=0)``, whose
-default Flax matrix view of a Flax kernel is the transpose of torch's view of the torch kernel, so both
-compress the same matrices.
+default Flax matrix view of a Flax kernel is the transpose of torch's view of the torch kernel, so
+both compress the same matrices.
 
-DGC selection: for every leaf with ndim > 1, the k = ceil(numel·0.001) largest |v|, jaxcomp's sampled
-threshold selection (``jaxcomp.dgc``'s, the one the compressor runs) and ``lax.top_k`` against
-``torch.topk`` on the same vectors.
+DGC selection: for every leaf with ndim > 1, the k = ceil(numel·0.001) largest |v|, jaxcomp's
+sampled threshold selection (``jaxcomp.dgc``'s, the one the compressor runs) and ``lax.top_k``
+against ``torch.topk`` on the same vectors.
 
 Calls alternate round-robin (jaxcomp, torch, jaxcomp, ...) and the ratio is the median of per-round
 ratios, so both sides see the same machine load.
@@ -201,10 +201,11 @@ def main(argv=None) -> int:
       ["model", "jaxcomp", "torch 2.13", "jaxcomp ms", "torch ms", "jaxcomp / torch"], rows,
       "lllrrr")
   body = (f"One device, one bucket holding the whole gradient; torch {torch.__version__} with "
-          f"{torch.get_num_threads()} threads on a 1-process gloo group. The ratio is the median of "
-          f"{repeats} interleaved per-round ratios (target: ≤ 0.5); the ms columns are medians, "
+          f"{torch.get_num_threads()} threads on a 1-process gloo group. The ratio is the median "
+          f"of {repeats} interleaved per-round ratios (target: ≤ 0.5); the ms columns are medians, "
           "for scale only (shared machine). torch's `batched_powerSGD_hook` raises at its first "
-          "compressed step in torch 2.13, so batched PowerSGD has no torch counterpart.\n\n" + table)
+          "compressed step in torch 2.13, so batched PowerSGD has no torch counterpart.\n\n"
+          + table)
   common.emit(args, "compute_vs_torch", "Compression compute against torch's hooks",
               "compute_vs_torch.py", body)
   return 0

@@ -1,17 +1,17 @@
 """DGC selection: the sampled threshold estimate against exact ``lax.top_k``, side by side.
 
 One gradient-like vector of 10M float32 elements (``--quick``: 100k), density 0.001 (k = 10,000).
-``sampled`` is ``jaxcomp.dgc``'s selection (strided 1% sample, threshold adaptation, compaction of the
-candidates, exact top-k among them when too many); ``exact`` is ``lax.top_k`` of ``|x|`` — the two
-selection modes of ``jaxcomp.dgc``. Both are jitted and timed round-robin in one run; the reported
-figure is the median over rounds of time(exact) / time(sampled). Absolute times are for scale only (a
-shared CPU). ``--quick`` is for CI: small shapes, three rounds, no claims.
+``sampled`` is ``jaxcomp.dgc``'s selection (strided 1% sample, threshold adaptation, compaction of
+the candidates, exact top-k among them when too many); ``exact`` is ``lax.top_k`` of ``|x|`` — the
+two selection modes of ``jaxcomp.dgc``. Both are jitted and timed round-robin in one run; the
+reported figure is the median over rounds of time(exact) / time(sampled). Absolute times are for
+scale only (a shared CPU). ``--quick`` is for CI: small shapes, three rounds, no claims.
 
-``--kernels`` measures instead the backend workarounds of the DGC section of ``jaxcomp._src.kernels``,
-each against the obvious form it replaces: the sampled selection's time with each selection kernel
-swapped for its obvious form, and the temporaries of a whole DGC update (ResNet-18's gradient shapes,
-``--quick``: a small pytree; W = 8 under ``jax.pmap``, gradient and state donated, as
-``benchmarks/memory.py`` measures them) with each scatter kernel swapped.
+``--kernels`` measures instead the backend workarounds of the DGC section of
+``jaxcomp._src.kernels``, each against the obvious form it replaces: the sampled selection's time
+with each selection kernel swapped for its obvious form, and the temporaries of a whole DGC update
+(ResNet-18's gradient shapes, ``--quick``: a small pytree; W = 8 under ``jax.pmap``, gradient and
+state donated, as ``benchmarks/memory.py`` measures them) with each scatter kernel swapped.
 
   PYTHONPATH=. python benchmarks/dgc_selection.py [--quick] [--kernels] [--n N] [--density D]
       [--repeats R]
@@ -74,7 +74,8 @@ def _patched(replacements: dict) -> contextlib.ExitStack:
 
 
 def _update_temporaries(tree, **settings) -> float:
-  """Temporaries of one DGC update / the gradient's bytes, as ``benchmarks/memory.py`` measures them."""
+  """Temporaries of one DGC update / the gradient's bytes, as ``benchmarks/memory.py`` measures
+  them."""
   tx = dgc.dgc(axis_name=common.AXIS, **settings)
   state = jax.eval_shape(tx.init, tree)
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=common.AXIS, devices=jax.devices()[:8],
@@ -131,8 +132,8 @@ def main(argv=None) -> int:
   times = common.interleaved({"sampled": lambda: jax.block_until_ready(sampled(x, key)),
                               "exact": lambda: jax.block_until_ready(exact(x))}, repeats)
   speedup = common.ratio(times, "exact", "sampled")
-  print(f"n = {n:,}, density {args.density}: k = {plan.k:,}; {plan.num_samples:,} samples at stride "
-        f"{plan.stride}, threshold from the top {plan.top_k_samples}")
+  print(f"n = {n:,}, density {args.density}: k = {plan.k:,}; {plan.num_samples:,} samples at "
+        f"stride {plan.stride}, threshold from the top {plan.top_k_samples}")
   print(f"sampled selection sent {sent:,} of at most {plan.k:,} "
         f"({sent / plan.k:.3f}·k; the reference's band is 0.8·k–k)")
   print(f"median over {repeats} rounds: sampled {1e3 * common.median(times['sampled']):.1f} ms, "
@@ -144,6 +145,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from jaxcomp.train import job
-  job.simulate_cpu_devices(8)  # --kernels runs a DGC update on W = 8
+  from jaxcomp.train import device_setup
+  device_setup.simulate_cpu_devices(8)  # --kernels runs a DGC update on W = 8
   sys.exit(main())

@@ -1,12 +1,13 @@
-"""DGC on the chars transformer: which parts of its recipe close its gap to allreduce's held-out loss.
+"""DGC on the chars transformer: which parts of its recipe close its gap to allreduce's held-out
+loss.
 
 Each variant is the registry's ``dgc`` entry (top 0.1% of each matrix, momentum 0.9 inside, masking
 on, the paper's four warm-up densities over the first 10% of the steps) with one or more things
 changed: the density, the warm-up's length, local gradient clipping (``clip_norm``, the paper's
 §3.3), momentum factor masking, AdamW behind it instead of SGD, and where the main job's global
 clipping sits. The variants are trained side by side with allreduce by the main job's own loop
-(``jaxcomp.train.job.train``: the same batches, initial parameters, learning-rate schedule and
-evaluations as ``benchmarks/quality.py``), and the table is ``quality.py``'s.
+(``jaxcomp.train.training_loop.train``: the same batches, initial parameters, learning-rate schedule
+and evaluations as ``benchmarks/quality.py``), and the table is ``quality.py``'s.
 
 The main job's optimizer is ``chain(compressor, clip_by_global_norm(1), sgd(lr))``
 (``tasks.Task.optimizer``). After allreduce the clip sees the mean gradient; after DGC it sees DGC's
@@ -32,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from benchmarks import common, quality  # noqa: E402
-from jaxcomp.train import job, registry, tasks  # noqa: E402
+from jaxcomp.train import device_setup, registry, tasks, training_loop  # noqa: E402
+from jaxcomp.train.runs import WINDOW, target_of  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +45,8 @@ class Variant:
     about: one line for the legend.
     base: the registry entry it starts from.
     settings: the factory's settings over the entry's (``jaxcomp.dgc``'s keywords).
-    warmup: the fraction of the run over which DGC's four warm-up densities ramp (the registry: 0.1);
-      None keeps the entry's recipe.
+    warmup: the fraction of the run over which DGC's four warm-up densities ramp (the registry:
+      0.1); None keeps the entry's recipe.
     clipped: the main job's ``clip_by_global_norm(1)`` after the compressor (``Task.optimizer``).
     inner: the optimizer behind it, ``"sgd"`` (momentum inside DGC) or ``"adamw"``.
   """
@@ -104,8 +106,9 @@ VARIANTS = {
 }
 """Every variant, by name."""
 
-SCREEN = ("allreduce", "allreduce_inner_adamw", "dgc", "dgc_unclipped", "dgc_local_clip", "dgc_1pct",
-          "dgc_1pct_unclipped", "dgc_warm25_unclipped", "dgc_nomask_unclipped", "dgc_adamw")
+SCREEN = ("allreduce", "allreduce_inner_adamw", "dgc", "dgc_unclipped", "dgc_local_clip",
+          "dgc_1pct", "dgc_1pct_unclipped", "dgc_warm25_unclipped", "dgc_nomask_unclipped",
+          "dgc_adamw")
 """The default variants: one factor at a time against the registry's entry."""
 
 QUICK = ("allreduce", "dgc", "dgc_unclipped")
@@ -113,7 +116,8 @@ QUICK = ("allreduce", "dgc", "dgc_unclipped")
 
 @dataclasses.dataclass(frozen=True)
 class StudyTask(tasks.Task):
-  """``tasks.Task`` whose optimizer leaves out the global clip after the entries in ``unclipped``."""
+  """``tasks.Task`` whose optimizer leaves out the global clip after the entries in
+  ``unclipped``."""
   unclipped: frozenset = frozenset()
 
   def optimizer(self, entry, steps=None, schedule="constant", clip=True, **overrides):
@@ -152,25 +156,25 @@ def main(argv=None) -> int:
   if steps < 1:
     p.error(f"--steps must be a positive number of steps; got {steps}")
   names = variant_names(args.variants or ",".join(QUICK if args.quick else SCREEN))
-  devices = job.setup_devices(args.devices or (2 if args.quick else 8))
+  devices = device_setup.setup_devices(args.devices or (2 if args.quick else 8))
   task = study_task(tasks.chars(quick=args.quick), names)
   start = time.perf_counter()
   with registry.registered([VARIANTS[n].entry(n) for n in names]):
-    runs = job.train(task, names, steps=steps, devices=devices, batch_size=32, seed=0,
-                     max_steps=steps, progress=not args.quick, schedule="cosine")
+    runs = training_loop.train(task, names, steps=steps, devices=devices, batch_size=32, seed=0,
+                               max_steps=steps, progress=not args.quick, schedule="cosine")
   trained = time.perf_counter() - start
-  base, target = job.target_of(runs)
+  base, target = target_of(runs)
   whole = {r.name: r.bytes_to(r.steps) / r.steps for r in runs}  # warm-up's dense steps included
   header = quality.HEADER + ["whole run: allreduce's bytes / its"]
   rows = [quality.row(r, base, target) + [f"{whole[base.name] / whole[r.name]:.1f}x"]
           for r in runs]
   params = common.num_params(jax.eval_shape(task.init, 0))
-  common.write_out(args.out, "dgc_study.py", header, rows, True, steps=steps,
+  common.write_out(args.out, "dgc_study.py", argv, header, rows, True, steps=steps,
                    seconds=round(trained, 1), params=params, target=target,
                    losses={r.name: r.final[0] for r in runs})
   print(f"The chars transformer ({params:,} parameters), {steps} steps, {len(devices)} simulated "
         f"CPU devices, global batch 32, seed 0, learning rates cosine; {trained:.0f} s training. "
-        f"Held-out loss: the mean of the last {job.WINDOW} evaluations; target: allreduce's, "
+        f"Held-out loss: the mean of the last {WINDOW} evaluations; target: allreduce's, "
         f"{target:.3f}; bytes: each device's per step in the steady state (ring), and over the "
         "whole run (the warm-up's dense and denser steps included).\n")
   print(common.markdown_table(header, rows) + "\n")

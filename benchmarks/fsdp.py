@@ -39,10 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxcomp.train import job  # noqa: E402
+from jaxcomp.train import device_setup  # noqa: E402
 
 W = 8
-job.simulate_cpu_devices(W)  # before JAX starts its backends
+device_setup.simulate_cpu_devices(W)  # before JAX starts its backends
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -51,6 +51,8 @@ import optax  # noqa: E402
 import jaxcomp  # noqa: E402
 from benchmarks import common  # noqa: E402
 from jaxcomp._src.sharding import per_device_mask  # noqa: E402
+from jaxcomp.train.runs import WINDOW  # noqa: E402
+from jaxcomp.train.training_loop import EVALUATIONS  # noqa: E402
 
 BATCH = 64
 
@@ -158,7 +160,7 @@ def quality(steps: int, seeds: int) -> str:
   task = tasks.chars()
   mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
   sgd = lambda: optax.sgd(task.learning_rate, momentum=0.9)  # noqa: E731
-  every = max(steps // job.EVALUATIONS, 1)
+  every = max(steps // EVALUATIONS, 1)
   loss_fn = lambda p, x, y: task.loss(jaxcomp.gather_layer(p), x, y)  # noqa: E731
 
   def unsharded():
@@ -188,7 +190,7 @@ def quality(steps: int, seeds: int) -> str:
         state = step(state, task.batch(seed, t - 1, 32))
         if t % every == 0:
           evaluations.append(task.evaluate(params_of(state))[0])
-      losses[name].append(float(np.mean(evaluations[-job.WINDOW:])))
+      losses[name].append(float(np.mean(evaluations[-WINDOW:])))
       print(f"  seed {seed}, {name}: {losses[name][-1]:.4f}", file=sys.stderr, flush=True)
   reference = np.array(losses["allreduce, unsharded"])
   rows = []

@@ -8,7 +8,8 @@
 # registry entry on the GPU and on 8 simulated CPU devices, the collectives' schedule, the kernels,
 # quality on a 28.6M-parameter transformer), gpu_results.json (every row) and gpu_log.txt. It uses
 # the package from this source tree (PYTHONPATH), never pip, and needs no network. benchmarks/
-# gpu_run.py holds the plan and the budget; PYTHON picks the interpreter (default: python3).
+# gpu_run.py holds the plan and the budget and runs the lanes, gpu_report.py writes the report;
+# PYTHON picks the interpreter (default: python3).
 set -euo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: bash benchmarks/gpu.sh OUT_DIR [--dry-run] [--budget SECONDS]" >&2

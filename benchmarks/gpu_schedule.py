@@ -15,8 +15,8 @@ its backend config). XLA:CPU runs every collective synchronously (no pairs). For
   JAX name scope, is ``transpose(jvp(...))`` outside any ``jaxcomp.`` scope:
   ``step_profile.phase_of``) — the overlap with the backward pass, in instructions;
 * ``backward after start``: the backward-pass instructions of the entry computation scheduled after
-  the collective's start (for a collective inside a conditional or a loop, after the instruction that
-  calls it): what the collective could still overlap, had XLA left it in flight.
+  the collective's start (for a collective inside a conditional or a loop, after the instruction
+  that calls it): what the collective could still overlap, had XLA left it in flight.
 
 Per step it reports the collectives (by op), how many are asynchronous (and how many of those XLA
 marked synchronous), the widest window, the backward instructions inside any window / all of them,

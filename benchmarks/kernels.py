@@ -32,10 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxcomp.train import job  # noqa: E402
+from jaxcomp.train import device_setup  # noqa: E402
 
 W = 8
-job.simulate_cpu_devices(W)  # before JAX starts its backends
+device_setup.simulate_cpu_devices(W)  # before JAX starts its backends
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -183,9 +183,9 @@ def main(argv=None) -> int:
       if wanted is None or c.name in wanted:
         rows.append([label, c.name] + compare(c, grads, replacements, repeats, devices))
         print(f"  {label} {c.name}: obvious / kernel {rows[-1][4]}", file=sys.stderr, flush=True)
-        common.write_out(args.out, "kernels.py", header, rows, False, repeats=repeats,
-                         platform=devices[0].platform)
-  common.write_out(args.out, "kernels.py", header, rows, True, repeats=repeats,
+        common.write_out(args.out, "kernels.py", args.argv, header, rows, False,
+                         repeats=repeats, platform=devices[0].platform)
+  common.write_out(args.out, "kernels.py", args.argv, header, rows, True, repeats=repeats,
                    platform=devices[0].platform)
   table = common.markdown_table(header, rows, "llrrrrrl")
   model = "tiny MLP 784-64-10" if args.quick else "MLP 784-1024×3-10"

@@ -1,13 +1,13 @@
 """Memory per compressor: state bytes and peak temporaries, as multiples of the gradient size.
 
-For ResNet-18, ResNet-50 and GPT-2 small shaped gradients (shapes only), each compressor's ``update``
-is compiled under ``jax.pmap`` over W = 8 simulated devices with the gradient and the state donated,
-as in a training step, where the gradient is dead once the update has it and the new state may reuse
-the old one's buffers (the update alone, not a ``jaxcomp.data_parallel`` step: a model's forward
-and backward passes would add their temporaries to every compressor's and hide them). (Donating
-the state alone misleads: JAX pairs donated inputs with outputs of the same shape in output order,
-so the update — the first output — would take the error's or the momentum's buffer, and XLA would
-copy the state before overwriting it.) Per device:
+For ResNet-18, ResNet-50 and GPT-2 small shaped gradients (shapes only), each compressor's
+``update`` is compiled under ``jax.pmap`` over W = 8 simulated devices with the gradient and the
+state donated, as in a training step, where the gradient is dead once the update has it and the new
+state may reuse the old one's buffers (the update alone, not a ``jaxcomp.data_parallel`` step: a
+model's forward and backward passes would add their temporaries to every compressor's and hide
+them). (Donating the state alone misleads: JAX pairs donated inputs with outputs of the same shape
+in output order, so the update — the first output — would take the error's or the momentum's buffer,
+and XLA would copy the state before overwriting it.) Per device:
 
 * state: the bytes of the compressor's state (``jax.eval_shape`` of ``init``);
 * temporaries: ``temp_size_in_bytes`` of the compiled program's memory analysis — the peak of the
@@ -19,9 +19,9 @@ copy the state before overwriting it.) Per device:
 update (around plain SGD) holds the local step and the sync step in one program, and their state
 holds the parameters they average (state / grad ≥ 1 by design).
 
-All three are divided by the gradient's size (4 bytes per element). The state of each compressor here
-is the state its algorithm must keep (PowerSGD's error, DGC's u and v), so the project's goal, state
-beyond that plus temporaries ≤ 1× the gradient, reads as temp / grad ≤ 1.
+All three are divided by the gradient's size (4 bytes per element). The state of each compressor
+here is the state its algorithm must keep (PowerSGD's error, DGC's u and v), so the project's goal,
+state beyond that plus temporaries ≤ 1× the gradient, reads as temp / grad ≤ 1.
 
 A second table shows the optimizer state per device with and without sharding it
 (``jaxcomp.sharded_optimizer``, ZeRO-1/2): AdamW after each exchange (int8: ``quantized(8)``, its
@@ -30,8 +30,9 @@ reduce-scatter an all-to-all of codes, ZeRO++'s qgZ; an int8 gather, qwZ), the w
 device (AdamW's moments and count), ``bound`` the unsharded state ÷ W plus one padding value per
 leaf and state array (the goal: opt state ≤ bound), ``exchange state`` the compressor's
 own (8-bit error feedback), and ``ring B vs f32`` the bytes each device sends per step against a
-float32 all-reduce of the gradient (the requested dtypes, before XLA:CPU widens bfloat16). A lossy gather's float32 master of the device's shard is shown apart (``master``): it is
-the price of keeping the parameters exact while the gathered copy is rounded.
+float32 all-reduce of the gradient (the requested dtypes, before XLA:CPU widens bfloat16). A lossy
+gather's float32 master of the device's shard is shown apart (``master``): it is the price of
+keeping the parameters exact while the gathered copy is rounded.
 
 ``--models mlp,resnet18`` picks the shape pytrees (``common.SHAPE_MODELS``), ``--platform gpu
 --devices 1`` compiles for one GPU (``gpu.sh``), ``--no-sharded`` leaves out the second table and
@@ -52,10 +53,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxcomp.train import job  # noqa: E402
+from jaxcomp.train import device_setup  # noqa: E402
 
 W = 8
-job.simulate_cpu_devices(W)  # before JAX starts its backends
+device_setup.simulate_cpu_devices(W)  # before JAX starts its backends
 
 from benchmarks import common  # noqa: E402
 
@@ -190,15 +191,16 @@ def main(argv=None) -> int:
                    f"{(state + temp - base) / grad:.2f}"])
       keys.append(key.strip())
       print(f"  {model} {c.name}: extra {rows[-1][-1]}× the gradient", file=sys.stderr, flush=True)
-      common.write_out(args.out, "memory.py", header, rows, False, keys=keys,
+      common.write_out(args.out, "memory.py", args.argv, header, rows, False, keys=keys,
                        platform=devices[0].platform)
-  common.write_out(args.out, "memory.py", header, rows, True, keys=keys,
+  common.write_out(args.out, "memory.py", args.argv, header, rows, True, keys=keys,
                    platform=devices[0].platform)
   table = common.markdown_table(header, rows, "llrrrrr")
   where = "" if devices[0].platform == "cpu" else f" {devices[0].device_kind},"
   body = (f"Per device, W = {len(devices)}{where} (`jax.pmap`, gradient and state donated); "
-          "grad = 4 bytes per element. extra = state + temporaries − allreduce's temporaries. Goal: state "
-          "beyond the algorithm's plus temporaries ≤ 1, i.e. temp / grad ≤ 1.\n\n" + table)
+          "grad = 4 bytes per element. extra = state + temporaries − allreduce's temporaries. "
+          "Goal: state beyond the algorithm's plus temporaries ≤ 1, i.e. temp / grad ≤ 1.\n\n"
+          + table)
   if not args.no_sharded:
     body += (f"\n\nOptimizer state per device, W = {W}, AdamW (goal: sharded ≤ bound = "
              "unsharded ÷ W + one padding value per leaf in each moment):\n\n"

@@ -2,27 +2,28 @@
 
 Per compressor, for ResNet-50 shaped gradients:
 
-* communication, measured: the collectives of the compiled update at W = 8 (``jaxcomp.comm_report``):
-  per op, how many there are and their bytes (bf16 at its requested width: XLA:CPU widens bf16
-  collectives to f32, GPUs do not). An all-reduce of N bytes is the same N at any W; an
-  all-gather's per-worker contribution c = payload / 8 is gathered from all W workers; where the
-  step also has an all-to-all (``quantized``, ``onebit_adam``: a reduce-scatter of the whole gradient
-  in W shards, then an all-gather of the averaged shards), the all-to-all's input N is the same at
-  any W and the all-gather's contribution is a shard, c·8/W. ``dgc`` sends
-  the dense mean where ``W·density·2 ≥ 1`` (W ≥ 500 at density 0.001; ``jaxcomp.dgc`` does the same),
-  modelled as allreduce's collectives and compute plus its 4-byte flag.
+* communication, measured: the collectives of the compiled update at W = 8
+  (``jaxcomp.comm_report``): per op, how many there are and their bytes (bf16 at its requested
+  width: XLA:CPU widens bf16 collectives to f32, GPUs do not). An all-reduce of N bytes is the same
+  N at any W; an all-gather's per-worker contribution c = payload / 8 is gathered from all W
+  workers; where the step also has an all-to-all (``quantized``, ``onebit_adam``: a reduce-scatter
+  of the whole gradient in W shards, then an all-gather of the averaged shards), the all-to-all's
+  input N is the same at any W and the all-gather's contribution is a shard, c·8/W. ``dgc`` sends
+  the dense mean where ``W·density·2 ≥ 1`` (W ≥ 500 at density 0.001; ``jaxcomp.dgc`` does the
+  same), modelled as allreduce's collectives and compute plus its 4-byte flag.
 * compression compute, measured: the jitted ``update`` at world size 1 on this CPU (median of
   interleaved rounds); allreduce's one pass is counted for every compressor alike.
-* forward and backward compute: ``--compute-ms`` (default 100 ms, about a ResNet-50 step of 32 images
-  on one current GPU) — an assumption, not a measurement; communication is not overlapped with it.
+* forward and backward compute: ``--compute-ms`` (default 100 ms, about a ResNet-50 step of 32
+  images on one current GPU) — an assumption, not a measurement; communication is not overlapped
+  with it.
 
 The α-β formulas — per collective, switched network, the faster of ring and recursive doubling —
 are ``jaxcomp.train.network``'s (the main job models its time to target with them).
 
-Step time = forward/backward + compression compute + Σ collectives; speedup = allreduce's step time /
-the compressor's. α = ``--alpha-us`` (default 5 µs), β = 1, 10 and 100 Gbit/s, W = 8 … 1024. The plot
-(``benchmarks/payoff.png``) shows the speedup against W per bandwidth: where a line is above 1 the
-compressor pays off.
+Step time = forward/backward + compression compute + Σ collectives; speedup = allreduce's step
+time / the compressor's. α = ``--alpha-us`` (default 5 µs), β = 1, 10 and 100 Gbit/s, W = 8 …
+1024. The plot (``benchmarks/payoff.png``) shows the speedup against W per bandwidth: where a line
+is above 1 the compressor pays off.
 
   PYTHONPATH=. python benchmarks/network_model.py [--quick] [--write]
 """
@@ -90,8 +91,8 @@ def plot(path, compressor_names, speedups, compute_ms, alpha_us):
 
 
 def main(argv=None) -> int:
-  from jaxcomp.train import job
-  job.simulate_cpu_devices(8)  # before JAX starts; importing the formulas does not
+  from jaxcomp.train import device_setup
+  device_setup.simulate_cpu_devices(8)  # before JAX starts; importing the formulas does not
   from benchmarks.compute_vs_torch import jax_runner
   p = common.parser(__doc__.split("\n\n")[0])
   p.add_argument("--compute-ms", type=float, default=100.0,
@@ -113,8 +114,8 @@ def main(argv=None) -> int:
                              repeats)
   del grads
   compute = {n: common.median(times[n]) for n in names}
-  print("  compression compute (ms): " + ", ".join(f"{n} {1e3 * t:.1f}" for n, t in compute.items()),
-        file=sys.stderr)
+  print("  compression compute (ms): "
+        + ", ".join(f"{n} {1e3 * t:.1f}" for n, t in compute.items()), file=sys.stderr)
 
   alpha, fb = args.alpha_us * 1e-6, args.compute_ms * 1e-3
   speedups, rows = {}, []
@@ -126,7 +127,8 @@ def main(argv=None) -> int:
       for n in names:
         speedups[(n, gbit, world)] = step["allreduce"] / step[n]
       rows.append([f"{gbit}", f"{world}"] + [
-          f"{1e3 * step[n]:.0f}" + ("" if n == "allreduce" else f" ({speedups[(n, gbit, world)]:.2f}×)")
+          f"{1e3 * step[n]:.0f}"
+          + ("" if n == "allreduce" else f" ({speedups[(n, gbit, world)]:.2f}×)")
           for n in names])
   table = common.markdown_table(["Gbit/s", "W"] + names, rows)
   inputs = common.markdown_table(
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
           f"{args.alpha_us:g} µs, no overlap of communication with compute. Inputs (bytes and "
           f"collectives from the compiled update at W = 8, compression compute median of {repeats} "
           f"interleaved rounds):\n\n{inputs}\n\nEstimated step time in ms, and in parentheses the "
-          "speedup over allreduce:\n\n" + table + "\n\n![speedup over allreduce](benchmarks/payoff.png)")
+          "speedup over allreduce:\n\n" + table
+          + "\n\n![speedup over allreduce](benchmarks/payoff.png)")
   common.emit(args, "network_model", "Network what-if (α-β model)", "network_model.py", body)
   return 0
 

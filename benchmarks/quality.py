@@ -1,16 +1,16 @@
 """Quality on a transformer: every registry entry trained for hundreds of steps, against allreduce.
 
-The main job's machinery (``jaxcomp.train.job.train``: the chars task, the registry's recipes for
-the run's length, ``jaxcomp.data_parallel``'s step on W simulated CPU devices, every entry side by
-side on the same batches from the same initial parameters), with the learning rates on a schedule
-(``--schedule``, default warm-up and cosine decay: ``jaxcomp.train.tasks.learning_rate_schedule``).
-Per entry it prints the final held-out loss (the mean of the last evaluations, as the main job's)
-and its ratio to allreduce's, the steps until the held-out loss first reaches allreduce's final one
-(the target) and their ratio to allreduce's own, and the bytes each device sends per step in the
-steady state (``jaxcomp.report``, ring algorithm, requested wire dtypes) with allreduce's bytes /
-the entry's. Entries that have not reached the target after their steps go on up to
-``--max-steps`` (the recipes and the schedule stay those of their steps, so the rate stays at the
-schedule's last).
+The main job's machinery (``jaxcomp.train.training_loop.train``: the chars task, the registry's
+recipes for the run's length, ``jaxcomp.data_parallel``'s step on W simulated CPU devices, every
+entry side by side on the same batches from the same initial parameters), with the learning rates on
+a schedule (``--schedule``, default warm-up and cosine decay:
+``jaxcomp.train.tasks.learning_rate_schedule``). Per entry it prints the final held-out loss (the
+mean of the last evaluations, as the main job's) and its ratio to allreduce's, the steps until the
+held-out loss first reaches allreduce's final one (the target) and their ratio to allreduce's own,
+and the bytes each device sends per step in the steady state (``jaxcomp.report``, ring algorithm,
+requested wire dtypes) with allreduce's bytes / the entry's. Entries that have not reached the
+target after their steps go on up to ``--max-steps`` (the recipes and the schedule stay those of
+their steps, so the rate stays at the schedule's last).
 
 Under a decaying schedule every run's loss falls most as its rate decays, at its own end, so an
 entry a little short of the target at ``--steps`` seldom reaches it in the extra steps, at a tenth
@@ -19,9 +19,9 @@ of the peak rate. "Does it reach allreduce's loss within F× allreduce's steps?"
 fitted to that length, as a user with F× the budget would train it.
 
 ``--size`` picks a larger chars transformer (``tasks.CHARS_SIZES``: ``768x4`` is 28.6M parameters
-on the whole standard library's source), ``--batch-size`` the global batch. On one device (``gpu.sh``
-runs it on one GPU) nothing is sent: the bytes columns are then those of the same steps lowered for
-8 CPU devices (``--bytes-devices``). ``--out`` writes the rows as JSON.
+on the whole standard library's source), ``--batch-size`` the global batch. On one device
+(``gpu.sh`` runs it on one GPU) nothing is sent: the bytes columns are then those of the same steps
+lowered for 8 CPU devices (``--bytes-devices``). ``--out`` writes the rows as JSON.
 
   PYTHONPATH=. python benchmarks/quality.py [--quick] [--write] [--compressors a,b] [--steps N]
       [--stretch F] [--size 768x4] [--batch-size 64] [--devices 1] [--out rows.json]
@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from jaxcomp.train import job, registry, tasks  # noqa: E402
+from jaxcomp.train import device_setup, registry, tasks, training_loop  # noqa: E402
+from jaxcomp.train.runs import WINDOW, target_of  # noqa: E402
 
 QUICK = ("allreduce", "fp16")
 """The entries of a ``--quick`` run: the baseline and one compressor."""
@@ -67,13 +68,14 @@ HEADER = ["entry", "held-out loss", "/ allreduce's", "steps to allreduce's loss 
 
 def table(runs) -> str:
   """The Markdown table of ``runs`` against allreduce (the first run when allreduce is absent)."""
-  base, target = job.target_of(runs)
+  base, target = target_of(runs)
   return common.markdown_table(HEADER, [row(r, base, target) for r in runs])
 
 
 def bytes_over_cpu_devices(task, names, world: int) -> dict:
   """``{entry: bytes each device sends per steady-state step}`` with the same model over ``world``
-  CPU devices, read from the step lowered there (as ``job.train`` reads them on its own devices)."""
+  CPU devices, read from the step lowered there (as ``training_loop.train`` reads them on its own
+  devices)."""
   import jaxcomp  # noqa: PLC0415
   from jaxcomp.train import training_step  # noqa: PLC0415
   cpus = jax.devices("cpu")
@@ -128,17 +130,17 @@ def main(argv=None) -> int:
   count = args.devices or (2 if args.quick else 8)
   if count == 1:  # also args.bytes_devices CPU devices, to read the bytes from
     try:
-      job.simulate_cpu_devices(args.bytes_devices)
+      device_setup.simulate_cpu_devices(args.bytes_devices)
     except RuntimeError:
       pass  # JAX has already started: bytes_over_cpu_devices says if it has too few
     devices = jax.devices()[:1]
   else:
-    devices = job.setup_devices(count)
+    devices = device_setup.setup_devices(count)
   task = tasks.chars(quick=args.quick, size=args.size)
   start = time.perf_counter()
-  runs = job.train(task, names, steps=steps, devices=devices, batch_size=args.batch_size, seed=0,
-                   max_steps=max_steps, progress=not args.quick, schedule=args.schedule,
-                   stretch=args.stretch)
+  runs = training_loop.train(task, names, steps=steps, devices=devices,
+                             batch_size=args.batch_size, seed=0, max_steps=max_steps,
+                             progress=not args.quick, schedule=args.schedule, stretch=args.stretch)
   trained = time.perf_counter() - start
   world = f"{len(devices)} simulated CPU devices"
   if devices[0].platform != "cpu" or len(devices) == 1:
@@ -149,14 +151,15 @@ def main(argv=None) -> int:
       run.bytes_per_step = sent[run.name]
     world += (f"; bytes: the same steps lowered for {args.bytes_devices} CPU devices (one device "
               "sends nothing)")
-  base, target = job.target_of(runs)
+  base, target = target_of(runs)
   length = (f"{steps} steps with each entry's recipe for {steps}" if own == steps else
             f"allreduce {steps} steps, every other entry {own} ({args.stretch:g}x) with its "
             f"recipe and schedule for {own}")
   rows = [row(r, base, target) for r in runs]
   params = common.num_params(jax.eval_shape(task.init, 0))
-  common.write_out(args.out, "quality.py", HEADER, rows, True, steps=steps, max_steps=max_steps,
-                   seconds=round(trained, 1), params=params, target=target, world=world)
+  common.write_out(args.out, "quality.py", args.argv, HEADER, rows, True, steps=steps,
+                   max_steps=max_steps, seconds=round(trained, 1), params=params, target=target,
+                   world=world)
   size = ("" if args.size == "small" else " (quick: a tiny one)" if args.quick else
           f" of size {args.size} (`tasks.CHARS_SIZES`)")
   body = (f"The chars transformer{size} ({params:,} parameters), {length} "
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
           f"{task.model.context} characters, seed 0, learning "
           f"rates {args.schedule} (`tasks.learning_rate_schedule`); "
           f"{trained:.0f} s training on a machine shared with other jobs. "
-          f"Held-out loss: the mean of the last {job.WINDOW} evaluations after the entry's steps; "
+          f"Held-out loss: the mean of the last {WINDOW} evaluations after the entry's steps; "
           f"target: {base.name}'s, {target:.3f}; bytes: each device's per step in the steady "
           "state (ring algorithm, requested wire dtypes).\n\n" + table(runs))
   common.emit(args, "quality", "Quality on a transformer", "quality.py", body)

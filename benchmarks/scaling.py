@@ -1,11 +1,11 @@
 """Compression time against parameter count, from 1M to 100M parameters.
 
-The gradient is a stack of L layers, each a (1024, 1024) Dense kernel and its bias, with L = 1, 3, 10,
-30 and 96 (1.05M to 100.8M parameters; ``--quick``: (32, 32) layers). Each compressor's jitted
-``update`` runs on one device (``axis_name=None``), its state threaded from call to call; at one size
-all compressors run round-robin. Reported: the median time, and that time divided by allreduce's —
-at world size 1 allreduce is one pass over the gradient (÷1), so the ratio counts gradient-sized
-passes and does not depend on how busy the machine is.
+The gradient is a stack of L layers, each a (1024, 1024) Dense kernel and its bias, with L = 1, 3,
+10, 30 and 96 (1.05M to 100.8M parameters; ``--quick``: (32, 32) layers). Each compressor's jitted
+``update`` runs on one device (``axis_name=None``), its state threaded from call to call; at one
+size all compressors run round-robin. Reported: the median time, and that time divided by
+allreduce's — at world size 1 allreduce is one pass over the gradient (÷1), so the ratio counts
+gradient-sized passes and does not depend on how busy the machine is.
 
   PYTHONPATH=. python benchmarks/scaling.py [--quick] [--write]
 """

@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxcomp.train import job  # noqa: E402
+from jaxcomp.train import device_setup  # noqa: E402
 
 W = 8
-job.simulate_cpu_devices(W)  # before JAX starts its backends
+device_setup.simulate_cpu_devices(W)  # before JAX starts its backends
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -43,6 +43,8 @@ from jax.sharding import AxisType  # noqa: E402
 import jaxcomp  # noqa: E402
 from benchmarks import common  # noqa: E402
 from jaxcomp.train import tasks  # noqa: E402
+from jaxcomp.train.runs import WINDOW  # noqa: E402
+from jaxcomp.train.training_loop import EVALUATIONS  # noqa: E402
 
 BATCH = 32
 # name: (exchange factory, gather dtype of the sharded step)
@@ -127,7 +129,7 @@ def packing_table(quick: bool, rounds: int) -> str:
 def train(task, tx, mesh, steps: int, seed: int = 0) -> list:
   """``[(step, held-out loss)]`` every ``steps // EVALUATIONS`` steps, step 0 first."""
   step, box = runner(task, tx, mesh, seed)
-  every = max(steps // job.EVALUATIONS, 1)
+  every = max(steps // EVALUATIONS, 1)
   evals = [(0, task.evaluate(box["params"])[0])]
   for t in range(1, steps + 1):
     step()
@@ -137,9 +139,9 @@ def train(task, tx, mesh, steps: int, seed: int = 0) -> list:
 
 
 def held_out(evals: list, step: int) -> float:
-  """The main job's held-out loss at ``step``: the mean of the last ``job.WINDOW`` evaluations."""
+  """The main job's held-out loss at ``step``: the mean of the last ``WINDOW`` evaluations."""
   done = [e for e in evals[1:] if e[0] <= step] or evals[:1]
-  return float(np.mean([loss for _, loss in done[-job.WINDOW:]]))
+  return float(np.mean([loss for _, loss in done[-WINDOW:]]))
 
 
 def quality_table(quick: bool, steps: int, exchanges: list) -> str:

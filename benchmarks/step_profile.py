@@ -3,8 +3,8 @@
 The step is ``step_time.py``'s (the main job's ``jaxcomp.data_parallel`` step over W simulated CPU
 devices, then ``optax.sgd``), traced for ``--repeats`` steps per registry entry, one step of each
 entry after the other (round-robin, as ``step_time.py`` times them). XLA:CPU records one
-event per executed HLO instruction per device; each is given a phase from the instruction's opcode and
-its ``op_name`` (the JAX name scopes it was traced under, read from the compiled HLO):
+event per executed HLO instruction per device; each is given a phase from the instruction's opcode
+and its ``op_name`` (the JAX name scopes it was traced under, read from the compiled HLO):
 
 * ``forward+backward``: the loss and its gradient (``jvp(…)`` / ``transpose(…)`` in the name);
 * ``collectives``: every all-reduce, all-gather, all-to-all, reduce-scatter, collective-permute (the
@@ -71,7 +71,8 @@ from jax.profiler import ProfileData  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 OPTIMIZER_SCOPE = "profile.optimizer"
-# The parts the jaxcomp plumbing names (``jax.named_scope("jaxcomp.<part>")``), as the table calls them.
+# The parts the jaxcomp plumbing names (``jax.named_scope("jaxcomp.<part>")``), as the table calls
+# them.
 PARTS = {"jaxcomp.encode": "encode", "jaxcomp.decode": "decode/mean",
          "jaxcomp.error_feedback": "error feedback", "jaxcomp.layout": "rows layout",
          "jaxcomp.nonfinite": "non-finite gate", "jaxcomp.update": "compressor, rest",
@@ -81,7 +82,8 @@ PHASES = ("forward+backward", "encode", "collectives", "waiting at collectives",
           "other")
 _COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 _CONTROL = ("conditional", "while", "call")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*.*?\s(?P<op>[a-z][a-z0-9\-]*)\(")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*.*?\s(?P<op>[a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'op_name="(?P<op_name>[^"]*)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")

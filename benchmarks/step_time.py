@@ -46,10 +46,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxcomp.train import job  # noqa: E402
+from jaxcomp.train import device_setup  # noqa: E402
 
 MAX_DEVICES = 8
-job.simulate_cpu_devices(MAX_DEVICES)  # before JAX starts its backends
+device_setup.simulate_cpu_devices(MAX_DEVICES)  # before JAX starts its backends
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -188,10 +188,10 @@ def main(argv=None) -> int:
         keys.append(key)
         print(f"  {model} W={count} {c.name}: {rows[-1][4]}", file=sys.stderr, flush=True)
       del runners
-      common.write_out(args.out, "step_time.py", header, rows, False, keys=keys, repeats=repeats,
-                       platform=devices[0].platform)
-  common.write_out(args.out, "step_time.py", header, rows, True, keys=keys, repeats=repeats,
-                   platform=devices[0].platform)
+      common.write_out(args.out, "step_time.py", args.argv, header, rows, False, keys=keys,
+                       repeats=repeats, platform=devices[0].platform)
+  common.write_out(args.out, "step_time.py", args.argv, header, rows, True, keys=keys,
+                   repeats=repeats, platform=devices[0].platform)
   table = common.markdown_table(header, rows, "lllrrrr")
   where = ("W simulated devices" if devices[0].platform == "cpu" else
            f"W {devices[0].platform.upper()} devices ({devices[0].device_kind})")

@@ -1,7 +1,7 @@
 """torch DDP beside jaxcomp over the slow link: the torch side of ``benchmarks/slow_link.py``.
 
-The slow-link workers (``jaxcomp.train.link``) time jaxcomp's training steps; started through this
-script (``python benchmarks/torch_ddp.py --worker SPEC RANK OUT``) they also time torch 2.13
+The slow-link workers (``jaxcomp.train.link_job``) time jaxcomp's training steps; started through
+this script (``python benchmarks/torch_ddp.py --worker SPEC RANK OUT``) they also time torch 2.13
 ``DistributedDataParallel`` steps of the same MLP — the JAX initial parameters, the same fresh batch
 rows per step, SGD with momentum 0.9 after ``clip_grad_norm_(1)`` as the main job's optimizer — one
 DDP model per hook, over a gloo group of their own inside the namespace, interleaved round by round
@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from jaxcomp.train import link  # noqa: E402
+from jaxcomp.train import link_job  # noqa: E402
 
-PORT = 12356  # the gloo group's rendezvous, beside link.JAX_PORT and link.PROBE_PORT
+PORT = 12356  # the gloo group's rendezvous (besides link_job.JAX_PORT, namespaces.PROBE_PORT)
 # jaxcomp program -> (label, hook, PowerSGD rank or None).
 TORCH = {"allreduce": ("DDP all-reduce", None, None),
          "fp16": ("fp16_compress_hook", "fp16", None),
@@ -96,10 +96,10 @@ def programs(worker) -> dict:
 
 
 WORKER = [sys.executable, os.path.abspath(__file__), "--worker"]
-"""The worker command for ``link.run_job``: a slow-link worker that also times torch DDP."""
+"""The worker command for ``link_job.run_job``: a slow-link worker that also times torch DDP."""
 
 if __name__ == "__main__":
   if sys.argv[1:2] != ["--worker"] or len(sys.argv) != 5:
     sys.exit("usage: python benchmarks/torch_ddp.py --worker SPEC RANK OUT (started by "
-             "jaxcomp.train.link.run_job; benchmarks/slow_link.py is the command to run)")
-  sys.exit(link.worker_main(sys.argv[2:], extra_programs=programs))
+             "jaxcomp.train.link_job.run_job; benchmarks/slow_link.py is the command to run)")
+  sys.exit(link_job.worker_main(sys.argv[2:], extra_programs=programs))

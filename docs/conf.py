@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 # doctests run in this process).
 import jax  # noqa: E402
 
-from jaxcomp.train import job  # noqa: E402
+from jaxcomp.train import device_setup  # noqa: E402
 
-job.simulate_cpu_devices(8)
+device_setup.simulate_cpu_devices(8)
 jax.config.update("jax_platforms", "cpu")
 
 import jaxcomp  # noqa: E402

@@ -23,9 +23,9 @@ import tempfile
 import jax
 import pytest
 
-from jaxcomp.train import job
+from jaxcomp.train import device_setup
 
-job.simulate_cpu_devices(8)
+device_setup.simulate_cpu_devices(8)
 jax.config.update("jax_platforms", "cpu")
 
 FAST_TIER_XLA_FLAGS = "--xla_backend_optimization_level=0"

@@ -150,8 +150,8 @@ def test_network_model():
 
 @pytest.mark.slow
 def test_slow_link_time_to_accuracy_against_torch():
-  from jaxcomp.train import link
-  reason = link.unavailable_reason()
+  from jaxcomp.train import namespaces
+  reason = namespaces.unavailable_reason()
   if reason:
     pytest.skip(f"no network namespaces here: {reason}")
   out = run_script("slow_link.py")

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType
 
 import jaxcomp
-from jaxcomp.train import fsdp_plan, job, network, planner, shapes, wire
+from jaxcomp.train import cli, fsdp_plan, network, planner, shapes, wire
 
 EXCHANGES = {"allreduce": jaxcomp.allreduce, "bf16_compress": jaxcomp.bf16_compress,
              "quantized_int8": lambda: jaxcomp.quantized(8)}
@@ -183,7 +183,7 @@ def test_bad_device_gib_is_refused():
 def test_the_plan_command_prints_the_fully_sharded_table(capsys, tmp_path):
   argv = ["--plan", "--model", "gpt2-small", "--devices", "64", "--gbits", "25,100",
           "--compressors", "allreduce", "--device-gib", "0.4", "--out", str(tmp_path)]
-  assert job.main(argv) == 0
+  assert cli.main(argv) == 0
   out = capsys.readouterr().out
   table = out[out.index("Fully sharded (ZeRO-3 / FSDP"):].splitlines()
   assert "W = 64" in table[0]

@@ -30,7 +30,7 @@ def batch(task, t):
 
 
 def chain(task, entry, steps=None):
-  """The main job's optimizer for a registry entry (``jaxcomp.train.job``)."""
+  """The main job's optimizer for a registry entry (``jaxcomp.train.tasks.Task.optimizer``)."""
   tx = entry.make("batch", steps=steps)
   if entry.is_optimizer:
     return tx

@@ -15,7 +15,8 @@ import optax
 import pytest
 
 from jaxcomp import comm_report
-from jaxcomp.train import job, measured, network, planner, registry, shapes, tasks, wire
+from jaxcomp.train import cli, measured, network, planner, registry, shapes, tasks, wire
+from jaxcomp.train.runs import Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AXIS = "batch"
@@ -222,11 +223,11 @@ def test_every_measurement_is_dated_and_says_where_it_comes_from():
 
 def test_a_runs_results_become_a_steps_to_target_source(tmp_path):
   evals = [(0, 3.0, 0.0)] + [(t, 3.0 - 0.1 * t, 0.1) for t in range(1, 9)]
-  fast = job.Run("allreduce", 8, [(0, "a")], {"a": 1.0}, 1.0, "", losses=[1.0] * 8,
-                 evals=evals, step_seconds=[1.0] * 8)
-  slow = job.Run("bf16", 8, [(0, "a")], {"a": 1.0}, 1.0, "", losses=[1.0] * 8,
-                 evals=[(0, 3.0, 0.0)] + [(t, 3.0 - 0.05 * t, 0.1) for t in range(1, 9)],
-                 step_seconds=[2.0] * 8)
+  fast = Run("allreduce", 8, [(0, "a")], {"a": 1.0}, 1.0, "", losses=[1.0] * 8,
+             evals=evals, step_seconds=[1.0] * 8)
+  slow = Run("bf16", 8, [(0, "a")], {"a": 1.0}, 1.0, "", losses=[1.0] * 8,
+             evals=[(0, 3.0, 0.0)] + [(t, 3.0 - 0.05 * t, 0.1) for t in range(1, 9)],
+             step_seconds=[2.0] * 8)
   out = {"command": "python -m jaxcomp.train --quick", "task": "chars", "steps": 8, "devices": 2,
          "runs": [vars(fast), vars(slow)]}
   (tmp_path / "results.json").write_text(json.dumps(out))
@@ -283,7 +284,7 @@ def test_the_plan_command_runs_in_seconds(tmp_path):
 ])
 def test_bad_plan_arguments_give_one_line_and_exit_2(capsys, args, message):
   with pytest.raises(SystemExit) as exit_info:
-    job.parse_args(args)
+    cli.parse_args(args)
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert message in err
@@ -291,7 +292,7 @@ def test_bad_plan_arguments_give_one_line_and_exit_2(capsys, args, message):
 
 
 def test_plan_arguments():
-  args = job.parse_args(["--plan", "--params", "1.3B", "--devices", "128", "--gbits", "10,100"])
+  args = cli.parse_args(["--plan", "--params", "1.3B", "--devices", "128", "--gbits", "10,100"])
   assert (args.params, args.devices, args.gbits) == (1_300_000_000, 128, (10.0, 100.0))
   assert args.compressors == list(registry.REGISTRY)  # every entry unless told
-  assert job.parse_count("350M") == 350_000_000 and job.parse_count("124,439,808") == 124_439_808
+  assert cli.parse_count("350M") == 350_000_000 and cli.parse_count("124,439,808") == 124_439_808

@@ -1,6 +1,6 @@
-"""The slow-link harness (``jaxcomp.train.link``): rates, the refusal messages, a link that is really
-rate-limited, a namespace that is gone on every exit path, and workers that time the main job's
-``data_parallel`` steps without torch.
+"""The slow-link harness (``jaxcomp.train.namespaces``, ``jaxcomp.train.link_job``): rates, the
+refusal messages, a link that is really rate-limited, a namespace that is gone on every exit path,
+and workers that time the main job's ``data_parallel`` steps without torch.
 
 The namespace tests need root and the ``ip`` / ``tc`` commands; where they are missing they skip with
 that reason (CI runs as root, so there they run).
@@ -16,10 +16,10 @@ import time
 import jax
 import pytest
 
-from jaxcomp.train import link, tasks
+from jaxcomp.train import link_job, namespaces, tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REASON = link.unavailable_reason()
+REASON = namespaces.unavailable_reason()
 needs_link = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")
 
 
@@ -36,38 +36,38 @@ def _python(code, **kwargs):
 
 @pytest.mark.parametrize("rate", ["none", "100mbit", "1gbit", "2.5gbit", "500kbit"])
 def test_rates_that_tc_understands(rate):
-  assert link.check_rate(rate) == rate
+  assert namespaces.check_rate(rate) == rate
 
 
 @pytest.mark.parametrize("rate", ["100", "fast", "100 mbit", "100MB", "", "1gbps"])
 def test_bad_rates_are_refused_with_the_fix(rate):
   with pytest.raises(ValueError, match="rate must be 'none' or a number with kbit, mbit or gbit"):
-    link.check_rate(rate)
+    namespaces.check_rate(rate)
 
 
 def test_rate_bits():
-  assert link.rate_bits("100mbit") == 1e8
-  assert link.rate_bits("1gbit") == 1e9
-  assert link.rate_bits("none") is None
+  assert namespaces.rate_bits("100mbit") == 1e8
+  assert namespaces.rate_bits("1gbit") == 1e9
+  assert namespaces.rate_bits("none") is None
 
 
 def test_a_wrappers_timed_rounds_hold_whole_periods_of_steps():
   # Every step's collectives: period 1; DiLoCo's sync every 20 steps; Streaming DiLoCo's fragments,
   # each on a quarter of the steps (the 0.0 one is a warm-up, which never runs in the steady state).
-  assert link.period([["all-reduce", 400, 1.0]]) == 1
-  assert link.period([["all-reduce", 400, 0.05], ["all-reduce", 4, 1.0]]) == 20
-  assert link.period([["all-reduce", 100, 0.25], ["all-reduce", 100, 0.25],
-                      ["all-gather", 8, 0.0]]) == 4
-  assert [link.whole_periods(steps, 20) for steps in (1, 20, 21)] == [20, 20, 40]
-  assert link.whole_periods(7, 1) == 7
+  assert link_job.period([["all-reduce", 400, 1.0]]) == 1
+  assert link_job.period([["all-reduce", 400, 0.05], ["all-reduce", 4, 1.0]]) == 20
+  assert link_job.period([["all-reduce", 100, 0.25], ["all-reduce", 100, 0.25],
+                          ["all-gather", 8, 0.0]]) == 4
+  assert [link_job.whole_periods(steps, 20) for steps in (1, 20, 21)] == [20, 20, 40]
+  assert link_job.whole_periods(7, 1) == 7
 
 
 def test_qdisc_commands_use_a_large_tbf_limit():
-  commands = link.qdisc_commands("100mbit")
+  commands = namespaces.qdisc_commands("100mbit")
   assert commands[-1] == ["qdisc", "add", "dev", "lo", "root", "tbf", "rate", "100mbit", "burst",
                           "256kb", "limit", "64mb"]
-  assert link.qdisc_commands("none") == [["qdisc", "del", "dev", "lo", "root"]]
-  with_delay = link.qdisc_commands("1gbit", latency_ms=5)
+  assert namespaces.qdisc_commands("none") == [["qdisc", "del", "dev", "lo", "root"]]
+  with_delay = namespaces.qdisc_commands("1gbit", latency_ms=5)
   assert "netem" in with_delay[1] and with_delay[2][4:7] == ["parent", "1:", "handle"]
 
 
@@ -75,8 +75,8 @@ def test_missing_ip_and_tc_is_one_line(tmp_path):
   # A PATH with python but neither ip nor tc.
   (tmp_path / "python").symlink_to(sys.executable)
   proc = _python("""
-      from jaxcomp.train import link
-      print(link.unavailable_reason())
+      from jaxcomp.train import namespaces
+      print(namespaces.unavailable_reason())
       """, env={"PATH": str(tmp_path)})
   assert proc.returncode == 0, proc.stderr
   if os.geteuid() == 0:
@@ -89,7 +89,7 @@ def test_missing_ip_and_tc_is_one_line(tmp_path):
 def test_not_root_is_one_line():
   proc = subprocess.run(
       ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-       "from jaxcomp.train import link; print(link.unavailable_reason())"],
+       "from jaxcomp.train import namespaces; print(namespaces.unavailable_reason())"],
       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
   if proc.returncode:
     pytest.skip(f"this Python cannot run as nobody here: {proc.stderr.strip()[-200:]}")
@@ -98,18 +98,19 @@ def test_not_root_is_one_line():
 
 
 def test_slow_link_refuses_when_unavailable(monkeypatch):
-  monkeypatch.setattr(link, "unavailable_reason", lambda: "a slow link needs root (...)")
-  with pytest.raises(link.LinkError, match="needs root"):
-    with link.SlowLink("100mbit"):
+  monkeypatch.setattr(namespaces, "unavailable_reason", lambda: "a slow link needs root (...)")
+  with pytest.raises(namespaces.LinkError, match="needs root"):
+    with namespaces.SlowLink("100mbit"):
       pass
 
 
 @needs_link
 def test_the_link_is_rate_limited_and_removed_after_the_block():
-  probe = "from jaxcomp.train import link; import json; print(json.dumps(link.probe(0.5)))"
+  probe = ("from jaxcomp.train import namespaces; import json; "
+           "print(json.dumps(namespaces.probe(0.5)))")
   measured = {}
   for rate in ("100mbit", "none"):
-    with link.SlowLink(rate) as slow:
+    with namespaces.SlowLink(rate) as slow:
       name = slow.name
       assert name in _namespaces()
       out = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", probe],
@@ -130,7 +131,7 @@ def test_the_link_is_rate_limited_and_removed_after_the_block():
 @needs_link
 def test_namespace_is_removed_when_the_block_raises():
   with pytest.raises(KeyError):
-    with link.SlowLink("1gbit") as slow:
+    with namespaces.SlowLink("1gbit") as slow:
       name = slow.name
       raise KeyError("boom")
   assert name not in _namespaces()
@@ -146,8 +147,8 @@ for sig in (signal.SIGTERM, signal.SIGHUP):
   signal.signal(sig, signal.SIG_DFL)
 if {ignore_sighup!r}:
   signal.signal(signal.SIGHUP, signal.SIG_IGN)
-from jaxcomp.train import link
-slow = link.SlowLink("100mbit").__enter__()       # no with-block: atexit must clean up
+from jaxcomp.train import namespaces
+slow = namespaces.SlowLink("100mbit").__enter__()       # no with-block: atexit must clean up
 worker = slow.popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(slow.name, worker.pid, flush=True)
 sys.stdin.readline()
@@ -200,8 +201,8 @@ def test_a_namespace_left_by_sigkill_is_removed_by_the_next_link():
   holder = subprocess.Popen(
       [sys.executable, "-c", textwrap.dedent("""
           import time
-          from jaxcomp.train import link
-          slow = link.SlowLink("none").__enter__()
+          from jaxcomp.train import namespaces
+          slow = namespaces.SlowLink("none").__enter__()
           print(slow.name, flush=True)
           time.sleep(600)
           """)], env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
@@ -209,21 +210,21 @@ def test_a_namespace_left_by_sigkill_is_removed_by_the_next_link():
   holder.kill()  # SIGKILL: no handler runs
   holder.wait(timeout=60)
   assert name in _namespaces()
-  with link.SlowLink("none"):
+  with namespaces.SlowLink("none"):
     assert name not in _namespaces()
 
 
 @needs_link
 def test_added_latency_works_or_says_netem_is_missing():
   try:
-    with link.SlowLink("100mbit", latency_ms=5) as slow:
+    with namespaces.SlowLink("100mbit", latency_ms=5) as slow:
       qdisc = subprocess.run(["tc", "-n", slow.name, "qdisc", "show", "dev", "lo"],
                              capture_output=True, text=True).stdout
       assert "netem" in qdisc and "tbf" in qdisc
-  except link.LinkError as e:
+  except namespaces.LinkError as e:
     assert "netem" in str(e) and "latency cannot be emulated here" in str(e)
     assert "\n" not in str(e)
-  assert not any(n.startswith(link.PREFIX + str(os.getpid()))
+  assert not any(n.startswith(namespaces.PREFIX + str(os.getpid()))
                  for n in _namespaces().split())
 
 
@@ -234,13 +235,14 @@ def test_workers_time_the_main_jobs_data_parallel_steps_without_torch(tmp_path, 
   blocker.mkdir()
   (blocker / "__init__.py").write_text("raise ImportError('jaxcomp imported torch')\n")
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), ROOT]))  # the workers' too
-  job = link.Job(task="digits", quick=True, seed=0, batch_size=16, world=2, rates=["none"],
-                 programs={"allreduce": ["allreduce", {}], "fp16": ["fp16", {}]}, rounds=1,
-                 round_seconds=0.05, check={"rate": "none", "names": ["fp16"], "steps": 3})
+  job = link_job.Job(task="digits", quick=True, seed=0, batch_size=16, world=2, rates=["none"],
+                     programs={"allreduce": ["allreduce", {}], "fp16": ["fp16", {}]}, rounds=1,
+                     round_seconds=0.05, check={"rate": "none", "names": ["fp16"], "steps": 3})
   try:
-    result = link.run_job(job, timeout=600, log=lambda line: None)
+    result = link_job.run_job(job, timeout=600, log=lambda line: None)
   finally:
-    assert not any(n.startswith(f"{link.PREFIX}{os.getpid()}-") for n in _namespaces().split())
+    assert not any(n.startswith(f"{namespaces.PREFIX}{os.getpid()}-")
+                   for n in _namespaces().split())
   dense = 4 * sum(x.size for x in jax.tree.leaves(tasks.digits(quick=True).init(0)))
   # data_parallel's step: the compressor's mean and nothing else, not even a mean of the loss (the
   # losses come back per device).

@@ -16,7 +16,8 @@ import jaxcomp
 from helpers import replicate, rounding_tol
 from jaxcomp import hooks
 from jaxcomp._src.report import parse_hlo
-from jaxcomp.train import job, network, registry, tasks, training_step
+from jaxcomp.train import cli, network, plots, registry, tasks, training_loop, training_step
+from jaxcomp.train.runs import WINDOW, Run, modelled_to_target, table
 from training import pmap_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +64,7 @@ def test_quick_run_prints_the_table_and_writes_its_files(tmp_path):
   assert "step" in proc.stderr  # the progress bar
   assert (out / "loss.png").stat().st_size > 0
   assert lines[-1].startswith(f"To project these measurements to your model, devices and link: "
-                              f"{job.PLAN_EXAMPLE}")  # the planner, named once, last
+                              f"{cli.PLAN_EXAMPLE}")  # the planner, named once, last
   assert "| compressor |" in (out / "results.md").read_text()
   results = json.loads((out / "results.json").read_text())
   assert results["devices"] == 4
@@ -87,8 +88,8 @@ def test_digits_task_trains_without_torch(tmp_path, without_torch):
   assert proc.returncode == 0, proc.stderr
   assert "| fp16 |" in proc.stdout and "| local_sgd_h8 |" in proc.stdout
   imported = subprocess.run(
-      [sys.executable, "-c", "import jaxcomp, jaxcomp.hooks, jaxcomp.train.job, "
-       "jaxcomp.train.link, jaxcomp.train.tasks, jaxcomp.train.registry"],
+      [sys.executable, "-c", "import jaxcomp, jaxcomp.hooks, jaxcomp.train.cli, "
+       "jaxcomp.train.link_job, jaxcomp.train.tasks, jaxcomp.train.registry"],
       env=dict(os.environ, **without_torch),
       capture_output=True, text=True, timeout=120)
   assert imported.returncode == 0, imported.stderr
@@ -98,9 +99,9 @@ _LAPACK_THREADS = """
 import sys
 import jax
 import threadpoolctl
-from jaxcomp.train import job
+from jaxcomp.train import device_setup
 if sys.argv[1] != "unset":
-  job.simulate_cpu_devices(int(sys.argv[1]))
+  device_setup.simulate_cpu_devices(int(sys.argv[1]))
 jax.numpy.linalg.qr(jax.numpy.ones((4, 3)))  # loads jaxlib's LAPACK
 print([p["num_threads"] for p in threadpoolctl.threadpool_info() if "scipy.libs" in p["filepath"]])
 """
@@ -252,7 +253,7 @@ def test_the_jobs_step_trains_as_the_pmap_step_did(digits, name):
 ])
 def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
   with pytest.raises(SystemExit) as exit_info:
-    job.parse_args(args)
+    cli.parse_args(args)
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert message in err
@@ -261,7 +262,7 @@ def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
 
 def test_more_devices_than_available_is_one_line(capsys):
   available = len(jax.devices())  # JAX has started: --devices cannot raise the count any more
-  assert job.main(["--devices", str(2 * available), "--batch-size", str(2 * available)]) == 2
+  assert cli.main(["--devices", str(2 * available), "--batch-size", str(2 * available)]) == 2
   err = capsys.readouterr().err
   assert err == (f"python -m jaxcomp.train: error: --devices {2 * available}: only {available} cpu "
                  "devices are available\n")
@@ -286,7 +287,7 @@ def test_help_explains_each_option():
 
 def test_a_variant_trains_with_its_settings_under_its_own_name_and_leaves_the_registry(tmp_path):
   out = tmp_path / "out"
-  assert job.main(["--task", "digits", "--quick", "--steps", "2", "--devices", "2",
+  assert cli.main(["--task", "digits", "--quick", "--steps", "2", "--devices", "2",
                    "--variant", "powersgd_r3=powersgd_r1,rank=3", "--compressors",
                    "allreduce,powersgd_r1,powersgd_r3", "--out", str(out)]) == 0
   assert "powersgd_r3" not in registry.REGISTRY
@@ -335,8 +336,8 @@ def test_recipes_name_their_phases():
 
 
 def _fake_run(name="x", phases=((0, "a"), (3, "b")), evals=((0, 2.0, 0.1),), steps=6):
-  return job.Run(name, steps, list(phases), {"a": 100.0, "b": 1.0}, 1.0, "",
-                 losses=[1.0] * steps, evals=list(evals), link_seconds={"a": 2.0, "b": 0.5})
+  return Run(name, steps, list(phases), {"a": 100.0, "b": 1.0}, 1.0, "",
+             losses=[1.0] * steps, evals=list(evals), link_seconds={"a": 2.0, "b": 0.5})
 
 
 def test_bytes_and_wall_clock_add_up_phase_by_phase():
@@ -349,8 +350,8 @@ def test_bytes_and_wall_clock_add_up_phase_by_phase():
 def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
   evals = [(0, 3.0, 0.0)] + [(s, 3.0 - 0.1 * s, 0.1 * s) for s in range(1, 21)]
   run = _fake_run(evals=evals, steps=20)
-  window = [3.0 - 0.1 * s for s in range(21 - job.WINDOW, 21)]
-  assert run.final[0] == pytest.approx(sum(window) / job.WINDOW)
+  window = [3.0 - 0.1 * s for s in range(21 - WINDOW, 21)]
+  assert run.final[0] == pytest.approx(sum(window) / WINDOW)
   assert run.held_out(1) == pytest.approx((2.9, 0.1))  # only one evaluation yet
   target = run.final[0]
   # One step earlier the window's mean is 0.1 higher.
@@ -363,8 +364,8 @@ def test_held_out_loss_is_a_window_mean_and_reaching_the_target():
 
 def test_a_stretched_run_trains_every_entry_but_allreduce_for_longer(digits):
   devices = jax.devices()[:2]
-  runs = job.train(digits, ["allreduce", "powersgd_r1"], steps=10, devices=devices, batch_size=32,
-                   seed=0, progress=False, stretch=2)
+  runs = training_loop.train(digits, ["allreduce", "powersgd_r1"], steps=10, devices=devices,
+                             batch_size=32, seed=0, progress=False, stretch=2)
   allreduce, powersgd = runs
   assert (allreduce.steps, powersgd.steps) == (10, 20)
   assert len(allreduce.losses) == 10 and len(powersgd.losses) >= 20
@@ -372,27 +373,27 @@ def test_a_stretched_run_trains_every_entry_but_allreduce_for_longer(digits):
   # The recipe is the one for 20 steps: PowerSGD's plain-mean warm-up is a tenth of them.
   assert [p[0] for p in powersgd.phases] == [0, 2]
   with pytest.raises(ValueError, match="stretch must be at least 1"):
-    job.train(digits, ["allreduce"], steps=4, devices=devices, batch_size=32, seed=0,
-              progress=False, stretch=0.5)
+    training_loop.train(digits, ["allreduce"], steps=4, devices=devices, batch_size=32, seed=0,
+                        progress=False, stretch=0.5)
 
 
 def test_the_default_run_is_job_default_and_all_is_every_entry():
-  default = job.parse_args([])
+  default = cli.parse_args([])
   assert default.compressors == list(registry.JOB_DEFAULT)
   assert default.gbits == (1.0, 10.0, 100.0)
-  assert job.parse_args(["--compressors", "all"]).compressors == list(registry.REGISTRY)
-  assert job.parse_args(["--gbits", "0.1,2.5"]).gbits == (0.1, 2.5)
+  assert cli.parse_args(["--compressors", "all"]).compressors == list(registry.REGISTRY)
+  assert cli.parse_args(["--gbits", "0.1,2.5"]).gbits == (0.1, 2.5)
 
 
 def _timed_run(name="allreduce"):
   """A run of 7 steps in two phases whose step times, collectives and evaluations are known: the
   held-out loss falls at every step, so it first reaches its own final value at step 7."""
   evals = [(0, 3.0, 0.0)] + [(t, 3.0 - 0.1 * t, 0.1) for t in range(1, 8)]
-  return job.Run(name, 7, [(0, "a"), (3, "b")], {"a": 4e5, "b": 1e3}, 1e3, "",
-                 {"a": [("all-reduce", 4e5, 1.0)],
-                  "b": [("all-gather", 1e3, 0.5), ("all-to-all", 8e3, 1.0)]},
-                 losses=[1.0] * 7, evals=evals,
-                 step_seconds=[9.0, 9.0, 0.2, 0.1, 0.1, 0.3, 0.1])  # two compiling steps
+  return Run(name, 7, [(0, "a"), (3, "b")], {"a": 4e5, "b": 1e3}, 1e3, "",
+             {"a": [("all-reduce", 4e5, 1.0)],
+              "b": [("all-gather", 1e3, 0.5), ("all-to-all", 8e3, 1.0)]},
+             losses=[1.0] * 7, evals=evals,
+             step_seconds=[9.0, 9.0, 0.2, 0.1, 0.1, 0.3, 0.1])  # two compiling steps
 
 
 def test_modelled_time_is_the_measured_step_plus_the_alpha_beta_formulas():
@@ -407,9 +408,9 @@ def test_modelled_time_is_the_measured_step_plus_the_alpha_beta_formulas():
       alpha + 8e3 / (8 * beta))
   assert run.modelled_seconds(1, world) == pytest.approx({"a": a, "b": b}, rel=1e-12)
   assert run.steps_to(run.final[0]) == 7  # steps 0-2 in phase a, 3-6 in phase b
-  modelled = job.modelled_to_target([run], world, [1, 100])
+  modelled = modelled_to_target([run], world, [1, 100])
   assert modelled[1] == pytest.approx({"allreduce": 3 * a + 4 * b}, rel=1e-12)
-  text = job.table([run], world, [1, 100])
+  text = table([run], world, [1, 100])
   assert "| to target, 1 Gbit/s (modelled) | to target, 100 Gbit/s (modelled) |" in text
   assert f"| {3 * a + 4 * b:#.3g} s (1.00x) |" in text
 
@@ -429,15 +430,15 @@ def test_the_models_measured_error_is_the_slow_link_benchmarks():
 
 
 def test_the_plot_tells_every_line_apart_and_shows_measured_points_only():
-  styles = job.line_styles(len(registry.REGISTRY))
+  styles = plots.line_styles(len(registry.REGISTRY))
   assert len({(s["color"], s["marker"], s["linestyle"]) for s in styles}) == len(styles)
-  assert len({s["color"] for s in job.line_styles(len(registry.JOB_DEFAULT))}) == len(
+  assert len({s["color"] for s in plots.line_styles(len(registry.JOB_DEFAULT))}) == len(
       registry.JOB_DEFAULT)
   runs = [_timed_run(), _timed_run("diverging")]
   runs[1].evals = [(0, 3.0, 0.0)] + [(t, 3.0 + 10 * t, 0.1) for t in range(1, 8)]
-  low, high = job.loss_limits(runs, runs[0].final[0])
+  low, high = plots.loss_limits(runs, runs[0].final[0])
   assert low < min(runs[0].held_out(t)[0] for t in range(1, 8)) and high < 4.0  # not 73
-  fig = job.figure(runs, "t", world=8, gbits=(1, 10))
+  fig = plots.figure(runs, "t", world=8, gbits=(1, 10))
   bytes_axis = fig.axes[1]
   sent = np.concatenate([line.get_xdata() for line in bytes_axis.get_lines()[:2]])
   assert sent.min() == 4e5 / 1e6  # the first evaluation's cumulative MB: no point at zero bytes
@@ -458,8 +459,8 @@ def test_link_needs_ip_and_tc_and_says_so_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_quick_run_over_a_slow_link(tmp_path):
-  from jaxcomp.train import link
-  reason = link.unavailable_reason()
+  from jaxcomp.train import namespaces
+  reason = namespaces.unavailable_reason()
   if reason:
     pytest.skip(f"no network namespaces here: {reason}")
   proc = _run("--quick", "--steps", "6", "--devices", "2", "--compressors", "allreduce,powersgd_r1",
@@ -477,5 +478,5 @@ def test_quick_run_over_a_slow_link(tmp_path):
   assert rows["allreduce"]["wall-clock to target"].endswith("(1.00x)")
   assert any(line.startswith("step times over a 100mbit link: 2 processes in a network namespace")
              for line in lines)
-  assert not any(n.startswith(link.PREFIX) for n in
+  assert not any(n.startswith(namespaces.PREFIX) for n in
                  subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())

@@ -1,7 +1,7 @@
-"""``python -m jaxcomp.train``: see ``jaxcomp.train.job``."""
+"""``python -m jaxcomp.train``: see ``jaxcomp.train.cli``."""
 
 import sys
 
-from jaxcomp.train import job
+from jaxcomp.train import cli
 
-sys.exit(job.main())
+sys.exit(cli.main())

@@ -155,7 +155,8 @@ def render(table: list, world: int, gbits: Sequence[float], alpha: float,
     cells = [r.label, _gib(r.state), _gib(r.exchange_state) if r.exchange_state else "0"]
     cells += ["yes" if r.fits else "no"] if device_gib is not None else []
     cells += [units.human_bytes(r.sent), f"{r.vs_bf16:.2f}x"]
-    cells += [f"{units.human_ms(r.comm_ms[g]['ring'])} / {units.human_ms(r.comm_ms[g]['doubling'])}" for g in gbits]
+    cells += [f"{units.human_ms(r.comm_ms[g]['ring'])} / "
+              f"{units.human_ms(r.comm_ms[g]['doubling'])}" for g in gbits]
     measured = r.label.startswith("DDP")  # the compressor table's allreduce row
     cells += ["0 (the baseline)" if measured else "not measured",
               "1.00x (the baseline)" if measured else "not measured"]

@@ -30,6 +30,8 @@ import re
 import sys
 from typing import Optional, Sequence
 
+from jaxcomp.train.runs import Run, target_of
+
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
 """The packaged measurements."""
 
@@ -94,11 +96,10 @@ def from_step_time(path: str) -> dict:
 def from_job(path: str) -> dict:
   """A ``steps_to_target`` run from the main job's ``OUT/results.json`` (and the header line of the
   ``results.md`` beside it, which names the model)."""
-  from jaxcomp.train import job
   with open(path, encoding="utf-8") as f:
     out = json.load(f)
-  runs = [job.Run(**r) for r in out["runs"]]
-  base, target = job.target_of(runs)
+  runs = [Run(**r) for r in out["runs"]]
+  base, target = target_of(runs)
   outcomes = {}
   for r in runs:
     reached = None if r.diverged else r.steps_to(target)

@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxcomp.train import fsdp_plan, measured, network, registry, shapes, units, wire
+from jaxcomp.train.plots import draw_payoff, line_styles
 
 RATE = 400e12
 """FLOP/s of the compute estimate: 40% of an H100's 989 TFLOP/s dense bfloat16 peak."""
@@ -118,24 +119,23 @@ class Plan:
   fsdp: list = dataclasses.field(default_factory=list)
 
   def figure(self):
-    """The "where compression pays off" plot (``job.draw_payoff``, as the job draws it) for this
+    """The "where compression pays off" plot (``plots.draw_payoff``, as the job draws it) for this
     model: projected time per step and to the target over allreduce's, against the link speed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from jaxcomp.train import job
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
-    styles = dict(zip(self.curves, job.line_styles(len(self.curves))))
+    styles = dict(zip(self.curves, line_styles(len(self.curves))))
     plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
     name = self.model.split(" (")[0]
     for ax, key, what in ((axes[0], "step", "per step"), (axes[1], "target", "to target")):
       curves = {n: c[key] for n, c in self.curves.items() if c.get(key) is not None}
-      job.draw_payoff(ax, self.speeds, curves, styles, f"projected time {what} / allreduce's",
-                      f"{name}, W = {self.world}: {what} (projected)"
-                      + ("\n(the entries that reached the target in the job)"
-                         if key == "target" else ""))
+      draw_payoff(ax, self.speeds, curves, styles, f"projected time {what} / allreduce's",
+                  f"{name}, W = {self.world}: {what} (projected)"
+                  + ("\n(the entries that reached the target in the job)"
+                     if key == "target" else ""))
       for g in self.gbits:
         ax.axvline(g, color="grey", lw=0.8, ls=":")
       ax.grid(alpha=0.3)
@@ -465,12 +465,12 @@ def render(result: Plan, alpha: float, other_dtypes: Sequence[str] = ()) -> str:
       lines.append(f"* [{key}] steps to target, measured on {run['model']}, {run['devices']}, "
                    f"{run['steps']} steps (target: allreduce's held-out loss {run['target']}), "
                    f"{run['date']}: `{run['command']}` ({run['source']}).")
-  lines.append("  NOT measured on this model: the compressors' gaps on that small model shrink with "
-               "the run's length (BENCHMARKS.md, \"Quality on a transformer\": PowerSGD r4 from "
-               "5.6% to 0.8% above allreduce's held-out loss, 600 to 2,000 steps) and their papers "
-               "report none at scale, so these ratios likely overstate the steps a compressor "
-               "needs: the time to target is biased against compression. \"> \": not reached, a "
-               "lower bound.")
+  lines.append("  NOT measured on this model: the compressors' gaps on that small model shrink "
+               "with the run's length (BENCHMARKS.md, \"Quality on a transformer\": PowerSGD r4 "
+               "from 5.6% to 0.8% above allreduce's held-out loss, 600 to 2,000 steps) and their "
+               "papers report none at scale, so these ratios likely overstate the steps a "
+               "compressor needs: the time to target is biased against compression. \"> \": not "
+               "reached, a lower bound.")
   lines.append("* crossover: the link speed below which the entry's projected time (per step, or "
                "to the target with its steps ratio) is shorter than allreduce's, looked for in "
                f"{SPEEDS[0]:g}–{SPEEDS[1]:,.0f} Gbit/s; to the target \"at most\": from a lower "

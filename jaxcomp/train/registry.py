@@ -2,8 +2,8 @@
 
 Names follow one scheme: the algorithm, then ``_r<rank>`` for a rank or ``_h<H>`` for a sync period,
 then a variant (``powersgd_r2``, ``batched_powersgd_r1``, ``dgc_exact_fp16``, ``diloco_h20_fp16``);
-``hook_`` marks a ``comm_hook`` port of the same algorithm. Each entry is data: the factory, its settings, and how the settings change with the
-length of a run (its recipe)::
+``hook_`` marks a ``comm_hook`` port of the same algorithm. Each entry is data: the factory, its
+settings, and how the settings change with the length of a run (its recipe)::
 
   entry = REGISTRY["powersgd_r2"]
   tx = entry.make("batch")              # steady state: compresses from the first step
@@ -155,8 +155,8 @@ class Compressor:
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-  """From ``first_step`` on (until the next phase), a run's steps send and cost what the steady state
-  of ``REGISTRY[name]``, with ``settings`` replacing its own, sends and costs."""
+  """From ``first_step`` on (until the next phase), a run's steps send and cost what the steady
+  state of ``REGISTRY[name]``, with ``settings`` replacing its own, sends and costs."""
   first_step: int
   name: str
   settings: dict
@@ -267,8 +267,8 @@ _ENTRIES = (
     Compressor("powersgd_r1_alternating",
                "PowerSGD rank 1, half a power iteration per step: one all-reduce (epfml's variant)",
                jaxcomp.powersgd, {"rank": 1, "start_iter": 0, "alternating": True}, _start_iter),
-    Compressor("quantized_int8", "int8 codes, a scale per 256, all-to-all + all-gather, error feedback",
-               jaxcomp.quantized, {"bits": 8}, wire_dtype="int8"),
+    Compressor("quantized_int8", "int8 codes, a scale per 256, all-to-all + all-gather, "
+               "error feedback", jaxcomp.quantized, {"bits": 8}, wire_dtype="int8"),
     Compressor("quantized_fp8", "float8_e4m3fn codes, a scale per 256, all-to-all + all-gather, "
                "error feedback", jaxcomp.quantized, {"bits": "fp8"}, wire_dtype="float8_e4m3fn"),
     Compressor("sign", "EF-SignSGD: sign bits 8 per byte and a scale per leaf, all-gathered",
@@ -276,8 +276,8 @@ _ENTRIES = (
     Compressor("chunked_topk", "top 64 of every 4,096 of the error feedback in 2 bits, Elias-Fano "
                "positions, one u8 all-gather", jaxcomp.chunked_topk, {"k": 64, "chunk": 4096},
                wire_dtype="uint8"),
-    Compressor("onebit_adam", "1-bit Adam (an optimizer, lr 1e-3): dense Adam for 20% of the steps, "
-               "then sign bits of the momentum", jaxcomp.onebit_adam,
+    Compressor("onebit_adam", "1-bit Adam (an optimizer, lr 1e-3): dense Adam for 20% of the "
+               "steps, then sign bits of the momentum", jaxcomp.onebit_adam,
                {"learning_rate": 1e-3, "freeze_steps": 0}, _freeze, wire_dtype="uint8",
                is_optimizer=True),
 )

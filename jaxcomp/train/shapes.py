@@ -3,7 +3,9 @@
 Flax layout: Dense kernels ``(in, out)``, Conv kernels ``(kh, kw, in, out)``, embeddings under
 ``embedding``, norms' ``scale`` (and ``bias`` for LayerNorm and BatchNorm). The planner
 (``python -m jaxcomp.train --plan --model NAME``) sizes a cluster for these; ``MODELS`` names them.
+The benchmarks measure on the same trees (``benchmarks/common.py``, which adds torch's layout).
 
+* ``resnet18``: He et al. 2016, basic blocks, 1,000 classes (torchvision's 11,689,512).
 * ``resnet50``: He et al. 2016, bottleneck blocks, 1,000 classes (torchvision's 25,557,032).
 * ``gpt2-small``, ``gpt2-medium``: Radford et al. 2019, 50,257 tokens, context 1,024, the output
   head tied to the token embedding (124,439,808 and 354,823,168; Hugging Face's ``gpt2``,
@@ -13,6 +15,7 @@ Flax layout: Dense kernels ``(in, out)``, Conv kernels ``(kh, kw, in, out)``, em
 * ``llama2-7b``: Llama 2 7B: 32 blocks of width 4,096, 32 heads, SwiGLU 11,008, 32,000 tokens, its
   own output head (6,738,415,616).
 * ``transformer(n)``: a GPT-2-shaped transformer of about ``n`` parameters (``--params N``).
+* ``mlp``, ``tiny``: the benchmarks' MLP and their quick mode's few-thousand-parameter tree.
 """
 
 from __future__ import annotations
@@ -32,12 +35,30 @@ def _norm(width, bias=True):
   return {"scale": _leaf(width), **({"bias": _leaf(width)} if bias else {})}
 
 
-def _dense(cin, cout, bias=True):
+def dense(cin, cout, bias=True):
+  """A Dense layer's parameters: ``kernel`` ``(in, out)``, and ``bias`` unless ``bias=False``."""
   return {"kernel": _leaf(cin, cout), **({"bias": _leaf(cout)} if bias else {})}
 
 
 def _conv(kh, kw, cin, cout):
   return {"kernel": _leaf(kh, kw, cin, cout)}
+
+
+def resnet18(num_classes: int = 1000, width: int = 64) -> dict:
+  """ResNet-18 (He et al. 2016; torchvision's 11,689,512 parameters at the defaults)."""
+  params = {"conv_init": _conv(7, 7, 3, width), "bn_init": _norm(width)}
+  cin = width
+  for stage, blocks in enumerate((2, 2, 2, 2)):
+    cout = width * 2**stage
+    for b in range(blocks):
+      block = {"conv1": _conv(3, 3, cin, cout), "bn1": _norm(cout),
+               "conv2": _conv(3, 3, cout, cout), "bn2": _norm(cout)}
+      if cin != cout:
+        block["proj_conv"], block["proj_bn"] = _conv(1, 1, cin, cout), _norm(cout)
+      params[f"stage{stage + 1}_block{b}"] = block
+      cin = cout
+  params["fc"] = dense(cin, num_classes)
+  return params
 
 
 def resnet50(num_classes: int = 1000, width: int = 64) -> dict:
@@ -55,7 +76,7 @@ def resnet50(num_classes: int = 1000, width: int = 64) -> dict:
         block["proj_conv"], block["proj_bn"] = _conv(1, 1, cin, cout), _norm(cout)
       params[f"stage{stage + 1}_block{b}"] = block
       cin = cout
-  params["fc"] = _dense(cin, num_classes)
+  params["fc"] = dense(cin, num_classes)
   return params
 
 
@@ -63,9 +84,9 @@ def gpt2(width: int = 768, depth: int = 12, vocab: int = 50257, context: int = 1
   """GPT-2 (124,439,808 parameters at the defaults, GPT-2 small; the head is tied to ``wte``)."""
   params = {"wte": {"embedding": _leaf(vocab, width)}, "wpe": {"embedding": _leaf(context, width)}}
   for i in range(depth):
-    params[f"h{i}"] = {"ln_1": _norm(width), "attn_qkv": _dense(width, 3 * width),
-                       "attn_proj": _dense(width, width), "ln_2": _norm(width),
-                       "mlp_fc": _dense(width, 4 * width), "mlp_proj": _dense(4 * width, width)}
+    params[f"h{i}"] = {"ln_1": _norm(width), "attn_qkv": dense(width, 3 * width),
+                       "attn_proj": dense(width, width), "ln_2": _norm(width),
+                       "mlp_fc": dense(width, 4 * width), "mlp_proj": dense(4 * width, width)}
   params["ln_f"] = _norm(width)
   return params
 
@@ -79,15 +100,27 @@ def llama(width: int, depth: int, heads: int, kv_heads: int, hidden: int, vocab:
   for i in range(depth):
     params[f"layers_{i}"] = {
         "input_layernorm": _norm(width, bias=False),
-        "self_attn": {"q_proj": _dense(width, width, False), "k_proj": _dense(width, kv, False),
-                      "v_proj": _dense(width, kv, False), "o_proj": _dense(width, width, False)},
+        "self_attn": {"q_proj": dense(width, width, False), "k_proj": dense(width, kv, False),
+                      "v_proj": dense(width, kv, False), "o_proj": dense(width, width, False)},
         "post_attention_layernorm": _norm(width, bias=False),
-        "mlp": {"gate_proj": _dense(width, hidden, False), "up_proj": _dense(width, hidden, False),
-                "down_proj": _dense(hidden, width, False)}}
+        "mlp": {"gate_proj": dense(width, hidden, False), "up_proj": dense(width, hidden, False),
+                "down_proj": dense(hidden, width, False)}}
   params["norm"] = _norm(width, bias=False)
   if not tied:
-    params["lm_head"] = _dense(width, vocab, False)
+    params["lm_head"] = dense(width, vocab, False)
   return params
+
+
+def mlp(sizes=(784, 1024, 1024, 1024, 10)) -> dict:
+  """``benchmarks/step_time.py``'s MLP (784-1024×3-10, 2,913,290 parameters at the defaults)."""
+  return {f"dense{i}": dense(a, b) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+
+
+def tiny() -> dict:
+  """A few-thousand-parameter pytree with every kind of leaf the models have (the benchmarks'
+  quick mode)."""
+  return {"conv": _conv(3, 3, 4, 8), "bn": _norm(8), "embed": {"embedding": _leaf(100, 16)},
+          "dense": dense(72, 32), "head": dense(32, 10)}
 
 
 MIN_PARAMS = 10_000_000

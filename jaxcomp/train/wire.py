@@ -117,7 +117,8 @@ def _dense(value_bytes: int) -> Callable:
 
 def ddp_buckets(items, cap_mb: float, value_bytes: int = F32) -> list:
   """DDP's bucket rule (``comm_hook``, torch after its rebuild): the leaves in reverse order, a
-  bucket closed as soon as its bytes reach the cap. A list of buckets, each a list of ``(path, shape)``."""
+  bucket closed as soon as its bytes reach the cap. A list of buckets, each a list of
+  ``(path, shape)``."""
   buckets, current, size = [], [], 0
   for item in reversed(items):
     current.append(item)

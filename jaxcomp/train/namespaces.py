@@ -1,0 +1,287 @@
+"""A real slow link on one machine: a private network namespace whose loopback is rate-limited.
+
+``SlowLink`` (root only) creates a network namespace of its own (``ip netns add``), raises its
+loopback's MTU to 9000 (gloo's reads time out behind a rate limit at MTU 65536) and rate-limits it
+with a token bucket filter (``tc qdisc ... tbf rate 100mbit burst 256kb limit 64mb``; the large
+``limit`` keeps tbf from dropping gloo's bursts). Processes started with ``SlowLink.popen`` live in
+that namespace and talk over 127.0.0.1, so every byte they exchange passes the limited queue;
+nothing else on the machine is touched. The namespace is removed on every exit path: the ``with``
+block's end, an exception, SIGINT / SIGTERM / SIGHUP (the handlers unwind, then re-deliver the
+signal), interpreter exit (atexit), and — after a SIGKILL, which nothing can catch — the next
+``SlowLink`` removes namespaces left by dead processes. Workers get ``PR_SET_PDEATHSIG``
+(``setpriv``), so they die with the process that started them.
+
+**One shared medium.** A loopback has one queue: the traffic of all W workers passes the same tbf,
+so the link's rate is shared by all of them (a hub, not a switch). A ring all-reduce of N bytes puts
+2(W−1)·N bytes through it in total — W times what one worker sends — so it takes W times as long
+as on a switched network whose every port has that rate. ``benchmarks/network_model.py`` models it
+that way (β/W per worker); all figures from this harness are for this shared medium.
+
+**Latency.** ``latency_ms`` needs the ``netem`` qdisc (then ``netem delay`` sits above the tbf; on
+a loopback each packet is delayed once, so a round trip gains 2× the delay). This machine's kernel
+has no ``netem`` (``tc`` answers "Specified qdisc kind is unknown"), and neither tbf nor htb delays
+packets, so added latency cannot be emulated here: asking for it fails with that message. The
+latency the link has is measured instead (``probe``: a TCP ping-pong inside the namespace) and fed
+to the α-β model.
+
+The jobs that run over such a link — W training processes — are ``jaxcomp.train.link_job``'s.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from typing import Optional, Sequence
+
+PREFIX = "jaxcomp-"  # namespace names: jaxcomp-<pid of the creating process>-<random>
+MTU = 9000
+BURST = "256kb"  # tc's kb: kilobytes
+BURST_BYTES = 256 * 1024
+"""The token bucket's depth: bytes a rate-limited link passes at once before its rate applies (the
+α-β model's ``burst``, ``jaxcomp.train.network.shared_medium_time``)."""
+LIMIT = "64mb"
+PROBE_PORT = 12357
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+class LinkError(RuntimeError):
+  """A slow link cannot be made here; the message is one line saying why."""
+
+
+def check_rate(rate: str) -> str:
+  """``rate`` if it is ``none`` or a tc rate such as ``100mbit`` / ``1gbit`` / ``500kbit``.
+
+  Raises:
+    ValueError: anything else.
+  """
+  if rate == "none" or (isinstance(rate, str) and _RATE.match(rate)):
+    return rate
+  raise ValueError(f"rate must be 'none' or a number with kbit, mbit or gbit, e.g. 100mbit or "
+                   f"1gbit; got {rate!r}")
+
+
+def rate_bits(rate: str) -> Optional[float]:
+  """Bits per second of ``rate`` (None for ``none``)."""
+  if check_rate(rate) == "none":
+    return None
+  number, unit = _RATE.match(rate).groups()
+  return float(number) * _UNITS[unit]
+
+
+def unavailable_reason() -> Optional[str]:
+  """Why no slow link can be made on this machine (one line), or None when it can."""
+  if os.name != "posix" or not hasattr(os, "geteuid"):
+    return "a slow link needs Linux network namespaces"
+  if os.geteuid() != 0:
+    return ("a slow link needs root (it creates a network namespace and rate-limits its loopback "
+            "with tc); run as root")
+  missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+  if missing:
+    return (f"a slow link needs the {' and '.join(missing)} "
+            f"command{'s' if len(missing) > 1 else ''} (iproute2: apt-get install iproute2)")
+  return None
+
+
+def qdisc_commands(rate: str, latency_ms: float = 0.0) -> list:
+  """The ``tc`` argument lists that give ``lo`` this rate and added latency (none: no qdisc)."""
+  commands = [["qdisc", "del", "dev", "lo", "root"]]  # may fail when there is none: ignored
+  tbf = ["tbf", "rate", rate, "burst", BURST, "limit", LIMIT]
+  if latency_ms > 0:
+    commands.append(["qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem", "delay",
+                     f"{latency_ms}ms"])
+    if rate != "none":
+      commands.append(["qdisc", "add", "dev", "lo", "parent", "1:", "handle", "2:"] + tbf)
+  elif rate != "none":
+    commands.append(["qdisc", "add", "dev", "lo", "root"] + tbf)
+  return commands
+
+
+def set_link(rate: str, latency_ms: float = 0.0, namespace: Optional[str] = None) -> None:
+  """Applies ``rate`` (and latency) to ``lo`` of ``namespace`` (None: the current namespace)."""
+  check_rate(rate)
+  where = ["-n", namespace] if namespace else []
+  for i, command in enumerate(qdisc_commands(rate, latency_ms)):
+    done = subprocess.run(["tc"] + where + command, capture_output=True, text=True)
+    if done.returncode and i:
+      message = (done.stderr.strip() or done.stdout.strip()).splitlines()[0]
+      if "netem" in command:
+        raise LinkError(f"added latency needs the netem qdisc, which this kernel does not have "
+                        f"(tc: {message}); latency cannot be emulated here, leave it out")
+      raise LinkError(f"tc {' '.join(command)}: {message}")
+
+
+# ------------------------------------------------------------------------------------- namespaces
+
+_LIVE: dict = {}  # namespace name -> SlowLink, for the signal and exit handlers
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_installed = False
+
+
+def _cleanup_all() -> None:
+  for link in list(_LIVE.values()):
+    link.close()
+
+
+def _on_signal(signum, frame):
+  _cleanup_all()
+  signal.signal(signum, signal.SIG_DFL)
+  os.kill(os.getpid(), signum)  # exit as the signal would have made us
+
+
+def _install_handlers() -> None:
+  global _installed
+  if _installed:
+    return
+  atexit.register(_cleanup_all)
+  if threading.current_thread() is threading.main_thread():
+    for sig in _HANDLED:
+      if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+        signal.signal(sig, _on_signal)
+  _installed = True
+
+
+def _remove_stale() -> None:
+  """Deletes namespaces this harness made in processes that no longer exist (killed by SIGKILL)."""
+  listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  for name in re.findall(rf"^({re.escape(PREFIX)}(\d+)-\w+)", listing, re.M):
+    pid = int(name[1])
+    if not os.path.exists(f"/proc/{pid}"):
+      subprocess.run(["ip", "netns", "del", name[0]], capture_output=True)
+
+
+class SlowLink:
+  """A private network namespace with a rate-limited loopback; a context manager.
+
+  Example::
+
+    with SlowLink("100mbit") as link:
+      proc = link.popen([sys.executable, "-c", "..."])   # runs inside the namespace
+      proc.wait()
+    # the namespace and its processes are gone here
+
+  Args:
+    rate: ``"none"`` (plain loopback) or a tc rate, e.g. ``"100mbit"``, ``"1gbit"``.
+    latency_ms: added one-way delay per packet (needs ``netem``; see the module docstring).
+
+  Raises:
+    LinkError: not root, ``ip``/``tc`` missing, or the kernel refused (the message says which).
+  """
+
+  def __init__(self, rate: str = "100mbit", latency_ms: float = 0.0):
+    self.rate = check_rate(rate)
+    if latency_ms < 0:
+      raise ValueError(f"latency_ms must be >= 0; got {latency_ms}")
+    self.latency_ms = float(latency_ms)
+    self.name: Optional[str] = None
+    self.processes: list = []
+
+  def __enter__(self) -> "SlowLink":
+    reason = unavailable_reason()
+    if reason:
+      raise LinkError(reason)
+    _install_handlers()
+    _remove_stale()
+    name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode:
+      raise LinkError(f"ip netns add failed: {made.stderr.strip().splitlines()[0]}")
+    self.name = name
+    _LIVE[name] = self
+    try:
+      up = subprocess.run(["ip", "-n", name, "link", "set", "lo", "mtu", str(MTU), "up"],
+                          capture_output=True, text=True)
+      if up.returncode:
+        raise LinkError(f"ip link set lo up failed: {up.stderr.strip().splitlines()[0]}")
+      set_link(self.rate, self.latency_ms, name)
+    except BaseException:
+      self.close()
+      raise
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+    """Starts ``argv`` inside the namespace (it dies with this process)."""
+    if self.name is None:
+      raise RuntimeError("SlowLink.popen outside its with-block")
+    # setpriv sets PR_SET_PDEATHSIG and execs argv: the worker is killed when this process dies
+    # (a preexec_fn would fork a multithreaded JAX process unsafely).
+    orphan_guard = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+    proc = subprocess.Popen(["ip", "netns", "exec", self.name, *orphan_guard, *argv], **kwargs)
+    self.processes.append(proc)
+    return proc
+
+  def close(self) -> None:
+    """Kills the processes started here and deletes the namespace (idempotent)."""
+    for proc in self.processes:
+      if proc.poll() is None:
+        proc.kill()
+    for proc in self.processes:
+      try:
+        proc.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        pass
+    self.processes = []
+    if self.name is not None:
+      subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+      _LIVE.pop(self.name, None)
+      self.name = None
+
+
+# ------------------------------------------------------------------------------- link measurement
+
+
+def probe(seconds: float = 1.5, port: int = PROBE_PORT) -> dict:
+  """Measures the current namespace's loopback: one TCP stream's throughput (β, bytes/s) and half
+  the round trip of a 1-byte ping-pong (α, s). Call it while nothing else uses the link."""
+  server = socket.socket()
+  server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  server.bind(("127.0.0.1", port))
+  server.listen(1)
+  received = {}
+
+  def sink():
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(200):  # ping-pong
+      conn.sendall(conn.recv(1))
+    total, start = 0, None
+    while True:
+      data = conn.recv(1 << 20)
+      if not data:
+        break
+      start = start or time.perf_counter()
+      total += len(data)
+    received["bytes"], received["seconds"] = total, time.perf_counter() - start
+    conn.close()
+
+  thread = threading.Thread(target=sink, daemon=True)
+  thread.start()
+  client = socket.create_connection(("127.0.0.1", port))
+  client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  trips = []
+  for _ in range(200):
+    start = time.perf_counter()
+    client.sendall(b"x")
+    client.recv(1)
+    trips.append(time.perf_counter() - start)
+  chunk = b"\0" * (1 << 20)
+  end = time.perf_counter() + seconds
+  while time.perf_counter() < end:
+    client.sendall(chunk)
+  client.close()
+  thread.join(timeout=120)
+  server.close()
+  trips.sort()
+  return {"alpha": trips[len(trips) // 2] / 2, "beta": received["bytes"] / received["seconds"]}
+
