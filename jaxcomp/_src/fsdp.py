@@ -270,14 +270,14 @@ def call_layer(fn: Callable, layer, *args):
       gradient, beside the parameters, must come in ``args`` (a value ``fn`` closes over gets
       none).
     layer: a ``Layer`` (one entry of ``fully_sharded``'s parameters at its ``layer_depth``), or
-      parameters without ``Layer``\ s, which ``fn`` receives as they are.
+      parameters without ``Layer``\\ s, which ``fn`` receives as they are.
     *args: ``fn``'s other inputs (pytrees of arrays).
 
   Returns:
     ``fn``'s output.
 
   Raises:
-    TypeError: ``layer`` holds ``Layer``\ s but is not one.
+    TypeError: ``layer`` holds ``Layer``\\ s but is not one.
   """
   if not _is_layer(layer):
     if any(_is_layer(x) for x in jax.tree.leaves(layer, is_leaf=_is_layer)):

@@ -52,7 +52,9 @@ def map_reduced(fn: Callable, tree):
 def _is_variable(node) -> bool:
   # A Flax NNX Variable (nnx.Param, nnx.BatchStat, ...), recognised without importing Flax: it holds
   # one array and pretty-prints as its type. Anything with ``get_value`` and ``set_value`` qualifies.
-  return hasattr(node, "get_value") and hasattr(node, "set_value") and hasattr(node, "value")
+  # The class is asked for ``value``: reading it on a Variable is deprecated (Flax 0.12).
+  return (hasattr(node, "get_value") and hasattr(node, "set_value")
+          and hasattr(type(node), "value"))
 
 
 def unwrap(tree):
