@@ -49,10 +49,12 @@ def _step(loss_fn: Callable, exchange, optimizer, gather_dtype, depth: int, axis
   """The per-device step: ``(new state, loss)``."""
   signature = state.signature
   # 1–4: the loss of the layers' view; gather_layer gathers and its VJP scatters.
-  layers = fsdp.view(signature, state.params, state.exchange, depth, gather_dtype, exchange,
-                     axis_name)
-  loss, view_grads = jax.value_and_grad(lambda v: loss_fn(v, *batch))(layers)
-  grads, exchanges = fsdp.unview(signature, view_grads, depth)
+  layers = lambda: fsdp.view(signature, state.params, state.exchange, depth,  # noqa: E731
+                             gather_dtype, exchange, axis_name)
+  local_loss = lambda v: loss_fn(v, *batch)  # noqa: E731
+  gathered = fsdp.gathers_per_layer(local_loss, layers())  # 7: once per layer, or refused
+  loss, view_grads = jax.value_and_grad(local_loss)(layers())
+  grads, exchanges = fsdp.unview(signature, view_grads, depth, state.exchange, gathered)
   # 5: the optimizer on the shards; no gather of the update.
   zero.check_elementwise(optimizer, (grads, state.inner, state.params), signature, axis_name)
   updates, inner = optimizer.update(grads, state.inner, state.params)
