@@ -1,9 +1,10 @@
 """Which leaves of an optimizer state are per device, and their ``shard_map`` specs.
 
-A jaxcomp state mixes two kinds of leaves. Some are per device — error feedback, DGC's momenta, the
-accumulator of ``jaxcomp.accumulate`` — and differ from device to device (under ``check_vma=True`` they
-are *varying* along the axis). The rest — counts, PowerSGD's Q, everything optax computes from the
-averaged gradient — are identical on every device. Under ``jax.shard_map`` each needs its own spec.
+A jaxcomp state mixes two kinds of leaves. Some are per device — error feedback, DGC's momenta,
+the accumulator of ``jaxcomp.accumulate`` — and differ from device to device (under
+``check_vma=True`` they are *varying* along the axis). The rest — counts, PowerSGD's Q, everything
+optax computes from the averaged gradient — are identical on every device. Under
+``jax.shard_map`` each needs its own spec.
 
 The declarations, in one place:
 
@@ -17,8 +18,8 @@ The declarations, in one place:
 
 * ``PerDevice(tree)`` declares every leaf of ``tree`` per device: the way to declare a plain-array
   state, e.g. a user hook's (``comm_hook(hook, jaxcomp.PerDevice({"error": ...}))``);
-* ``optax.MultiStepsState``: its ``acc_grads`` (and ``skip_state``) are summed from each device's own
-  gradients, so they are per device;
+* ``optax.MultiStepsState``: its ``acc_grads`` (and ``skip_state``) are summed from each device's
+  own gradients, so they are per device;
 * a state whose optimizer moves each device's parameters on its own between synchronizations
   (``local_sgd``, ``diloco``) says so with ``PARAMS_PER_DEVICE = True``: the parameters it updates
   are then per device too (``params_per_device``), which ``jaxcomp.data_parallel`` reads to stack
@@ -31,13 +32,14 @@ cannot be told apart), so it is refused with the fix.
 
 The layout of a per-device leaf outside the mapped function is the one ``jax.pmap`` uses: stacked
 along a new leading axis, one entry per device (``(W, *shape)``, ``W`` the size of the axis), and
-``PartitionSpec(axis_name)`` shards that axis. It works for every rank, 0-d leaves included (there is
-no first dimension of a 0-d leaf to split), and a state stacked for ``pmap`` is the same state.
-``jaxcomp.data_parallel`` stores per-device leaves this way. In a ``shard_map`` of your own, a leaf of
-rank ≥ 1 may instead stay unstacked, its local blocks side by side along its first dimension
-(``(W·n, m)`` globally for a local ``(n, m)``); the spec is the same. A per-device leaf that a state
-forgets to declare is caught by ``shard_map(check_vma=True)``, which refuses a varying value under a
-replicated spec.
+``PartitionSpec(axis_name)`` shards that axis. It works for every rank, 0-d leaves included
+(there is no first dimension of a 0-d leaf to split), and a state stacked for ``pmap`` is the same
+state. ``jaxcomp.data_parallel`` stores per-device leaves this way. In a ``shard_map`` of your own,
+a leaf of rank ≥ 1 may instead stay unstacked, its local blocks side by side along its first
+dimension (``(W·n, m)`` globally for a local ``(n, m)``); the spec is the same. A 0-d per-device
+leaf cannot (``state_partition_specs`` refuses it unless told ``stacked=True``). A per-device leaf
+that a state forgets to declare is caught by ``shard_map(check_vma=True)``, which refuses a varying
+value under a replicated spec.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class PerDevice(NamedTuple):
   PER_DEVICE_FIELDS = ("tree",)
 
 
-# States of other libraries with per-device fields: optax.MultiSteps sums each device's own gradients.
+# States of other libraries with per-device fields: optax.MultiSteps sums each device's own
+# gradients.
 _FOREIGN_PER_DEVICE_FIELDS = {optax.MultiStepsState: ("acc_grads", "skip_state")}
 
 
@@ -106,8 +109,8 @@ def _refuse_flattened_nnx_optimizer(tree) -> None:
 def per_device_mask(tree):
   """``tree`` with every leaf replaced by True where it is per device, else False.
 
-  Per device: every leaf under a field a state declares in ``PER_DEVICE_FIELDS``, under ``PerDevice``,
-  or under ``optax.MultiStepsState.acc_grads``. Everything else — parameters, optax's own states,
+  Per device: every leaf under a field a state declares in ``PER_DEVICE_FIELDS``, under
+  ``PerDevice``, or under ``optax.MultiStepsState.acc_grads``. Everything else — parameters, optax's own states,
   counts, PowerSGD's Q — is False: it is meant to be identical on every device.
 
   Example:
@@ -216,5 +219,5 @@ def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
             f"only stacked along a new leading axis (P({axis_name!r}) needs a first dimension). "
             "Stack the per-device leaves in your mapped function (x[None]) and pass stacked=True, "
             "or build the step with jaxcomp.data_parallel, which stacks them")
-  return jax.tree.map(lambda per_device: PartitionSpec(axis_name) if per_device else PartitionSpec(),
-                      mask)
+  return jax.tree.map(
+      lambda per_device: PartitionSpec(axis_name) if per_device else PartitionSpec(), mask)
