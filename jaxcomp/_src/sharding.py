@@ -110,8 +110,9 @@ def per_device_mask(tree):
   """``tree`` with every leaf replaced by True where it is per device, else False.
 
   Per device: every leaf under a field a state declares in ``PER_DEVICE_FIELDS``, under
-  ``PerDevice``, or under ``optax.MultiStepsState.acc_grads``. Everything else — parameters, optax's own states,
-  counts, PowerSGD's Q — is False: it is meant to be identical on every device.
+  ``PerDevice``, or under ``optax.MultiStepsState.acc_grads``. Everything else — parameters,
+  optax's own states, counts, PowerSGD's Q — is False: it is meant to be identical on every
+  device.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp
