@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from helpers import rounding_tol
@@ -164,3 +165,113 @@ def test_a_layer_the_loss_does_not_use_keeps_its_exchange_state():
   kept, _ = run(head_only, state, tied_data(1))
   chex.assert_trees_all_equal(kept.exchange[0], state.exchange[0])
   np.testing.assert_array_equal(np.asarray(kept.exchange[1].count), [2] * 2)
+
+
+# ------------------------------------------------------------------------ the non-finite guard
+
+
+def mlp_params():
+  rng = np.random.default_rng(2)
+  return {"dense0": {"w": rng.normal(0, 0.5, (5, 7)).astype(np.float32),
+                     "b": np.zeros(7, np.float32)},
+          "dense1": {"w": rng.normal(0, 0.5, (7, 3)).astype(np.float32)}}
+
+
+def mlp_loss(p, x, y):
+  dense0, dense1 = jaxcomp.gather_layer(p["dense0"]), jaxcomp.gather_layer(p["dense1"])
+  return jnp.mean((jnp.tanh(x @ dense0["w"] + dense0["b"]) @ dense1["w"] - y) ** 2)
+
+
+def mlp_data(steps, rows=8):
+  rng = np.random.default_rng(3)
+  return [(rng.normal(size=(rows, 5)).astype(np.float32),
+           rng.normal(size=(rows, 3)).astype(np.float32)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("exchange", [jaxcomp.allreduce, lambda: jaxcomp.quantized(8)],
+                         ids=["allreduce", "int8"])
+def test_skip_if_nonfinite_skips_the_step_on_every_device_with_the_state_kept(exchange):
+  """An infinity in one device's batch: its gradient, or one owner's shard of the mean, is not
+  finite; every device skips the step and keeps the parameters, the optimizer's state and the
+  exchange's; the next step continues as if the bad one had not come."""
+  fs = jaxcomp.fully_sharded(mlp_loss, mesh_1d(4), exchange(),
+                             jaxcomp.skip_if_nonfinite(optax.adam(0.05), 3))
+  data = mlp_data(4)
+  state, _ = run(fs, fs.make_state(mlp_params()), data[:2])
+  x, y = data[2]
+  x = x.copy()
+  x[5, 0] = np.inf  # on device 2 only (2 rows each)
+  skipped, _ = fs.step(state, *fs.shard((x, y)))  # its loss is finite: tanh saturates
+  np.testing.assert_array_equal(np.asarray(skipped.inner.total_notfinite), [1] * 4)
+  chex.assert_trees_all_equal((skipped.params, skipped.inner.inner_state, skipped.exchange),
+                              (state.params, state.inner.inner_state, state.exchange))
+  resumed, _ = run(fs, skipped, data[3:])
+  want, _ = run(fs, state, data[3:])
+  chex.assert_trees_all_equal(resumed.params, want.params)
+
+
+def test_apply_if_finite_is_refused_pointing_at_skip_if_nonfinite():
+  fs = jaxcomp.fully_sharded(mlp_loss, mesh_1d(2), jaxcomp.allreduce(),
+                             optax.apply_if_finite(optax.adam(0.05), 3))
+  with pytest.raises(ValueError, match=r"optimizer: optax.apply_if_finite .* use "
+                     r"jaxcomp.skip_if_nonfinite\(<its inner optimizer>, max_consecutive_errors\) "
+                     "as fully_sharded's optimizer"):
+    fs.make_state(mlp_params())
+
+
+@pytest.mark.parametrize("optimizer", [lambda: jaxcomp.dion(0.02),
+                                       lambda: jaxcomp.local_sgd(optax.sgd(0.1), sync_every=2),
+                                       lambda: jaxcomp.quantized(8)],
+                         ids=["dion", "local_sgd", "compressor"])
+def test_a_jaxcomp_transformation_as_the_optimizer_is_refused_naming_it(optimizer):
+  made = optimizer()
+  with pytest.raises(TypeError, match=rf"optimizer: jaxcomp.{made.name} is .*fully_sharded's "
+                     "optimizer runs on each device's shards"):
+    jaxcomp.fully_sharded(mlp_loss, mesh_1d(2), jaxcomp.allreduce(), made)
+
+
+def test_dion_trains_under_data_parallel_as_the_refusal_says():
+  plain = lambda p, x, y: mlp_loss(p, x, y)  # noqa: E731  (gather_layer: as they are)
+  dp = jaxcomp.data_parallel(plain, mesh_1d(2), tx=jaxcomp.dion(0.02))
+  params = mlp_params()
+  opt_state = dp.make_state(params)
+  for batch in mlp_data(2):
+    params, opt_state, loss = dp.step(params, opt_state, *dp.shard(batch))
+    assert np.isfinite(float(loss.mean()))
+  assert not np.allclose(params["dense0"]["w"], mlp_params()["dense0"]["w"])
+
+
+# ----------------------------------------- kernels split over a model axis that W·M does not divide
+
+
+@pytest.mark.numeric
+def test_model_split_leaves_that_w_m_does_not_divide_train_as_the_unsharded_chain():
+  """On a (4, 2) mesh, leaves split over ``model`` whose last axis 8 does not divide (12, 10 and a
+  vector of 10; ``sharded_optimizer`` trains them): their shards (3 columns) are replicated over
+  ``model``; a kernel whose shards keep the split (8 columns: 2 each) keeps it."""
+  mesh = jax.make_mesh((4, 2), ("batch", "model"), axis_types=(AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(4)
+  split = lambda x, spec: jax.device_put(x.astype(np.float32), NamedSharding(mesh, spec))  # noqa
+  params = {"a": split(rng.normal(0, 0.5, (8, 12)), P(None, "model")),
+            "b": split(rng.normal(0, 0.5, (12, 10)), P(None, "model")),
+            "c": split(rng.normal(0, 0.5, (10,)), P("model")),
+            "d": split(rng.normal(0, 0.5, (10, 8)), P(None, "model"))}
+
+  def loss(p, x):
+    p = jaxcomp.gather_layer(p)
+    return jnp.mean((jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"] + p["c"]) @ p["d"]) ** 2)
+
+  data = [(rng.normal(size=(8, 8)).astype(np.float32),) for _ in range(2)]
+  optimizer = optax.adam(0.05)
+  dp = jaxcomp.data_parallel(loss, mesh, tx=optax.chain(jaxcomp.allreduce(), optimizer))
+  fs = jaxcomp.fully_sharded(loss, mesh, jaxcomp.allreduce(), optimizer)
+  want, opt_state, state = params, dp.make_state(params), fs.make_state(params)
+  for batch in data:
+    want, opt_state, _ = dp.step(want, opt_state, *dp.shard(batch))
+    state, loss_value = fs.step(state, *fs.shard(batch))
+    assert np.isfinite(float(loss_value.mean()))
+  chex.assert_trees_all_close(fs.gather_params(state), want, **rounding_tol(32))
+  per_device = {"a": (1, 8, 3), "b": (1, 12, 3), "c": (1, 3), "d": (1, 10, 1)}
+  for name, shape in per_device.items():
+    assert state.params[name].addressable_shards[0].data.shape == shape
+    assert state.inner[0].mu[name].addressable_shards[0].data.shape == shape
