@@ -275,3 +275,85 @@ def test_model_split_leaves_that_w_m_does_not_divide_train_as_the_unsharded_chai
   for name, shape in per_device.items():
     assert state.params[name].addressable_shards[0].data.shape == shape
     assert state.inner[0].mu[name].addressable_shards[0].data.shape == shape
+
+
+# ----------------------------------------------------------- RNG keys and NNX state in the params
+
+
+def test_an_rng_key_among_the_parameters_is_refused_naming_it():
+  fs = jaxcomp.fully_sharded(lambda p, x: (x @ jaxcomp.gather_layer(p)["w"]).sum(), mesh_1d(2),
+                             jaxcomp.allreduce(), optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"params: leaf \['key'\] is key<fry>; fully_sharded shards "
+                     "floating-point parameters only"):
+    fs.make_state({"w": np.ones((4, 2), np.float32), "key": jax.random.key(0)})
+
+
+class NNXNet:
+  """An NNX model with BatchNorm and Dropout (built when Flax is imported)."""
+
+  @staticmethod
+  def make():
+    from flax import nnx
+
+    class Net(nnx.Module):
+      def __init__(self, rngs):
+        self.dense = nnx.Linear(5, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+      def __call__(self, x):
+        return self.drop(self.norm(self.dense(x)))
+
+    return Net(nnx.Rngs(params=0, dropout=1))
+
+
+def test_nnx_model_state_that_is_not_a_parameter_is_refused_naming_it():
+  """The model itself, its whole state (BatchNorm's statistics, Dropout's RNG key and count) as
+  Variables or as a pure dict: each refused, naming what it found."""
+  from flax import nnx
+  model = NNXNet.make()
+  fs = jaxcomp.fully_sharded(lambda p, x: x.sum(), mesh_1d(2), jaxcomp.allreduce(),
+                             optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"params: an nnx.Module; .*nnx.split\(model, nnx.Param"):
+    fs.make_state(model)
+  with pytest.raises(TypeError, match=r"params: .*leaf \['norm'\]\['mean'\] is an "
+                     r"nnx.BatchStat, not a parameter: .*nnx.split\(model, nnx.Param"):
+    fs.make_state(nnx.state(model))
+  with pytest.raises(TypeError, match=r"params: leaf \['drop'\]\['rngs'\]\['count'\] is uint32; "
+                     "fully_sharded shards floating-point parameters only"):
+    fs.make_state(nnx.to_pure_dict(nnx.state(model)))
+
+
+def nnx_step_of(copied: bool):
+  """``fully_sharded`` of the NNX model split into its parameters and the rest, merged again in
+  the loss (the rest as it is, or copied), each device's Dropout reseeded with its own key from
+  the batch."""
+  from flax import nnx
+  graphdef, params, rest = nnx.split(NNXNet.make(), nnx.Param, ...)
+
+  def loss(p, x, key):
+    model = nnx.merge(graphdef, jaxcomp.gather_layer(p),
+                      jax.tree.map(lambda v: v, rest) if copied else rest)
+    nnx.reseed(model, dropout=jax.random.wrap_key_data(key[0]))
+    return jnp.mean(model(x) ** 2)
+
+  fs = jaxcomp.fully_sharded(loss, mesh_1d(4), jaxcomp.allreduce(), optax.adam(0.05))
+  x = np.random.default_rng(5).normal(size=(8, 5)).astype(np.float32)
+  batches = [(x, np.asarray(jax.random.key_data(jax.random.split(jax.random.key(k), 4))))
+             for k in range(2)]
+  return fs, params, batches
+
+
+def test_a_loss_that_writes_variables_made_outside_the_step_is_refused_and_the_fix_trains():
+  """BatchNorm (its statistics) and Dropout (its RNG count) write to the Variables of the
+  ``rest`` that ``nnx.split`` made outside the step: refused, with the fix (merge a copy, keys
+  through the batch), which trains."""
+  fs, params, batches = nnx_step_of(copied=False)
+  with pytest.raises(ValueError, match=r"loss_fn: it writes NNX Variables made outside the step.*"
+                     r"jax.tree.map\(lambda v: v, rest\)"):
+    fs.step(fs.make_state(params), *fs.shard(batches[0]))
+  fs, params, batches = nnx_step_of(copied=True)
+  state, losses = run(fs, fs.make_state(params), batches)
+  assert np.isfinite(losses).all()
+  moved = fs.gather_params(state)["dense"]["kernel"]
+  assert not np.allclose(moved, params["dense"]["kernel"].get_value())

@@ -92,7 +92,7 @@ def _step(loss_fn: Callable, exchange, optimizer, gather_dtype, depth: int, axis
   # 1–4: the loss of the layers' view; gather_layer gathers and its VJP scatters.
   layers = lambda: fsdp.view(signature, state.params, state.exchange, depth,  # noqa: E731
                              gather_dtype, exchange, axis_name)
-  local_loss = lambda v: loss_fn(v, *batch)  # noqa: E731
+  local_loss = lambda v: _nnx_checked(loss_fn, v, *batch)  # noqa: E731
   gathered = fsdp.gathers_per_layer(local_loss, layers())  # 7: once per layer, or refused
   loss, view_grads = jax.value_and_grad(local_loss)(layers())
   grads, exchanges = fsdp.unview(signature, view_grads, depth, state.exchange, gathered)
@@ -107,6 +107,23 @@ def _step(loss_fn: Callable, exchange, optimizer, gather_dtype, depth: int, axis
     applied = functools.reduce(jnp.logical_and, [g.last_finite for g in guards])
     exchanges = finite.keep_if_finite(applied, exchanges, state.exchange)
   return FullyShardedState(params, inner, exchanges, state.layout, signature), loss
+
+
+def _nnx_checked(loss_fn: Callable, *args):
+  """``loss_fn(*args)``; Flax's ``TraceContextError`` (the loss writes to NNX Variables made
+  outside the step) as a ``ValueError`` that says why and what to do."""
+  try:
+    return loss_fn(*args)
+  except Exception as error:
+    if type(error).__name__ != "TraceContextError":
+      raise
+    raise ValueError(
+        "loss_fn: it writes NNX Variables made outside the step (the rest of an nnx.split, "
+        "merged as it is: BatchNorm's statistics, Dropout's RNG count), and fully_sharded's loss "
+        "returns nothing but the loss. Merge a copy, nnx.merge(graphdef, jaxcomp.gather_layer(p), "
+        "jax.tree.map(lambda v: v, rest)), with random keys through the batch (nnx.reseed); "
+        "BatchNorm's running statistics then stay as they were: to train them, use "
+        "jaxcomp.data_parallel") from error
 
 
 def _is_guard(node) -> bool:
@@ -149,15 +166,20 @@ def _check_params(params) -> None:
                     "arrays: graphdef, params, rest = nnx.split(model, nnx.Param, ...), "
                     "make_state(params), and nnx.merge(graphdef, gather_layer(p), rest) in the "
                     "loss")
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=tree_lib._is_variable):
-    where = jax.tree_util.keystr(path)
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=tree_lib._is_variable)
+  others = {}  # the first leaf of each kind of Variable that is not a parameter
+  for path, leaf in leaves:
     if tree_lib._is_variable(leaf) and not _is_param(leaf):
-      raise TypeError(
-          f"params: leaf {where} is an nnx.{type(leaf).__name__}, not a parameter: fully_sharded "
-          "trains parameters, and its loss returns nothing else, so state the forward pass "
-          "writes (BatchNorm's statistics) would never be updated. Split it off, "
-          "nnx.split(model, nnx.Param, ...), or train with jaxcomp.data_parallel(loss_fn, mesh, "
-          "tx=...), whose loss form keeps it")
+      others.setdefault(f"nnx.{type(leaf).__name__}", jax.tree_util.keystr(path))
+  if others:
+    found = ", ".join(f"leaf {where} is an {kind}" for kind, where in others.items())
+    raise TypeError(
+        f"params: {found}, not a parameter: fully_sharded trains parameters, and its loss "
+        "returns nothing else, so state the forward pass writes (BatchNorm's statistics, RNG "
+        "counts) would never be updated. Split it off, nnx.split(model, nnx.Param, ...), or "
+        "train with jaxcomp.data_parallel(loss_fn, mesh, tx=...), whose loss form keeps it")
+  for path, leaf in leaves:
+    where = jax.tree_util.keystr(path)
     dtype = getattr(tree_lib.unwrap(leaf), "dtype", None)
     dtype = jnp.result_type(leaf) if dtype is None else dtype
     if not jnp.issubdtype(dtype, jnp.floating):
