@@ -89,26 +89,35 @@ def _orbax():
   return ocp
 
 
-def saved_arrays(directory) -> dict:
-  """1: the arrays of the orbax checkpoint in ``directory`` (saved by a ``StandardCheckpointer``):
-  ``{name: (shape, mesh)}``, ``mesh`` the saving mesh's axis sizes by name (empty where the
-  metadata has none)."""
+def _metadata(directory):
+  """The checkpoint's tree of array metadata (orbax's, saved by a ``StandardCheckpointer``)."""
   with _orbax().StandardCheckpointer() as checkpointer:
     metadata = checkpointer.metadata(directory)
+  return getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+
+
+def saved_arrays(directory) -> dict:
+  """1: the arrays of the orbax checkpoint in ``directory``: ``{name: (shape, mesh)}``, ``mesh``
+  the saving mesh's axis sizes by name (None where the metadata has none)."""
   found = {}
-  stack = [getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)]
-  while stack:
-    node = stack.pop()
-    if isinstance(node, dict):
-      stack.extend(node.values())
-    elif isinstance(node, (list, tuple)):
-      stack.extend(node)
-    elif hasattr(node, "shape") and hasattr(node, "name"):
-      sharding = getattr(node, "sharding", None)
-      sizes = [int(n) for n in getattr(sharding, "shape", None) or ()]
-      found[node.name] = (tuple(node.shape), dict(zip(getattr(sharding, "axis_names", ()) or (),
-                                                      sizes)))
+  for array in jax.tree.leaves(_metadata(directory)):
+    sharding = getattr(array, "sharding", None)
+    names = getattr(sharding, "axis_names", None)
+    sizes = getattr(sharding, "shape", None)
+    found[array.name] = (tuple(array.shape), None if names is None or sizes is None else
+                         dict(zip(names, (int(n) for n in sizes))))
   return found
+
+
+def _as_saved(directory, mesh: Mesh) -> dict:
+  """3: every array of the checkpoint as saved, replicated on ``mesh``, by name."""
+  tree = _metadata(directory)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                        tree)
+  with _orbax().StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(directory, target)
+  return {a.name: x for a, x in zip(jax.tree.leaves(tree), jax.tree.leaves(restored))}
 
 
 def _relaid(x, fresh, kind: Kind, old: shards.Layout, new: shards.Layout):
@@ -145,22 +154,22 @@ def restore(directory, fresh, kinds: Sequence[Kind], mesh: Mesh, axis_name,
     ValueError: the checkpoint lacks an array of the state, a leaf that is not per device has
       another shape, the per-device leaves disagree on their W, or the saving mesh is unknown.
   """
-  saved = saved_arrays(directory)
+  saved = saved_arrays(directory)  # 1: the saved arrays' shapes, and the mesh they came from
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(fresh)
   names = [array_name(path) for path, _ in with_paths]
   leaves = [x for _, x in with_paths]
   for name, x, kind in zip(names, leaves, kinds):
-    if name not in saved:
+    if name not in saved and kind.name not in ("own", "new"):  # those start afresh anyway
       raise ValueError(f"directory: the checkpoint holds no array {name!r} of this state (it "
                        f"holds {len(saved)}): restore a checkpoint of this kind of state")
     if kind.name == "global" and saved[name][0] != tuple(x.shape):
       raise ValueError(f"directory: {name} was saved with shape {saved[name][0]}, this state's "
                        f"is {tuple(x.shape)}: a checkpoint of other parameters")
-  worlds = {saved[n][0][0] for n, k in zip(names, kinds) if k.name != "global"}
+  worlds = {saved[n][0][0] for n, k in zip(names, kinds) if k.name != "global" and n in saved}
   if len(worlds) > 1:
     raise ValueError(f"directory: the per-device arrays are stacked for {sorted(worlds)} devices: "
                      "not one state's")
-  sizes = next((saved[n][1] for n in names if saved[n][1]), None)
+  sizes = next((s[1] for s in saved.values() if s[1] is not None), None)
   old_world = worlds.pop() if worlds else new.world
   if sizes is None and old_world != new.world:
     raise ValueError("directory: the checkpoint does not say which mesh it was saved from, so its "
@@ -174,14 +183,9 @@ def restore(directory, fresh, kinds: Sequence[Kind], mesh: Mesh, axis_name,
                           fresh)
     with ocp.StandardCheckpointer() as checkpointer:
       return checkpointer.restore(directory, target)
-  # 3: as saved, replicated on this mesh (a leaf not per device as this mesh places it) ...
-  replicated = NamedSharding(mesh, PartitionSpec())
-  target = treedef.unflatten([
-      jax.ShapeDtypeStruct(saved[n][0], x.dtype,
-                           sharding=x.sharding if k.name == "global" else replicated)
-      for n, x, k in zip(names, leaves, kinds)])
-  with ocp.StandardCheckpointer() as checkpointer:
-    raw = jax.tree.leaves(checkpointer.restore(directory, target))
+  # 3: as saved, replicated on this mesh ...
+  by_name = _as_saved(directory, mesh)
+  raw = [by_name.get(n, x) for n, x in zip(names, leaves)]  # (what starts afresh: the fresh)
 
   # ... and laid out for this mesh; 4: placed as the state made for it.
   def relaid(raw, leaves):
