@@ -16,9 +16,9 @@ What it refuses, before any state is made or changed, naming what it found and t
   each device's shards of the mean), or that holds ``optax.apply_if_finite``, which would decide
   per device on a shard; ``jaxcomp.skip_if_nonfinite(optimizer, n)`` is the guard: its flag is
   all-reduced, so every device skips the same steps, and the state is kept whole (the
-  parameters, the optimizer's state, and the exchange's, which jaxcomp's exchanges leave
-  unchanged on a non-finite step); an optimizer that is not elementwise (``zero.check_elementwise``,
-  while the step is traced);
+  parameters, the optimizer's state, and every layer's exchange state, which the step keeps where
+  the guard skipped); an optimizer that is not elementwise (``zero.check_elementwise``, while the
+  step is traced);
 * a state laid out for another mesh (``restore.CheckedStep``); ``FullySharded.restore`` lays out
   one saved on another number of devices for this mesh.
 
