@@ -436,12 +436,15 @@ def _gathered_layer(jaxpr, labels: dict) -> Optional[str]:
 
 
 def _count(jaxpr, labels: dict) -> dict:
-  """7: how many times ``jaxpr`` runs each layer's gather: a loop's body its trip count of times
-  (a ``while`` loop's: ``inf``), a conditional's branches as they agree (``nan`` where they do
-  not)."""
+  """7: how many times ``jaxpr`` runs each layer's gather, by name: a loop's body its trip count
+  of times (a ``while`` loop's: ``inf``), a conditional's branches as they agree (``nan`` where
+  they do not)."""
   counts: dict = {}
-  add = lambda found, times=1: [counts.__setitem__(n, counts.get(n, 0) + c * times)  # noqa: E731
-                                for n, c in found.items()]
+
+  def add(found: dict, times=1):
+    for name, count in found.items():
+      counts[name] = counts.get(name, 0) + (count * times if count else 0)
+
   for eqn in jaxpr.eqns:
     subs, kind = jaxprs.subjaxprs(eqn), eqn.primitive.name
     name = _gathered_layer(subs[0], labels) if kind == "custom_vjp_call" and subs else None
@@ -455,13 +458,21 @@ def _count(jaxpr, labels: dict) -> dict:
     else:
       times = eqn.params["length"] if kind == "scan" else math.inf if kind == "while" else 1
       for sub in subs:
-        add({n: c * times if c else 0 for n, c in _count(sub, labels).items()})
+        add(_count(sub, labels), times)
   return counts
 
 
 def gathers_per_layer(loss: Callable, layers) -> dict:
-  """7: how many times one run of ``loss(layers)`` gathers each layer (of ``view``'s result),
-  read from its forward program, by layer name; 0 for one it does not gather.
+  """7: whether one run of ``loss(layers)`` gathers each layer, read from its forward program
+  (``jax.make_jaxpr``: the loss is traced once more), and a refusal where it would gather one
+  more than once.
+
+  Args:
+    loss: the loss function of ``view``'s result.
+    layers: ``view``'s result (of its own: its record of gathers is the trace's).
+
+  Returns:
+    ``{layer name: gathered once}`` (False: not gathered).
 
   Raises:
     ValueError: a layer is gathered more than once, or in some branches of a conditional and not
