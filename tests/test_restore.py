@@ -113,10 +113,8 @@ def test_a_state_padded_or_truncated_by_strict_false_is_refused_before_the_step(
   fresh = restoring.make_state(init_params())
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         fresh)
-  with ocp.StandardCheckpointer() as checkpointer:
-    with pytest.raises(ValueError, match="strict=False"):  # orbax refuses; it suggests ...
-      checkpointer.restore(tmp_path / "ckpt", target)
-    scrambled = checkpointer.restore(tmp_path / "ckpt", target, strict=False)  # ... this
+  with ocp.StandardCheckpointer() as checkpointer:  # (orbax refuses the shapes without it)
+    scrambled = checkpointer.restore(tmp_path / "ckpt", target, strict=False)
   with pytest.raises(ValueError, match=r"state: laid out for 8 devices \(flat\) along 'batch', "
                      r"and this step runs on 4.*fs.restore\(directory, params\)"):
     restoring.step(scrambled, *restoring.shard(batches(1)[0]))
