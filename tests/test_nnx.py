@@ -108,13 +108,14 @@ def test_state_partition_specs_of_an_nnx_optimizer():
   model = MLP(nnx.Rngs(0))
   tx = optax.chain(jaxcomp.powersgd(1, start_iter=0), optax.sgd(0.1, momentum=0.9))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  specs = jaxcomp.state_partition_specs((model, optimizer))
+  specs = jaxcomp.state_partition_specs((model, optimizer), stacked=True)
   psgd = specs[1].opt_state[0]
   assert psgd.error["hidden"]["kernel"].get_value() == P("batch")  # per device, in its OptArray
   assert psgd.error["scale"].get_value() == P("batch")  # 0-d: stacked, as pmap stores it
   assert psgd.q["hidden"]["kernel"].get_value() == P()
   assert specs[0].hidden.kernel.get_value() == P()  # the model's parameters: replicated
-  assert jaxcomp.state_partition_specs(optimizer.opt_state)[0].count.get_value() == P()
+  assert jaxcomp.state_partition_specs(optimizer.opt_state, stacked=True)[0].count.get_value() == (
+      P())
   with pytest.raises(TypeError, match=r"nnx.state\(\) or nnx.split\(\).*Pass the nnx.Optimizer"):
     jaxcomp.state_partition_specs(nnx.state(optimizer))
 

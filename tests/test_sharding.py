@@ -56,7 +56,8 @@ def test_declared_states_nest_inside_undeclared_containers():
 def test_zero_d_per_device_leaf_gets_the_stacked_spec_and_bad_arguments_are_refused():
   tx = jaxcomp.accumulate(optax.sgd(0.1), 2)
   # A 0-d per-device leaf is stored stacked, (W,) globally, as pmap stores it: P(axis) shards it.
-  assert jaxcomp.state_partition_specs(tx, {"scale": jnp.ones(())}).acc == (P("batch"),)
+  assert jaxcomp.state_partition_specs(tx, {"scale": jnp.ones(())}, stacked=True).acc == (
+      P("batch"),)
   with pytest.raises(ValueError, match="params is required"):
     jaxcomp.state_partition_specs(tx)
   with pytest.raises(ValueError, match="params is only used"):
@@ -74,11 +75,44 @@ def test_zero_d_per_device_leaf_gets_the_stacked_spec_and_bad_arguments_are_refu
     ids=["powersgd", "accumulate", "powersgd_hook"])
 def test_zero_d_parameters_get_specs_for_their_stacked_per_device_leaves(make):
   params = {"scale": jnp.ones(()), "w": jnp.ones((4, 3))}
-  specs = jax.tree.leaves(jaxcomp.state_partition_specs(make(), params))
+  specs = jax.tree.leaves(jaxcomp.state_partition_specs(make(), params, stacked=True))
   masks = jax.tree.leaves(jaxcomp.per_device_mask(jax.eval_shape(make().init, params)))
   shapes = [x.shape for x in jax.tree.leaves(jax.eval_shape(make().init, params))]
   assert () in [shape for shape, m in zip(shapes, masks) if m]  # a 0-d per-device leaf exists
   assert [spec for spec, m in zip(specs, masks) if m] == [P("batch")] * sum(masks)
+
+
+def test_a_zero_d_per_device_leaf_is_refused_unstacked_and_the_stacked_fix_runs():
+  """``shard_map`` cannot return a 0-d per-device leaf (DeMo's coefficients of a 0-d parameter)
+  unstacked: refused, naming it; stacked along a new leading axis as the message says, the step
+  gives the parameters ``data_parallel`` gives."""
+  params = {"scale": jnp.ones(()), "w": jnp.asarray(init_params()["w"])}
+  tx = jaxcomp.demo(0.01)
+  with pytest.raises(ValueError, match=r"state.coefficients\['scale'\] is per device and 0-d.*"
+                     "stacked=True"):
+    jaxcomp.state_partition_specs(tx, params)
+  specs = jaxcomp.state_partition_specs(tx, params, stacked=True)
+  assert specs.coefficients == {"scale": P("batch"), "w": P("batch")} and specs.count == P()
+  mask = jaxcomp.per_device_mask(jax.eval_shape(tx.init, params))
+  stack = lambda tree: jax.tree.map(lambda x, m: x[None] if m else x, tree, mask)  # noqa: E731
+  unstack = lambda tree: jax.tree.map(lambda x, m: x[0] if m else x, tree, mask)  # noqa: E731
+  mesh = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,))
+  loss = lambda p, x: jnp.mean((x @ p["w"] * p["scale"]) ** 2)  # noqa: E731
+
+  def step(params, opt_state, x):
+    grads = jax.grad(loss)(lax.pcast(params, "batch", to="varying"), x)
+    updates, opt_state = tx.update(grads, unstack(opt_state), params)
+    return optax.apply_updates(params, updates), stack(opt_state)
+
+  init = jax.jit(jax.shard_map(lambda p: stack(tx.init(p)), mesh=mesh, in_specs=P(),
+                               out_specs=specs))
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("batch")),
+                              out_specs=(P(), specs)))
+  x = np.random.default_rng(5).normal(size=(2 * W, 5)).astype(np.float32)
+  got, _ = jax.block_until_ready(run(params, init(params), x))
+  dp = jaxcomp.data_parallel(loss, mesh, tx=tx)
+  want, _, _ = jax.block_until_ready(dp.step(params, dp.make_state(params), dp.shard(x)))
+  chex.assert_trees_all_close(got, want, **rounding_tol(16))
 
 
 def _shard_map_run(tx, xs, ys):

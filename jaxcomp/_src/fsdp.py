@@ -31,7 +31,14 @@ travel through jaxcomp's codecs. The steps, per device (the ``# n:`` comments be
 6. with ``call_layer(fn, layer, x)`` instead of ``gather_layer``, the order is fixed by data: the
    gather waits for ``x``, the backward pass's re-gather for the gradient of ``fn``'s output, and
    the earlier layers' backward passes for the layer's scatter (``_after``), so the gathered
-   parameters and whole gradients of about one layer are alive at a time.
+   parameters and whole gradients of about one layer are alive at a time;
+7. each layer is gathered, and its gradient scattered, once per step: a second ``gather_layer``
+   of it in the same trace returns the first one's result (tied weights: autodiff sums the uses'
+   gradients before the one scatter). Before the step is differentiated, its forward program is
+   read (``gathers_per_layer``): a layer gathered more than once (where JAX traced the gathers
+   apart: ``jax.checkpoint``, a loop's body, ``call_layer``), or in some branches of a conditional
+   only, is refused, naming it; each scatter would advance the exchange's state, and the backward
+   pass would add the new states up. A layer the step does not gather keeps its exchange's state.
 
 Bytes per device per step (ring): (W−1)/W·N values in the gather dtype and (W−1)/W·N in the
 exchange's wire dtype, each layer's in its own collectives (plus the scales of the 8-bit codes: 4
@@ -64,7 +71,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp._src import axis, phases, spmd, zero
+import jax.extend
+
+from jaxcomp._src import axis, jaxprs, phases, spmd, zero
 from jaxcomp._src import tree as tree_lib
 
 GATHER_DTYPES = (None, "bfloat16", "int8", "float8_e4m3fn")
@@ -98,6 +107,26 @@ class _LayerSpec:
     return [i for i, r in enumerate(self.replicated) if not r]
 
 
+class _Gathers:
+  """7: the gathers of one trace of the loss function, by layer name: where (the trace), of what
+  (the shards and carriers) and the whole leaves they made. Compared by identity: a pytree's
+  static part, it tells the layers of one trace from another's."""
+
+  def __init__(self):
+    self.made = {}
+
+  def whole(self, layer: "Layer") -> tuple:
+    """7: the layer's whole leaves: an earlier gather's of it in this trace, else a new one."""
+    here = jax.extend.core.get_opaque_trace_state(convention="jaxcomp")
+    inputs = layer.shards + layer.carriers
+    made = self.made.get(layer.spec.name)
+    if made is not None and made[0] == here and all(a is b for a, b in zip(made[1], inputs)):
+      return made[2]
+    whole = _gather(layer.spec, layer.shards, layer.carriers)
+    self.made[layer.spec.name] = (here, inputs, whole)
+    return whole
+
+
 @jax.tree_util.register_pytree_node_class
 class Layer:
   """One layer's parameters as the loss function receives them: this device's shards (replicated
@@ -107,17 +136,19 @@ class Layer:
     spec: static: the layer's structure and how it travels.
     shards: a tuple, one array per leaf of the layer.
     carriers: the exchange state's leaves as floating-point arrays (``_carry``).
+    gathers: static: the trace's record of gathers (``_Gathers``), shared by its layers.
   """
 
-  def __init__(self, spec: _LayerSpec, shards_: tuple, carriers: tuple):
+  def __init__(self, spec: _LayerSpec, shards_: tuple, carriers: tuple, gathers=None):
     self.spec, self.shards, self.carriers = spec, shards_, carriers
+    self.gathers = _Gathers() if gathers is None else gathers
 
   def tree_flatten(self):
-    return (self.shards, self.carriers), self.spec
+    return (self.shards, self.carriers), (self.spec, self.gathers)
 
   @classmethod
-  def tree_unflatten(cls, spec, children):
-    return cls(spec, *children)
+  def tree_unflatten(cls, static, children):
+    return cls(static[0], *children, static[1])
 
   def __repr__(self) -> str:
     return f"jaxcomp.fsdp.Layer({jax.tree.unflatten(self.spec.treedef, self.spec.shapes)})"
@@ -270,14 +301,14 @@ def call_layer(fn: Callable, layer, *args):
       gradient, beside the parameters, must come in ``args`` (a value ``fn`` closes over gets
       none).
     layer: a ``Layer`` (one entry of ``fully_sharded``'s parameters at its ``layer_depth``), or
-      parameters without ``Layer``\ s, which ``fn`` receives as they are.
+      parameters without ``Layer``\\ s, which ``fn`` receives as they are.
     *args: ``fn``'s other inputs (pytrees of arrays).
 
   Returns:
     ``fn``'s output.
 
   Raises:
-    TypeError: ``layer`` holds ``Layer``\ s but is not one.
+    TypeError: ``layer`` holds ``Layer``\\ s but is not one.
   """
   if not _is_layer(layer):
     if any(_is_layer(x) for x in jax.tree.leaves(layer, is_leaf=_is_layer)):
@@ -296,9 +327,13 @@ def gather_layer(tree):
   """The whole parameters of every ``Layer`` in ``tree``, all-gathered in the layer's gather dtype;
   in the backward pass, each layer's gradient is reduce-scattered through its exchange.
 
-  Call it in the loss function given to ``fully_sharded``, where a layer's parameters are used,
-  once per layer and step (a second call would carry its exchange's state back twice). A tree
-  without ``Layer``\\ s is returned as it is, so the same model code runs unsharded. Under
+  Call it in the loss function given to ``fully_sharded``, where a layer's parameters are used.
+  A second call for the same layer in the same trace (tied weights: an embedding and the output
+  layer) returns the first call's result: one gather, and one scatter of the summed gradient.
+  Where JAX traces a second gather apart (inside ``jax.checkpoint`` or a loop's body, beside a
+  ``call_layer`` of the layer), or in some branches of a conditional only, the step is refused:
+  gather once and pass the result in. A tree without ``Layer``\\ s is returned as it is, so the
+  same model code runs unsharded. Under
   ``jax.checkpoint`` around the layer (gather and compute), the forward pass keeps no gathered
   parameters for the backward pass, which gathers them again.
 
@@ -317,7 +352,7 @@ def gather_layer(tree):
   def whole(node):
     if not _is_layer(node):
       return node
-    return jax.tree.unflatten(node.spec.treedef, _gather(node.spec, node.shards, node.carriers))
+    return jax.tree.unflatten(node.spec.treedef, node.gathers.whole(node))
   return jax.tree.map(whole, tree, is_leaf=_is_layer)
 
 
@@ -352,7 +387,7 @@ def view(signature: tree_lib.TreeSignature, params, exchanges: tuple, depth: int
   world = axis.axis_size(axis_name)
   flat = signature.treedef.flatten_up_to(params)
   indices, treedefs, names, above = layers_of(signature, depth)
-  layers = []
+  layers, gathers = [], _Gathers()
   for idx, treedef, name, ex in zip(indices, treedefs, names, exchanges):
     leaves = jax.tree.leaves(ex)
     spec = _LayerSpec(name, treedef, tuple(signature.shapes[i] for i in idx),
@@ -360,23 +395,102 @@ def view(signature: tree_lib.TreeSignature, params, exchanges: tuple, depth: int
                       tuple(replicated(signature.shapes[i], world) for i in idx),
                       gather_dtype, exchange, axis_name, jax.tree.structure(ex),
                       tuple(x.dtype.name for x in leaves))
-    layers.append(Layer(spec, tuple(flat[i] for i in idx), tuple(_carry(x) for x in leaves)))
+    layers.append(Layer(spec, tuple(flat[i] for i in idx), tuple(_carry(x) for x in leaves),
+                        gathers))
   return above.unflatten(layers)
 
 
-def unview(signature: tree_lib.TreeSignature, view_grads, depth: int) -> tuple:
+def unview(signature: tree_lib.TreeSignature, view_grads, depth: int, old: tuple,
+           gathered: dict) -> tuple:
   """The gradient of ``view``'s result: ``(grads, exchanges)``, the gradient shards (and the
   replicated leaves' mean gradients, 4) in the parameters' structure and each layer's new exchange
-  state (3)."""
+  state (3), or its ``old`` one where the step did not gather it (``gathered``, 7)."""
   grads = [None] * len(signature.shapes)
   exchanges = []
-  for idx, layer in zip(layers_of(signature, depth)[0],
-                        jax.tree.leaves(view_grads, is_leaf=_is_layer)):
+  for idx, layer, before in zip(layers_of(signature, depth)[0],
+                                jax.tree.leaves(view_grads, is_leaf=_is_layer), old):
     for i, g, r in zip(idx, layer.shards, layer.spec.replicated):
       # 4: a replicated leaf's exact mean, the same on every device (typed so: the optimizer's
       # sharded_clip_by_global_norm counts it once).
       grads[i] = phases.run(phases.Phase(f"fsdp.mean.{layer.spec.name}", 1.0), axis.mean, g,
                             layer.spec.axis_name) if r else g
+    if not gathered.get(layer.spec.name):  # 7: not gathered: no scatter, the state as it was
+      exchanges.append(before)
+      continue
     exchanges.append(jax.tree.unflatten(layer.spec.state_treedef, [
         _uncarry(c, d) for c, d in zip(layer.carriers, layer.spec.state_dtypes)]))
   return signature.unflatten(grads), tuple(exchanges)
+
+
+def _gathered_layer(jaxpr, labels: dict) -> Optional[str]:
+  """The layer whose gather a custom rule's ``jaxpr`` runs (its label, ``phases.run``), if any;
+  custom rules inside it are gathers of their own."""
+  for eqn in jaxpr.eqns:
+    stack = str(eqn.source_info.name_stack)
+    name = next((n for n, label in labels.items() if label in stack), None)
+    if name is None and eqn.primitive.name != "custom_vjp_call":
+      name = next(filter(None, (_gathered_layer(s, labels) for s in jaxprs.subjaxprs(eqn))), None)
+    if name is not None:
+      return name
+  return None
+
+
+def _count(jaxpr, labels: dict) -> dict:
+  """7: how many times ``jaxpr`` runs each layer's gather, by name: a loop's body its trip count
+  of times (a ``while`` loop's: ``inf``), a conditional's branches as they agree (``nan`` where
+  they do not)."""
+  counts: dict = {}
+
+  def add(found: dict, times=1):
+    for name, count in found.items():
+      counts[name] = counts.get(name, 0) + (count * times if count else 0)
+
+  for eqn in jaxpr.eqns:
+    subs, kind = jaxprs.subjaxprs(eqn), eqn.primitive.name
+    name = _gathered_layer(subs[0], labels) if kind == "custom_vjp_call" and subs else None
+    if name is not None:
+      add({name: 1})
+    elif kind == "cond":
+      branches = [_count(s, labels) for s in subs]
+      for n in set().union(*branches):
+        times = {b.get(n, 0) for b in branches}
+        add({n: times.pop() if len(times) == 1 else math.nan})
+    else:
+      times = eqn.params["length"] if kind == "scan" else math.inf if kind == "while" else 1
+      for sub in subs:
+        add(_count(sub, labels), times)
+  return counts
+
+
+def gathers_per_layer(loss: Callable, layers) -> dict:
+  """7: whether one run of ``loss(layers)`` gathers each layer, read from its forward program
+  (``jax.make_jaxpr``: the loss is traced once more), and a refusal where it would gather one
+  more than once.
+
+  Args:
+    loss: the loss function of ``view``'s result.
+    layers: ``view``'s result (of its own: its record of gathers is the trace's).
+
+  Returns:
+    ``{layer name: gathered once}`` (False: not gathered).
+
+  Raises:
+    ValueError: a layer is gathered more than once, or in some branches of a conditional and not
+      in others (naming it and the fix).
+  """
+  names = [layer.spec.name for layer in jax.tree.leaves(layers, is_leaf=_is_layer)]
+  labels = {n: phases.label(phases.Phase(f"fsdp.gather.{n}", 1.0)) for n in names}
+  counts = _count(jax.make_jaxpr(loss)(layers).jaxpr, labels)
+  for name in names:
+    count = counts.get(name, 0)
+    if count == 0 or count == 1:
+      continue
+    why = ("in some branches of a conditional and not in others in one step: its exchange's "
+           "state would be lost on the steps of the others" if math.isnan(count) else
+           f"{'in a while loop' if math.isinf(count) else f'{count:g} times'} in one step, "
+           "traced apart (jax.checkpoint, a loop's body, call_layer): each gather would scatter "
+           "its gradient and advance its exchange's state")
+    raise ValueError(f"gather_layer: params[{name!r}] is gathered {why}. Gather it once where the "
+                     f"step begins, whole = jaxcomp.gather_layer(params[{name!r}]), and pass "
+                     "whole in")
+  return {name: counts.get(name, 0) == 1 for name in names}

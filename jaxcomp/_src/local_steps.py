@@ -137,7 +137,8 @@ def unchanged(update_shapes, params):
   where it is added to one."""
   is_assign = lambda x: isinstance(x, Assign)
   if not any(is_assign(x) for x in jax.tree.leaves(update_shapes, is_leaf=is_assign)):
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+    return jax.tree.map(lambda s: axis.make_varying(jnp.zeros(s.shape, s.dtype),  # typed as s
+                                                    tuple(axis.varying_axes(s))), update_shapes)
   if params is None:
     raise ValueError("the optimizer sets the parameters (jaxcomp.Assign updates), so a step that "
                      "leaves them unchanged needs them: call tx.update(grads, state, params)")

@@ -1,10 +1,10 @@
 """Which leaves of an optimizer state are per device, and their ``shard_map`` specs.
 
-A jaxcomp state mixes two kinds of leaves. Some are per device — error feedback, DGC's momenta, the
-accumulator of ``jaxcomp.accumulate`` — and differ from device to device (under ``check_vma=True``
-they are *varying* along the axis). The rest — counts, PowerSGD's Q, everything optax computes from
-the averaged gradient — are identical on every device. Under ``jax.shard_map`` each needs its own
-spec.
+A jaxcomp state mixes two kinds of leaves. Some are per device — error feedback, DGC's momenta,
+the accumulator of ``jaxcomp.accumulate`` — and differ from device to device (under
+``check_vma=True`` they are *varying* along the axis). The rest — counts, PowerSGD's Q, everything
+optax computes from the averaged gradient — are identical on every device. Under
+``jax.shard_map`` each needs its own spec.
 
 The declarations, in one place:
 
@@ -32,13 +32,14 @@ cannot be told apart), so it is refused with the fix.
 
 The layout of a per-device leaf outside the mapped function is the one ``jax.pmap`` uses: stacked
 along a new leading axis, one entry per device (``(W, *shape)``, ``W`` the size of the axis), and
-``PartitionSpec(axis_name)`` shards that axis. It works for every rank, 0-d leaves included (there
-is no first dimension of a 0-d leaf to split), and a state stacked for ``pmap`` is the same state.
-``jaxcomp.data_parallel`` stores per-device leaves this way. In a ``shard_map`` of your own, a leaf
-of rank ≥ 1 may instead stay unstacked, its local blocks side by side along its first dimension
-(``(W·n, m)`` globally for a local ``(n, m)``); the spec is the same. A per-device leaf that a state
-forgets to declare is caught by ``shard_map(check_vma=True)``, which refuses a varying value under a
-replicated spec.
+``PartitionSpec(axis_name)`` shards that axis. It works for every rank, 0-d leaves included
+(there is no first dimension of a 0-d leaf to split), and a state stacked for ``pmap`` is the same
+state. ``jaxcomp.data_parallel`` stores per-device leaves this way. In a ``shard_map`` of your own,
+a leaf of rank ≥ 1 may instead stay unstacked, its local blocks side by side along its first
+dimension (``(W·n, m)`` globally for a local ``(n, m)``); the spec is the same. A 0-d per-device
+leaf cannot (``state_partition_specs`` refuses it unless told ``stacked=True``). A per-device leaf
+that a state forgets to declare is caught by ``shard_map(check_vma=True)``, which refuses a varying
+value under a replicated spec.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from jaxcomp._src import axis
+from jaxcomp._src import tree as tree_lib
 
 
 class PerDevice(NamedTuple):
@@ -108,8 +110,9 @@ def per_device_mask(tree):
   """``tree`` with every leaf replaced by True where it is per device, else False.
 
   Per device: every leaf under a field a state declares in ``PER_DEVICE_FIELDS``, under
-  ``PerDevice``, or under ``optax.MultiStepsState.acc_grads``. Everything else — parameters, optax's
-  own states, counts, PowerSGD's Q — is False: it is meant to be identical on every device.
+  ``PerDevice``, or under ``optax.MultiStepsState.acc_grads``. Everything else — parameters,
+  optax's own states, counts, PowerSGD's Q — is False: it is meant to be identical on every
+  device.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp
@@ -142,7 +145,7 @@ def params_per_device(tree) -> bool:
 
 
 def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
-                          axis_name: axis.AxisName = "batch"):
+                          axis_name: axis.AxisName = "batch", stacked: bool = False):
   """The ``PartitionSpec`` tree of an optimizer state, for ``shard_map``'s in/out specs.
 
   ``jaxcomp.data_parallel`` builds a whole jitted step with these; use them directly for a
@@ -155,7 +158,16 @@ def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
 
   (There each per-device leaf of rank ≥ 1 has its local blocks side by side along its first
   dimension; ``data_parallel`` stacks them along a new leading axis instead, as ``pmap`` does, which
-  0-d per-device leaves need: see ``jaxcomp._src.sharding``.)
+  0-d per-device leaves need: see ``jaxcomp._src.sharding``.) A 0-d per-device leaf has no first
+  dimension to split, so ``shard_map`` cannot return it as it is: it is refused unless
+  ``stacked=True`` says that the per-device leaves are stacked (``x[None]`` in the mapped function,
+  ``x[0]`` to read one back)::
+
+    mask = jaxcomp.per_device_mask(jax.eval_shape(tx.init, params))
+    stack = lambda tree: jax.tree.map(lambda x, m: x[None] if m else x, tree, mask)
+    specs = jaxcomp.state_partition_specs(tx, params, stacked=True)
+    opt_state = jax.shard_map(lambda p: stack(tx.init(p)), mesh=mesh, in_specs=P(),
+                              out_specs=specs)(params)
 
   Args:
     state_or_tx: an optimizer state (arrays or ``jax.ShapeDtypeStruct``\\s), any pytree holding
@@ -163,6 +175,9 @@ def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
       ``GradientTransformation`` whose state is meant (then ``params`` is required).
     params: the parameters ``tx.init`` would see (only with a transformation; shapes suffice).
     axis_name: the mesh axis (or tuple of axes) the per-device leaves are sharded along.
+    stacked: the per-device leaves are (or will be) stacked along a new leading axis of W, one
+      entry per device, as ``jax.pmap`` and ``jaxcomp.data_parallel`` store them: the spec of every
+      per-device leaf, 0-d ones included, is then ``PartitionSpec(axis_name)``.
 
   Returns:
     A pytree with the state's structure and a ``PartitionSpec`` at every array leaf:
@@ -178,6 +193,8 @@ def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
 
   Raises:
     TypeError: ``state_or_tx`` is an ``nnx.State`` of optimizer state (pass the ``nnx.Optimizer``).
+    ValueError: a per-device leaf is 0-d and ``stacked`` is False (``shard_map`` cannot return it
+      unstacked).
   """
   axis_name = axis.check_axis_name(axis_name)
   if axis_name is None:
@@ -193,6 +210,15 @@ def state_partition_specs(state_or_tx: Any, params: Optional[Any] = None, *,
     raise ValueError("params is only used with a GradientTransformation; got a state and params")
   else:
     state = state_or_tx
+  mask = per_device_mask(state)
+  if not stacked:
+    for (path, x), per_device in zip(jax.tree_util.tree_leaves_with_path(state),
+                                     jax.tree.leaves(mask)):
+      if per_device and not tree_lib.shape_of(x):
+        raise ValueError(
+            f"state{jax.tree_util.keystr(path)} is per device and 0-d: shard_map can return it "
+            f"only stacked along a new leading axis (P({axis_name!r}) needs a first dimension). "
+            "Stack the per-device leaves in your mapped function (x[None]) and pass stacked=True, "
+            "or build the step with jaxcomp.data_parallel, which stacks them")
   return jax.tree.map(
-      lambda per_device: PartitionSpec(axis_name) if per_device else PartitionSpec(),
-      per_device_mask(state))
+      lambda per_device: PartitionSpec(axis_name) if per_device else PartitionSpec(), mask)
