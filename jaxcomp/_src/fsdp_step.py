@@ -17,7 +17,7 @@ What it refuses, before any state is made or changed, naming what it found and t
   per device on a shard; ``jaxcomp.skip_if_nonfinite(optimizer, n)`` is the guard: its flag is
   all-reduced, so every device skips the same steps, and the state is kept whole (the
   parameters, the optimizer's state, and every layer's exchange state, which the step keeps where
-  the guard skipped); an optimizer that is not elementwise (``zero.check_elementwise``, while the
+  the guard skipped); an optimizer that is not elementwise (``zero.elementwise_update``, while the
   step is traced);
 * a state laid out for another mesh (``restore.CheckedStep``); ``FullySharded.restore`` lays out
   one saved on another number of devices for this mesh.
@@ -253,7 +253,7 @@ class FullySharded:
     """
     _check_params(params)
     signature = tree_lib.TreeSignature.of(params)
-    world, cut, axes = self.world_size, self._layout(), spmd.axes(self.axis_name)
+    world, cut = self.world_size, self._layout()
     indices = fsdp.layers_of(signature, self.layer_depth)[0]
     stack = lambda x: jnp.broadcast_to(x, (world,) + jnp.shape(x))  # noqa: E731
 

@@ -7,9 +7,10 @@
 * ``flatten`` / ``unflatten``: arrays packed into one flat buffer and cut out of it again by offsets
   (a DDP bucket, one collective per dtype, a batched PowerSGD matrix).
 
-Flax NNX states (``nnx.State`` of ``nnx.Variable``\\ s, as ``nnx.Optimizer`` passes to ``init``) and the
-plain arrays of the gradients have the same leaves in the same order but different tree structures:
-``TreeSignature`` records the tree with every such wrapper taken off (``unwrap``), so both match.
+Flax NNX states (``nnx.State`` of ``nnx.Variable``\\ s, as ``nnx.Optimizer`` passes to ``init``) and
+the plain arrays of the gradients have the same leaves in the same order but different tree
+structures: ``TreeSignature`` records the tree with every such wrapper taken off (``unwrap``), so
+both match.
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ def map_reduced(fn: Callable, tree):
 
 def _is_variable(node) -> bool:
   # A Flax NNX Variable (nnx.Param, nnx.BatchStat, ...), recognised without importing Flax: it holds
-  # one array and pretty-prints as its type. Anything with ``get_value`` and ``set_value`` qualifies.
-  # The class is asked for ``value``: reading it on a Variable is deprecated (Flax 0.12).
+  # one array and pretty-prints as its type. Anything with ``get_value`` and ``set_value``
+  # qualifies. The class is asked for ``value``: reading it on a Variable is deprecated (Flax 0.12).
   return (hasattr(node, "get_value") and hasattr(node, "set_value")
           and hasattr(type(node), "value"))
 
 
 def unwrap(tree):
-  """``tree`` with every Flax NNX ``Variable`` replaced by the array it holds (other trees as is)."""
+  """``tree`` with every Flax NNX ``Variable`` replaced by the array it holds (others as is)."""
   if not any(_is_variable(x) for x in jax.tree.leaves(tree, is_leaf=_is_variable)):
     return tree
   return jax.tree.map(lambda x: x.get_value() if _is_variable(x) else x, tree,
@@ -75,11 +76,11 @@ def paths_of(tree) -> tuple:
 class TreeSignature:
   """The structure, shapes, dtypes and paths of a gradient pytree, kept in a state as a static node.
 
-  It has no array leaves, so it costs nothing under ``jit`` and in checkpoints, and it lets ``update``
-  say exactly what changed when it receives a pytree other than the one ``init`` saw. ``paths`` name
-  the leaves for messages, for predicates (``powersgd(compress=...)``) and for the random draws keyed
-  by leaf: the pytree's own key paths, or a bucket's parameter paths (``GradBucket.paths``), so that a
-  leaf is treated alike whole and in a bucket.
+  It has no array leaves, so it costs nothing under ``jit`` and in checkpoints, and it lets
+  ``update`` say exactly what changed when it receives a pytree other than the one ``init`` saw.
+  ``paths`` name the leaves for messages, for predicates (``powersgd(compress=...)``) and for the
+  random draws keyed by leaf: the pytree's own key paths, or a bucket's parameter paths
+  (``GradBucket.paths``), so that a leaf is treated alike whole and in a bucket.
   """
   treedef: Any
   shapes: tuple
@@ -142,7 +143,7 @@ class TreeSignature:
     return [jax.ShapeDtypeStruct(self.shapes[i], self.dtypes[i]) for i in self.reduced]
 
   def pick(self, tree) -> list:
-    """The entries of ``tree`` (the gradient's structure, e.g. a state's error) at the reduced leaves."""
+    """The entries of ``tree`` (the gradient's structure: a state's error) at the reduced leaves."""
     flat = self.treedef.flatten_up_to(tree)
     return [flat[i] for i in self.reduced]
 
@@ -162,7 +163,8 @@ class TreeSignature:
 _UNDER_PMAP = ("under pmap give the state a leading device axis — stack tx.init(params) W times or "
                "use jax.pmap(tx.init)(replicated_params) — and map it with in_axes=0")
 _UPDATES_HINTS = (
-    "gradients stacked over devices reached update unmapped: call update inside the pmap / shard_map "
+    "gradients stacked over devices reached update unmapped: call update inside the pmap / "
+    "shard_map "
     "step (or use jaxcomp.data_parallel), where each device sees its own gradient",
     "init was given parameters with a leading device axis: give init one device's parameters; "
     + _UNDER_PMAP)
@@ -173,7 +175,8 @@ _STATE_HINTS = (
 
 
 def _device_axis_hint(got: tuple, expected: tuple, hints: tuple) -> str:
-  """``hints[0]`` if ``got`` has one more leading axis than ``expected``, ``hints[1]`` if one fewer."""
+  """``hints[0]`` if ``got`` has one more leading axis than ``expected``, ``hints[1]`` if one
+  fewer."""
   if got and got[1:] == expected:
     return f" (one more leading axis: {hints[0]})"
   if expected and got == expected[1:]:
@@ -222,12 +225,12 @@ def check_state(state, init_fn: Callable, name: str) -> None:
 
 
 def like(tree, leaves: Sequence):
-  """``leaves`` in ``tree``'s own structure: outputs keep the gradients' pytree, NNX Variables too."""
+  """``leaves`` in ``tree``'s structure: outputs keep the gradients' pytree, NNX Variables too."""
   return jax.tree.unflatten(jax.tree.structure(tree), list(leaves))
 
 
 def offsets(shapes: Sequence[tuple]) -> tuple:
-  """Where each of arrays of these shapes starts in their flat concatenation, and the total length."""
+  """Where each array of these shapes starts in their flat concatenation, and the total length."""
   return tuple(int(o) for o in np.cumsum([0] + [math.prod(s) for s in shapes]))
 
 
@@ -237,7 +240,7 @@ def flatten(arrays: Sequence) -> jax.Array:
 
 
 def unflatten(flat: jax.Array, shapes: Sequence[tuple]) -> list:
-  """Cuts ``flat`` (its last axis) back into arrays of ``shapes``; leading axes are kept in front."""
+  """Cuts ``flat`` (its last axis) back into arrays of ``shapes``; leading axes stay in front."""
   o = offsets(shapes)
   return [flat[..., o[i]:o[i + 1]].reshape(flat.shape[:-1] + tuple(s))
           for i, s in enumerate(shapes)]
