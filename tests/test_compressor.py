@@ -15,7 +15,7 @@ import pytest
 
 import jaxcomp
 from compressors import COMPRESSORS
-from helpers import assert_identical_across_devices, replicate
+from helpers import assert_identical_across_devices, replicate, run_updates
 from jaxcomp._src import axis, compressor, finite, local_steps, phases, validate
 from jaxcomp._src import tree as tree_lib
 from jaxcomp.train.registry import REGISTRY
@@ -86,16 +86,6 @@ def grads(seed=0, nan_on=None):
   return g
 
 
-def run(tx, steps):
-  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
-  state = replicate(tx.init(jax.tree.map(lambda x: x[0], steps[0])), W)
-  outs = []
-  for g in steps:
-    out, state = jax.block_until_ready(step(g, state))
-    outs.append(out)
-  return outs, state
-
-
 # ------------------------------------------------------------------------------------------ means
 
 
@@ -104,7 +94,7 @@ def test_a_mean_is_a_declared_transformation_with_its_scatter():
   assert isinstance(tx, jaxcomp.Transformation) and isinstance(tx, optax.GradientTransformation)
   assert (tx.name, tx.axis_name, tx.output, tx.owns_params) == ("toy", "batch", "gradient", False)
   g = grads()
-  (out,), _ = run(tx, [g])
+  (out,), _ = run_updates(tx, [g], W)
   shard = jax.pmap(tx.scatter, axis_name="batch", devices=jax.devices()[:W])(
       g, replicate(tx.init({"w": g["w"][0], "n": g["n"][0]}), W))[0]["w"]
   # The whole mean, this device's shard of it kept (flat layout: the raveled leaf cut in W).
@@ -115,7 +105,7 @@ def test_a_mean_is_a_declared_transformation_with_its_scatter():
 
 def test_phases_count_and_labels():
   tx = compressor.transformation(toy(), "batch")
-  outs, state = run(tx, [grads(0), grads(1)])
+  outs, (*_, state) = run_updates(tx, [grads(0), grads(1)], W)
   mean = lambda s: grads(s)["w"].mean(0)  # noqa: E731
   np.testing.assert_allclose(outs[0]["w"][0], 2 * mean(0), rtol=1e-6)  # the warm-up phase
   np.testing.assert_allclose(outs[1]["w"][0], mean(1), rtol=1e-6)
@@ -133,19 +123,19 @@ def test_phases_count_and_labels():
 def test_each_way_of_the_nonfinite_policy_keeps_the_state_and_returns_nan_everywhere(nonfinite):
   tx = compressor.transformation(toy(nonfinite, toy_own_step if nonfinite == "own" else toy_step),
                                  "batch", warmup=0)
-  outs, state = run(tx, [grads(0), grads(1, nan_on=2), grads(2)])
+  outs, (*_, state) = run_updates(tx, [grads(0), grads(1, nan_on=2), grads(2)], W)
   assert np.isnan(np.asarray(outs[1]["w"])).all()  # every device, every element
   assert np.asarray(state.count).tolist() == [2] * W  # the non-finite step was not counted
   np.testing.assert_allclose(state.last[0][0], grads(2)["w"].mean(0), rtol=1e-6)
-  _, kept = run(tx, [grads(0), grads(1, nan_on=2)])
-  np.testing.assert_array_equal(kept.last[0], run(tx, [grads(0)])[1].last[0])
+  _, (*_, kept) = run_updates(tx, [grads(0), grads(1, nan_on=2)], W)
+  np.testing.assert_array_equal(kept.last[0], run_updates(tx, [grads(0)], W)[1][0].last[0])
 
 
 def test_traceable_settings_are_arrays_and_static_ones_are_refused_with_every_static_name():
   tx = optax.inject_hyperparams(
       lambda scale, warmup: compressor.transformation(toy(), "batch", scale=scale, warmup=warmup),
       static_args=("warmup",))(scale=3.0, warmup=0)
-  (out,), _ = run(tx, [grads()])
+  (out,), _ = run_updates(tx, [grads()], W)
   np.testing.assert_allclose(out["w"][0], 3 * grads()["w"].mean(0), rtol=1e-6)
   with pytest.raises(TypeError, match=r"^toy: warmup is static .*not an array. Under "
                                       r"optax.inject_hyperparams pass static_args=\('warmup',\); "
@@ -164,10 +154,11 @@ def test_the_hook_runs_the_same_step_on_a_bucket():
   tx = jaxcomp.comm_hook(hook, compressor.hook_state(algorithm, {"warmup": 0}))
   plain = compressor.transformation(algorithm, "batch", warmup=0)
   g = {"w": grads()["w"]}
-  np.testing.assert_allclose(run(tx, [g])[0][0]["w"], run(plain, [g])[0][0]["w"], rtol=1e-6)
+  np.testing.assert_allclose(run_updates(tx, [g], W)[0][0]["w"],
+                             run_updates(plain, [g], W)[0][0]["w"], rtol=1e-6)
   with pytest.raises(TypeError, match=r"toy_hook needs the per-bucket state made by "
                                       r"jaxcomp.hooks.toy_state"):
-    run(jaxcomp.comm_hook(hook, optax.EmptyState()), [g])
+    run_updates(jaxcomp.comm_hook(hook, optax.EmptyState()), [g], W)
   with pytest.raises(ValueError, match="bucket_cap_mb cannot be used here: needs the whole tree"):
     compressor.transformation(dataclasses.replace(algorithm, unbucketable=lambda c: "needs the "
                                                   "whole tree"), "batch", bucket_cap_mb=1.0)
@@ -269,11 +260,11 @@ def test_the_optax_wrapper_check_runs_once_per_update_trace_not_in_collectives()
   user = optax.GradientTransformation(lambda p: optax.EmptyState(), user_update)
   guarded = optax.apply_if_finite(user, 3)
   g = {"w": grads()["w"]}
-  out, _ = run(guarded, [g])
+  out, _ = run_updates(guarded, [g], W)
   np.testing.assert_allclose(out[0]["w"][0], g["w"].mean(0), rtol=1e-6)
   with pytest.raises(ValueError, match=r"optax.apply_if_finite wraps jaxcomp.toy, which "
                                        r"communicates over axis 'batch'"):
-    run(optax.apply_if_finite(compressor.transformation(toy(), "batch"), 3), [g])
+    run_updates(optax.apply_if_finite(compressor.transformation(toy(), "batch"), 3), [g], W)
 
 
 def test_a_chain_holding_jaxcomp_transformations_keeps_their_declarations_out_of_the_state():

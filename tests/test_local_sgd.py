@@ -13,6 +13,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
 from helpers import assert_identical_across_devices, replicate
+from training import pmap_step, run
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -43,17 +44,11 @@ def numpy_grad(params, x, y):
 
 
 def pmap_run(tx, steps, n):
-  def step(params, state, x, y):
-    updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
-    return optax.apply_updates(params, updates), state
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:n])
-  params, state = replicate(init_params(), n), replicate(tx.init(init_params()), n)
-  history = []
-  for t in range(steps):
-    params, state = jax.block_until_ready(pstep(params, state, *batch(t, n)))
-    history.append(params)
-  return history
+  """``steps`` pmapped steps of ``tx`` on the least-squares data on ``n`` devices
+  (``training.run``): the parameters after each."""
+  _, _, outputs = run(pmap_step(loss_fn, tx, n, returns=None), replicate(init_params(), n),
+                      replicate(tx.init(init_params()), n), steps, n_devices=n, batch=batch)
+  return [params for params, _ in outputs]
 
 
 def reference(steps, n, sync_every, start_iter):
