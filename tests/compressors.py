@@ -1,19 +1,21 @@
 """Every named compressor of the registry (``jaxcomp.train.registry``), at the scale of the tests.
 
-The cross-cutting tests (properties, faults, resume, bad input) run every registry entry on pytrees of
-a few hundred elements. ``make(name)`` builds the entry with the recipe of a 30-step run — PowerSGD
-compresses from step 3, so short runs cover both of its phases — and with the settings below, which
-make tiny leaves behave as big ones do: PowerSGD rank 4 compresses them, DGC sparsifies them from the
-first step (no warm-up: its dense stages are tested in test_dgc.py), hooks split them into several
-buckets, and 1-bit Adam compresses from step 2 (so that 4 steps cover both of its stages) with a
-learning rate for the tests' small regression. Local SGD averages every 2 steps after one step of
-gradient averaging (after steps 0, 1, 3, 5, …) and DiLoCo every 4 (after steps 3, 7, …): 4 steps hold
-local steps and synchronizations of both, both synchronize after step 99 of every hundred (where the reliability test compares replicas), and
-neither after step 12 (where the resume test stops: mid-period).
+The cross-cutting tests (properties, faults, resume, bad input) run every registry entry on pytrees
+of a few hundred elements. ``make(name)`` builds the entry with the recipe of a 30-step run —
+PowerSGD compresses from step 3, so short runs cover both of its phases — and with the settings
+below, which make tiny leaves behave as big ones do: PowerSGD rank 4 compresses them, DGC
+sparsifies them from the first step (no warm-up: its dense stages are tested in
+test_dgc_math.py), hooks split them into several buckets, and 1-bit Adam compresses from step 2
+(so that 4 steps cover both of its stages) with a learning rate for the tests' small regression.
+Local SGD averages every 2 steps after one step of gradient averaging (after steps 0, 1, 3, 5, …)
+and DiLoCo every 4 (after steps 3, 7, …): 4 steps hold local steps and synchronizations of both,
+both synchronize after step 99 of every hundred (where the reliability test compares replicas),
+and neither after step 12 (where the resume test stops: mid-period).
 
 Local SGD and DiLoCo wrap the optimizer (``WRAPPERS``): ``COMPRESSORS[name]`` builds them around
-SGD (``INNER_LEARNING_RATE``); their update needs ``params`` and returns ``jaxcomp.Assign`` updates, and their replicas are
-identical right after a synchronization (``synced``), not in between.
+SGD (``INNER_LEARNING_RATE``); their update needs ``params`` and returns ``jaxcomp.Assign``
+updates, and their replicas are identical right after a synchronization (``synced``), not in
+between.
 """
 
 import functools

@@ -145,7 +145,7 @@ def test_every_k_is_validated(every_k, error):
     jaxcomp.accumulate(optax.sgd(0.1), every_k=every_k)
 
 
-def test_inner_is_validated():
+def test_an_inner_that_is_not_a_gradient_transformation_is_refused():
   with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
     jaxcomp.accumulate(lambda g: g, every_k=2)
 

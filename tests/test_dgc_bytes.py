@@ -57,7 +57,7 @@ def test_comm_report_dgc_sends_k_values_and_indices_per_leaf(world):
   assert report.every_step.collectives == ()
 
 
-def test_comm_report_dgc_fp16_values():
+def test_comm_report_dgc_sends_values_and_dense_leaves_in_float16_and_indices_in_int32():
   report = _step_report(jaxcomp.dgc(0.01, value_dtype=jnp.float16), BYTES_PARAMS, 4)
   ks = [164, 20]
   assert _bytes(report, "all-gather", "f16") == sum(4 * k * 2 for k in ks)

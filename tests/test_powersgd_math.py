@@ -202,7 +202,7 @@ def test_batched_matches_numpy_reference(rank, warm_start):
   step = pmapped_update(tx, W)
   rng = np.random.default_rng(0)
   errors = [0.0] * W
-  tol = rounding_tol(4 * (7 + 7 + W))  # float32 against float64: as test_matches_numpy_reference
+  tol = rounding_tol(4 * (7 + 7 + W))  # float32 against float64: as the layer-wise reference test
   for t in range(4):
     grads = grads_for(params, rng)
     q = np.asarray(state.q[0][0])

@@ -103,5 +103,5 @@ def test_matches_live_torch(tmp_path):
   assert str(data["torch_version"]) == torch.__version__
   for config in range(len(golden.CONFIGS)):
     check_parity(data, config)
-  # torch's batched hook raises at its first compressed step; jaxcomp's works (test_powersgd.py).
+  # torch's batched hook raises at its first compressed step; jaxcomp's works (test_powersgd_hooks.py).
   assert str(data["batched_raised"]).startswith(f"AssertionError at step {golden.START_ITER}")
