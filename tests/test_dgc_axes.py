@@ -36,23 +36,21 @@ def test_world_size_one_under_plain_jit():
   np.testing.assert_allclose(out["b1"], -0.05)
 
 
-def test_shard_map_matches_pmap():
+def test_shard_map_matches_pmap(batch_mesh):
   params = {"w": np.zeros((32, 16), np.float32), "b": np.zeros((16,), np.float32)}
   tx = jaxcomp.dgc(0.05)
   rng = np.random.default_rng(8)
   grads = {k: rng.standard_normal((W,) + p.shape).astype(np.float32) for k, p in params.items()}
   state = replicate(tx.init(params), W)
   expected, expected_state = jax.block_until_ready(pmapped_update(tx, W)(grads, state))
-  mesh = jax.make_mesh((W,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:W])
   specs = jaxcomp.state_partition_specs(tx, params)
   flat_state = tx.init(params)
   flat_state = flat_state._replace(
       u=jax.tree.map(lambda x: np.concatenate(list(state.u["w"])), flat_state.u),
       v=jax.tree.map(lambda x: np.concatenate(list(state.v["w"])), flat_state.v))
   step = jax.jit(jax.shard_map(lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),
-                               mesh=mesh, in_specs=(P("batch"), specs), out_specs=(P(), specs),
-                               check_vma=False))
+                               mesh=batch_mesh, in_specs=(P("batch"), specs),
+                               out_specs=(P(), specs), check_vma=False))
   out, new_state = jax.block_until_ready(step(grads, flat_state))
   tol = rounding_tol(W + 3)  # two programs, one step: the momentum, v and the sum over W round
   chex.assert_trees_all_close(out, jax.tree.map(lambda x: x[0], expected), **tol)
@@ -75,7 +73,7 @@ DATA_PARALLEL_CASES = {
 
 
 @pytest.mark.parametrize("name", list(DATA_PARALLEL_CASES))
-def test_data_parallel_keeps_replicas_identical_and_matches_pmap(name):
+def test_data_parallel_keeps_replicas_identical_and_matches_pmap(name, batch_mesh):
   """The mean of every DGC variant is typed invariant under shard_map(check_vma=True), so
   data_parallel accepts the parameters it updates as replicated; they equal pmap's."""
   make = lambda: optax.chain(optax.add_decayed_weights(1e-4), DATA_PARALLEL_CASES[name](),
@@ -84,9 +82,7 @@ def test_data_parallel_keeps_replicas_identical_and_matches_pmap(name):
   rng = np.random.default_rng(13)
   xs = rng.standard_normal((3, W, 2, 16)).astype(np.float32)
   ys = rng.standard_normal((3, W, 2, 8)).astype(np.float32)
-  mesh = jax.make_mesh((W,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:W])
-  dp = jaxcomp.data_parallel(regression_loss, mesh, tx=make())
+  dp = jaxcomp.data_parallel(regression_loss, batch_mesh, tx=make())
   p, s = dp.make_params(params), dp.make_state(params)
   for x, y in zip(xs, ys):
     p, s, _ = jax.block_until_ready(dp.step(p, s, *dp.shard((x.reshape(2 * W, 16),

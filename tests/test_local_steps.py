@@ -143,15 +143,16 @@ def test_a_nan_during_gradient_averaging_keeps_every_device_in_step():
 
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
-def test_shard_map_with_check_vma_matches_pmap(name):
+def test_shard_map_with_check_vma_matches_pmap(name, batch_mesh):
   """Per-device parameters (they differ between syncs) as a leading axis sharded over the mesh."""
   tx = WRAPPERS[name]()
-  mesh = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices()[:W])
   specs = jaxcomp.state_partition_specs(tx, init_params(), axis_name="batch")
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(init_params())
+  state = jax.jit(jax.shard_map(tx.init, mesh=batch_mesh, in_specs=P(), out_specs=specs))(
+      init_params())
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("batch"), specs, P("batch"), P("batch")),
+  @functools.partial(jax.shard_map, mesh=batch_mesh,
+                     in_specs=(P("batch"), specs, P("batch"), P("batch")),
                      out_specs=(P("batch"), specs))
   def step(params, state, x, y):
     params = jax.tree.map(lambda p: p[0], params)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from helpers import (assert_identical_across_devices, pmap_update, pmapped, pmapped_update,
@@ -138,17 +138,16 @@ def test_orthogonalize_matches_torch_and_stays_finite_and_orthonormal_where_torc
                              np.eye(3), atol=1e-2)
 
 
-def test_shard_map_with_state_partition_specs_matches_pmap():
+def test_shard_map_with_state_partition_specs_matches_pmap(batch_mesh):
   """check_vma=True: the error is varying (sharded), count and Q invariant (replicated)."""
   params = {"w": np.zeros((12, 10), np.float32), "b": np.zeros(10, np.float32)}
   tx = jaxcomp.powersgd(2, start_iter=1)
-  mesh = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices()[:W])
   specs = jaxcomp.state_partition_specs(tx, params)
   assert specs.error == {"w": P("batch"), "b": P("batch")} and specs.q["w"] == P()
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  state = jax.jit(jax.shard_map(tx.init, mesh=batch_mesh, in_specs=P(), out_specs=specs))(params)
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("batch"), specs),
+  @functools.partial(jax.shard_map, mesh=batch_mesh, in_specs=(P("batch"), specs),
                      out_specs=(P(), specs), check_vma=True)
   def step(grads, state):
     return tx.update(jax.tree.map(lambda g: g[0], grads), state)
