@@ -45,7 +45,8 @@ SMALL = {
     "streaming_diloco_h100_p4_int8": {"sync_every": 6, "fragments": 2, "delay": 1, "mix": 1.0},
 }
 
-# The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient compressor.
+# The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient
+# compressor.
 WRAPPERS = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
 
 INNER_LEARNING_RATE = 0.1
@@ -57,8 +58,8 @@ def optimizer(name, inner, **overrides):
   return REGISTRY[name].optimizer(inner, steps=30, **{**SMALL.get(name, {}), **overrides})
 
 
-# The baselines of the whole optimizers (optax's Muon and AdamW after jaxcomp.allreduce) are optax's,
-# not jaxcomp's: the properties tested here are not theirs to keep.
+# The baselines of the whole optimizers (optax's Muon and AdamW after jaxcomp.allreduce) are
+# optax's, not jaxcomp's: the properties tested here are not theirs to keep.
 COMPRESSORS = {name: functools.partial(entry.make, steps=30, **SMALL.get(name, {}))
                for name, entry in REGISTRY.items()
                if not entry.wraps_optimizer and not entry.baseline}
@@ -73,9 +74,10 @@ def synced(name, state, step) -> bool:
 
 
 def synced_leaves(name, state, step, num_leaves) -> list:
-  """For each of the ``num_leaves`` parameter leaves, whether every device holds the same value after
-  step ``step``: Streaming DiLoCo's fragments land at different steps, each identical everywhere
-  right after its own landing (with ``mix=1``); everything else is ``synced`` as a whole."""
+  """For each of the ``num_leaves`` parameter leaves, whether every device holds the same value
+  after step ``step``: Streaming DiLoCo's fragments land at different steps, each identical
+  everywhere right after its own landing (with ``mix=1``); everything else is ``synced`` as a
+  whole."""
   layout = getattr(state, "layout", None)
   if name not in WRAPPERS or layout is None:
     return [synced(name, state, step)] * num_leaves
@@ -97,5 +99,6 @@ MEAN_COMPRESSORS = tuple(name for name, entry in REGISTRY.items() if entry.is_me
 # Whole optimizers (their output is the update): nothing is chained after them.
 OPTIMIZERS = tuple(name for name, entry in REGISTRY.items() if entry.is_optimizer)
 
-# Compressors with torch-style error feedback: output + new error = gradient + old error, per device.
+# Compressors with torch-style error feedback: output + new error = gradient + old error, per
+# device.
 ERROR_FEEDBACK = tuple(name for name, entry in REGISTRY.items() if entry.error_feedback)

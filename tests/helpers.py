@@ -56,7 +56,8 @@ def assert_identical_across_devices(tree):
 
 
 def pmapped(fn, n_devices=8, axis_name="batch", **pmap_kwargs):
-  """``fn`` under ``jax.pmap`` over the first ``n_devices`` devices, its axis named ``axis_name``."""
+  """``fn`` under ``jax.pmap`` over the first ``n_devices`` devices, its axis named
+  ``axis_name``."""
   return jax.pmap(fn, axis_name=axis_name, devices=jax.devices()[:n_devices], **pmap_kwargs)
 
 

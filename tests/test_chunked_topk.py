@@ -21,10 +21,10 @@ FLOAT = ("w", "b")  # the reduced leaves
 
 
 def reference_sent(e, k, chunk, bits, delta):
-  """Steps 2–3 of ``chunked_topk`` for one device's error-fed leaf ``e``, in float64, from the module
-  docstring: ``(sent, fragile)`` — the values sent at their positions (0 elsewhere), and how many
-  decisions (a top-k boundary, a magnitude-bin boundary, a bfloat16 rounding) lie within ``delta`` of
-  flipping, where a float32 program could decide otherwise."""
+  """Steps 2–3 of ``chunked_topk`` for one device's error-fed leaf ``e``, in float64, from the
+  module docstring: ``(sent, fragile)`` — the values sent at their positions (0 elsewhere), and how
+  many decisions (a top-k boundary, a magnitude-bin boundary, a bfloat16 rounding) lie within
+  ``delta`` of flipping, where a float32 program could decide otherwise."""
   n = e.size
   rows = -(-n // chunk)
   width = -(-n // rows)
@@ -58,7 +58,8 @@ def reference_sent(e, k, chunk, bits, delta):
 
 def reference(grads_per_step, k, chunk, bits, beta, delta):
   """``chunked_topk`` over steps, in float64: per device e ← β·e + g, ê = Q(TopK(e)), e ← e − ê; the
-  output is Σ_w ê_w / W. Returns the outputs, the final errors and the count of fragile decisions."""
+  output is Σ_w ê_w / W. Returns the outputs, the final errors and the count of fragile
+  decisions."""
   errors = [{name: np.zeros(grads_per_step[0][name].shape[1:]) for name in FLOAT}
             for _ in range(W)]
   outputs, fragile = [], 0
@@ -120,9 +121,9 @@ def test_sends_one_uint8_all_gather_of_the_coded_chunks_and_nothing_else():
                                num_devices=W)
   config = chunked_topk_lib.ChunkedTopKConfig(K, CHUNK)
   sent = chunked_topk_lib.payload_bytes(config, [(12, 9), (9,)])
-  # Per chunk of w: 4 positions of 27 in Elias–Fano code (l = 2: 8 low bits, 4 + 26 >> 2 = 10 upper),
-  # 4 2-bit codes: 26 bits, 4 bytes; then 2 bfloat16 centroids. b: 2 of 9 (l = 2: 4 + 4 bits) and
-  # 2 codes: 12 bits, 2 bytes, and 4 bytes of centroids.
+  # Per chunk of w: 4 positions of 27 in Elias–Fano code (l = 2: 8 low bits, 4 + 26 >> 2 = 10
+  # upper), 4 2-bit codes: 26 bits, 4 bytes; then 2 bfloat16 centroids. b: 2 of 9 (l = 2: 4 + 4
+  # bits) and 2 codes: 12 bits, 2 bytes, and 4 bytes of centroids.
   assert sent == 4 * (4 + 4) + (2 + 4)
   # No flag of its own: a non-finite gradient shows in the centroids sent.
   assert [(c.op, c.dtypes, c.payload_bytes) for c in report.collectives] == [

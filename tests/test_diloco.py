@@ -1,5 +1,5 @@
-"""``diloco``: the paper's Algorithm 1 in NumPy step for step, its reduction to allreduce, compressed
-pseudo-gradients, what it sends, and an orbax resume in the middle of a period."""
+"""``diloco``: the paper's Algorithm 1 in NumPy step for step, its reduction to allreduce,
+compressed pseudo-gradients, what it sends, and an orbax resume in the middle of a period."""
 
 import chex
 import jax

@@ -41,8 +41,9 @@ def test_default_hooks_equal_the_dense_transformations(hook, exact):
   out, _ = pmap_update(jaxcomp.comm_hook(hook, bucket_cap_mb=0.001), grads)
   expected, _ = pmap_update(dense, grads)
   assert_identical_across_devices(out)
-  # Two programs (buckets, or leaf by leaf) for the same mean of W unit-scale terms: float32 rounding
-  # of the W terms, or, through the wire dtype, a wire rounding or two of the unit-scale mean.
+  # Two programs (buckets, or leaf by leaf) for the same mean of W unit-scale terms: float32
+  # rounding of the W terms, or, through the wire dtype, a wire rounding or two of the unit-scale
+  # mean.
   wire = {hooks.fp16_compress_hook: np.float16, hooks.bf16_compress_hook: ml_dtypes.bfloat16}
   tol = rounding_tol(W) if exact else rounding_tol(2, dtype=wire[hook])
   chex.assert_trees_all_close(out, expected, **tol)

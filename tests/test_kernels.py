@@ -30,13 +30,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(name, *args):
-  """A benchmark script in ``--quick`` mode, in its own process; it must leave BENCHMARKS.md alone."""
+  """A benchmark script in ``--quick`` mode, in its own process; it must leave BENCHMARKS.md
+  alone."""
   from benchmarks import common
   env = dict(os.environ, PYTHONPATH=ROOT)
   env.pop("XLA_FLAGS", None)
   before = _read(common.BENCHMARKS_MD)
-  result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), "--quick", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", name), "--quick", *args],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   assert _read(common.BENCHMARKS_MD) == before, f"{name} --quick changed BENCHMARKS.md"
   return result.stdout
@@ -191,7 +193,7 @@ def test_the_scatters_kth_largest_and_the_guarded_loop_are_their_obvious_forms()
   np.testing.assert_array_equal(out["loop"], np.maximum(5 - starts, 0))
 
 
-# ------------------------------------------------------------------------------ the non-finite policy
+# -------------------------------------------------------------------------- the non-finite policy
 
 
 def test_where_with_a_scalar_predicate_is_jnp_where():

@@ -1,5 +1,5 @@
-"""``local_sgd``: torch's post-local SGD with periodic averaging, against NumPy and allreduce-SGD, and its
-hierarchical forms on a 2-D mesh with ``comm_report`` per axis."""
+"""``local_sgd``: torch's post-local SGD with periodic averaging, against NumPy and allreduce-SGD,
+and its hierarchical forms on a 2-D mesh with ``comm_report`` per axis."""
 
 import functools
 
@@ -151,7 +151,8 @@ def test_hierarchical_mean_over_fast_every_step_and_parameters_over_slow_every_p
 
 
 def test_nested_local_sgd_averages_at_two_periods():
-  """HierarchicalModelAverager's idea: parameters averaged over fast every 2 steps, over all every 6."""
+  """HierarchicalModelAverager's idea: parameters averaged over fast every 2 steps, over all
+  every 6."""
   inner = jaxcomp.local_sgd(optax.sgd(LR), sync_every=2, axis_name="fast")
   tx = jaxcomp.local_sgd(inner, sync_every=6, axis_name="slow")
   history, by_axes = mesh_run(tx, mesh_2d(), 7, ("slow", "fast"))

@@ -1,6 +1,6 @@
-"""What local SGD and DiLoCo share: ``Assign`` updates, the local non-finite policy, and the places they
-run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``, ``nnx.Optimizer``,
-``jaxcomp.data_parallel`` (parameters per device, both forms)."""
+"""What local SGD and DiLoCo share: ``Assign`` updates, the local non-finite policy, and the places
+they run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``,
+``nnx.Optimizer``, ``jaxcomp.data_parallel`` (parameters per device, both forms)."""
 
 import functools
 
@@ -71,8 +71,8 @@ def test_assign_sets_parameters_exactly_where_adding_a_difference_cannot():
   t = np.float32(2**-21)
   assert p1 + (t - p1) != t or p2 + (t - p2) != t
   for p in (p1, p2, jnp.asarray(p1), np.asarray([p2])):
-    np.testing.assert_array_equal(p + jaxcomp.Assign(np.asarray(t, np.float32).reshape(np.shape(p))),
-                                  t)
+    np.testing.assert_array_equal(
+        p + jaxcomp.Assign(np.asarray(t, np.float32).reshape(np.shape(p))), t)
   params = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}
   target = {"a": jnp.full(3, 7.0), "b": jnp.zeros((2, 2))}
   updates = jax.tree.map(jaxcomp.Assign, target)
@@ -201,7 +201,8 @@ def test_nnx_optimizer_gives_the_parameters_of_plain_arrays(name):
   for t in range(6):
     state = jax.block_until_ready(pstep(state, *batch(t)))
     model_state = nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
-    got = {"w": np.asarray(model_state["w"].get_value()), "b": np.asarray(model_state["b"].get_value())}
+    got = {"w": np.asarray(model_state["w"].get_value()),
+           "b": np.asarray(model_state["b"].get_value())}
     chex.assert_trees_all_close(got, expected[t], rtol=0, atol=1e-5)
   assert_identical_across_devices(got)
 
@@ -288,7 +289,8 @@ def test_data_parallel_refuses_replicated_parameters_under_local_steps():
   with pytest.raises(ValueError, match=r"state\[0\]\['b'\] differs from device to device.*"
                                        r"local_sgd, diloco.*jaxcomp.PerDevice\(params\)"):
     dp.step(state, *dp.shard(_flat(*batch(0))))
-  with pytest.raises(ValueError, match="make_params places the parameters of the loss-function form"):
+  with pytest.raises(ValueError,
+                     match="make_params places the parameters of the loss-function form"):
     dp.make_params(init_params())
 
 
@@ -385,5 +387,6 @@ def test_a_compressor_over_another_axis_is_refused_naming_both():
 def test_an_inner_optimizer_that_communicates_over_the_same_axis_is_refused(inner):
   # It would send on every local step (4 KiB per step in the report), silently.
   with pytest.raises(ValueError, match=r"sparseloco: its inner optimizer communicates over 'batch' "
-                                       r"on every local step \(.*\), so the steps would not be local"):
+                                       r"on every local step \(.*\), so the steps would not be "
+                                       r"local"):
     _dp_steps(_sparseloco(inner()), 1)

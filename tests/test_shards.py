@@ -1,8 +1,9 @@
 """shards: how a leaf is cut among the W devices of an axis, and the collectives on the shards.
 
-The layouts (``shards.Layout``) against the module docstring's definition, written in NumPy; ``own``,
-``mean_scatter`` and ``gather`` under ``jax.pmap`` (the flat layout) and under ``jax.shard_map`` on a
-mesh whose other axis is left to the partitioner (by leaf), against NumPy's mean.
+The layouts (``shards.Layout``) against the module docstring's definition, written in NumPy;
+``own``, ``mean_scatter`` and ``gather`` under ``jax.pmap`` (the flat layout) and under
+``jax.shard_map`` on a mesh whose other axis is left to the partitioner (by leaf), against NumPy's
+mean.
 """
 
 import math

@@ -1,5 +1,5 @@
-"""``sparseloco``: SparseLoCo's Algorithm 1 in NumPy (float64) over three periods on 8 devices, one of
-them skipping a non-finite step; replicas identical right after every synchronization; what a
+"""``sparseloco``: SparseLoCo's Algorithm 1 in NumPy (float64) over three periods on 8 devices, one
+of them skipping a non-finite step; replicas identical right after every synchronization; what a
 synchronization sends; an orbax resume in the middle of a period; data_parallel against pmap."""
 
 import chex
@@ -21,7 +21,8 @@ from training import pmap_step, run
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
 LR, MOMENTUM = 0.05, 0.9
-H, K, CHUNK, BITS, BETA, ALPHA = 3, 3, 16, 2, 0.9, 0.8  # w (8, 6): 3 chunks of 16, 3 kept; b: 2 of 6
+# w (8, 6): 3 chunks of 16, 3 kept; b: 2 of 6.
+H, K, CHUNK, BITS, BETA, ALPHA = 3, 3, 16, 2, 0.9, 0.8
 
 
 def make():
