@@ -14,6 +14,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
 from helpers import assert_identical_across_devices, replicate, rounding_tol
+from training import pmap_step, run
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -43,23 +44,13 @@ WRAPPERS = {
 }
 
 
-def pmap_run(tx, steps, poison=None):
-  """``steps`` pmapped steps from identical parameters; ``poison[step]`` is added to the gradient
-  (one value per device). Returns the parameters after every step."""
-
-  def step(params, state, x, y, bad):
-    grads = jax.tree.map(lambda g: g + bad, jax.grad(loss_fn)(params, x, y))
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
-  params, state = replicate(init_params(), W), replicate(tx.init(init_params()), W)
-  history = []
-  for t in range(steps):
-    bad = np.zeros(W, np.float32) if poison is None or t not in poison else poison[t]
-    params, state = jax.block_until_ready(pstep(params, state, *batch(t), bad))
-    history.append(params)
-  return history
+def pmap_run(tx, steps, poison_at=()):
+  """``steps`` pmapped steps from identical parameters (``training.run``; ``poison_at``: its
+  ``(step, device, value)`` triples). Returns the parameters after every step."""
+  _, _, outputs = run(pmap_step(loss_fn, tx, W, poisoned=True, returns=None),
+                      replicate(init_params(), W), replicate(tx.init(init_params()), W), steps,
+                      poison_at=poison_at, n_devices=W, batch=batch)
+  return [params for params, _ in outputs]
 
 
 # ------------------------------------------------------------------------------------- Assign
@@ -118,9 +109,8 @@ def test_update_without_params_is_refused():
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
 def test_a_nan_on_one_device_stays_there_and_the_next_sync_brings_it_back(name):
   # Step 3 is local for both (local SGD averages after 2 and 5, DiLoCo after 2 and 5).
-  poison = {3: np.array([0, np.nan, 0, 0], np.float32)}
   clean = pmap_run(WRAPPERS[name](), 6)
-  hit = pmap_run(WRAPPERS[name](), 6, poison)
+  hit = pmap_run(WRAPPERS[name](), 6, [(3, 1, np.nan)])  # device 1's gradient at step 3
   for leaf_hit, leaf_before, leaf_clean in zip(*(map(np.asarray, jax.tree.leaves(h))
                                                  for h in (hit[3], hit[2], clean[3]))):
     np.testing.assert_array_equal(leaf_hit[1], leaf_before[1])  # device 1 kept its parameters
@@ -132,7 +122,7 @@ def test_a_nan_on_one_device_stays_there_and_the_next_sync_brings_it_back(name):
 
 def test_a_nan_during_gradient_averaging_keeps_every_device_in_step():
   tx = WRAPPERS["local_sgd"]()  # steps 0 and 1 average gradients
-  hit = pmap_run(tx, 3, {1: np.array([0, 0, np.inf, 0], np.float32)})
+  hit = pmap_run(tx, 3, [(1, 2, np.inf)])  # device 2's gradient at step 1
   for before, after in zip(jax.tree.leaves(hit[0]), jax.tree.leaves(hit[1])):
     np.testing.assert_array_equal(after, before)  # the mean is not finite: nobody moved
   assert_identical_across_devices(hit[1])

@@ -41,7 +41,7 @@ def loss_fn(params, x, y):
   return jnp.mean((forward(params, x) - y) ** 2)
 
 
-def pmap_step(loss, tx, n_devices=W, poisoned=False, returns="loss"):
+def pmap_step(loss, tx, n_devices=W, poisoned=False, returns="loss", axis_name="batch"):
   """The pmapped training step of ``loss(params, *batch)`` with ``tx``: ``step(params, opt_state,
   *batch) -> (params, opt_state, *returned)``.
 
@@ -53,6 +53,7 @@ def pmap_step(loss, tx, n_devices=W, poisoned=False, returns="loss"):
       device's gradient.
     returns: what the step returns after the parameters and the state: ``"loss"``, each device's
       loss; ``"updates"``, the updates; ``None``, nothing (the gradient alone is computed).
+    axis_name: the name of the mapped axis.
   """
 
   def step(params, opt_state, *args):
@@ -71,7 +72,7 @@ def pmap_step(loss, tx, n_devices=W, poisoned=False, returns="loss"):
       return params, opt_state, updates
     return params, opt_state
 
-  return jax.pmap(step, axis_name="batch", devices=jax.devices()[:n_devices])
+  return jax.pmap(step, axis_name=axis_name, devices=jax.devices()[:n_devices])
 
 
 def make_step(name, lr=0.05, n_devices=W):
