@@ -2,8 +2,8 @@
 
 A jaxcomp transformation is the cross-device gradient mean: put it first in ``optax.chain`` where
 data-parallel code would call ``lax.pmean``. The implementation lives in ``jaxcomp._src`` (private);
-the public names are re-exported here, one per line, and in the namespaces ``jaxcomp.axis`` (for hook
-writers) and ``jaxcomp.hooks`` (per-bucket hooks). ``python -m jaxcomp.train`` is the main job.
+the public names are re-exported here, one per line, and in the namespaces ``jaxcomp.axis`` (for
+hook writers) and ``jaxcomp.hooks`` (per-bucket hooks). ``python -m jaxcomp.train`` is the main job.
 """
 
 from jaxcomp import axis

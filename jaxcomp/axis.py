@@ -1,8 +1,8 @@
 """Named-axis helpers for writing communication hooks and compressors.
 
-Each is the ``jax.lax`` collective over ``axis_name`` inside ``pmap`` / ``shard_map``, a world of size 1
-where no named axis is bound at all, and an ``UnboundAxisError`` where other axes are bound but not
-this one. ``bucket.axis_name`` is the one to pass in a hook::
+Each is the ``jax.lax`` collective over ``axis_name`` inside ``pmap`` / ``shard_map``, a world of
+size 1 where no named axis is bound at all, and an ``UnboundAxisError`` where other axes are bound
+but not this one. ``bucket.axis_name`` is the one to pass in a hook::
 
   def int8_hook(state, bucket):
     scale = jaxcomp.axis.pmax(jnp.abs(bucket.buffer).max(), bucket.axis_name) / 127

@@ -1,9 +1,10 @@
 """Per-bucket communication hooks for ``jaxcomp.comm_hook`` (torch's ``ddp_comm_hooks``).
 
-A hook is ``hook(state, bucket) -> (reduced_buffer, new_state)``: it gets this device's flat, undivided
-gradient bucket (a ``jaxcomp.GradBucket``) and returns the buffer every device uses. Writing one is a
-few lines; this one rounds the bucket to 255 levels of a scale shared by all devices (the levels are
-summed as int32, which cannot overflow; sending them as int8 would need an all-gather instead).
+A hook is ``hook(state, bucket) -> (reduced_buffer, new_state)``: it gets this device's flat,
+undivided gradient bucket (a ``jaxcomp.GradBucket``) and returns the buffer every device uses.
+Writing one is a few lines; this one rounds the bucket to 255 levels of a scale shared by all
+devices (the levels are summed as int32, which cannot overflow; sending them as int8 would need an
+all-gather instead).
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxcomp

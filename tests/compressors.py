@@ -1,19 +1,21 @@
 """Every named compressor of the registry (``jaxcomp.train.registry``), at the scale of the tests.
 
-The cross-cutting tests (properties, faults, resume, bad input) run every registry entry on pytrees of
-a few hundred elements. ``make(name)`` builds the entry with the recipe of a 30-step run — PowerSGD
-compresses from step 3, so short runs cover both of its phases — and with the settings below, which
-make tiny leaves behave as big ones do: PowerSGD rank 4 compresses them, DGC sparsifies them from the
-first step (no warm-up: its dense stages are tested in test_dgc.py), hooks split them into several
-buckets, and 1-bit Adam compresses from step 2 (so that 4 steps cover both of its stages) with a
-learning rate for the tests' small regression. Local SGD averages every 2 steps after one step of
-gradient averaging (after steps 0, 1, 3, 5, …) and DiLoCo every 4 (after steps 3, 7, …): 4 steps hold
-local steps and synchronizations of both, both synchronize after step 99 of every hundred (where the reliability test compares replicas), and
-neither after step 12 (where the resume test stops: mid-period).
+The cross-cutting tests (properties, faults, resume, bad input) run every registry entry on pytrees
+of a few hundred elements. ``make(name)`` builds the entry with the recipe of a 30-step run —
+PowerSGD compresses from step 3, so short runs cover both of its phases — and with the settings
+below, which make tiny leaves behave as big ones do: PowerSGD rank 4 compresses them, DGC
+sparsifies them from the first step (no warm-up: its dense stages are tested in
+test_dgc_math.py), hooks split them into several buckets, and 1-bit Adam compresses from step 2
+(so that 4 steps cover both of its stages) with a learning rate for the tests' small regression.
+Local SGD averages every 2 steps after one step of gradient averaging (after steps 0, 1, 3, 5, …)
+and DiLoCo every 4 (after steps 3, 7, …): 4 steps hold local steps and synchronizations of both,
+both synchronize after step 99 of every hundred (where the reliability test compares replicas),
+and neither after step 12 (where the resume test stops: mid-period).
 
 Local SGD and DiLoCo wrap the optimizer (``WRAPPERS``): ``COMPRESSORS[name]`` builds them around
-SGD (``INNER_LEARNING_RATE``); their update needs ``params`` and returns ``jaxcomp.Assign`` updates, and their replicas are
-identical right after a synchronization (``synced``), not in between.
+SGD (``INNER_LEARNING_RATE``); their update needs ``params`` and returns ``jaxcomp.Assign``
+updates, and their replicas are identical right after a synchronization (``synced``), not in
+between.
 """
 
 import functools
@@ -45,7 +47,8 @@ SMALL = {
     "streaming_diloco_h100_p4_int8": {"sync_every": 6, "fragments": 2, "delay": 1, "mix": 1.0},
 }
 
-# The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient compressor.
+# The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient
+# compressor.
 WRAPPERS = tuple(name for name, entry in REGISTRY.items() if entry.wraps_optimizer)
 
 INNER_LEARNING_RATE = 0.1
@@ -57,8 +60,8 @@ def optimizer(name, inner, **overrides):
   return REGISTRY[name].optimizer(inner, steps=30, **{**SMALL.get(name, {}), **overrides})
 
 
-# The baselines of the whole optimizers (optax's Muon and AdamW after jaxcomp.allreduce) are optax's,
-# not jaxcomp's: the properties tested here are not theirs to keep.
+# The baselines of the whole optimizers (optax's Muon and AdamW after jaxcomp.allreduce) are
+# optax's, not jaxcomp's: the properties tested here are not theirs to keep.
 COMPRESSORS = {name: functools.partial(entry.make, steps=30, **SMALL.get(name, {}))
                for name, entry in REGISTRY.items()
                if not entry.wraps_optimizer and not entry.baseline}
@@ -73,9 +76,10 @@ def synced(name, state, step) -> bool:
 
 
 def synced_leaves(name, state, step, num_leaves) -> list:
-  """For each of the ``num_leaves`` parameter leaves, whether every device holds the same value after
-  step ``step``: Streaming DiLoCo's fragments land at different steps, each identical everywhere
-  right after its own landing (with ``mix=1``); everything else is ``synced`` as a whole."""
+  """For each of the ``num_leaves`` parameter leaves, whether every device holds the same value
+  after step ``step``: Streaming DiLoCo's fragments land at different steps, each identical
+  everywhere right after its own landing (with ``mix=1``); everything else is ``synced`` as a
+  whole."""
   layout = getattr(state, "layout", None)
   if name not in WRAPPERS or layout is None:
     return [synced(name, state, step)] * num_leaves
@@ -97,5 +101,6 @@ MEAN_COMPRESSORS = tuple(name for name, entry in REGISTRY.items() if entry.is_me
 # Whole optimizers (their output is the update): nothing is chained after them.
 OPTIMIZERS = tuple(name for name, entry in REGISTRY.items() if entry.is_optimizer)
 
-# Compressors with torch-style error feedback: output + new error = gradient + old error, per device.
+# Compressors with torch-style error feedback: output + new error = gradient + old error, per
+# device.
 ERROR_FEEDBACK = tuple(name for name, entry in REGISTRY.items() if entry.error_feedback)

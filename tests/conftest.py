@@ -83,11 +83,25 @@ MAX_MEMORY_MAPPINGS = 32_000
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
   """Drops JAX's compiled programs after a test once the process maps many memory regions. XLA:CPU
-  maps memory for every executable it keeps, and one process compiling the whole suite's thousands of
-  programs reaches the kernel's limit on memory mappings (vm.max_map_count, 65,530 by default), where
-  compiling segfaults (test_validate.py alone reached 25,000 mappings). Below the threshold, tests
-  that compile the same program share it."""
+  maps memory for every executable it keeps, and one process compiling the whole suite's thousands
+  of programs reaches the kernel's limit on memory mappings (vm.max_map_count, 65,530 by default),
+  where compiling segfaults (test_validate.py alone reached 25,000 mappings). Below the threshold,
+  tests that compile the same program share it."""
   yield
   if _memory_mappings() > MAX_MEMORY_MAPPINGS:
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def world(request):
+  """The number of devices the test's module runs on: its ``W``."""
+  return request.module.W
+
+
+@pytest.fixture
+def batch_mesh(world):
+  """A 1-D mesh of the first ``world`` devices, its axis 'batch' (the axis the tests' steps
+  average over) of type Auto, for ``shard_map`` and ``data_parallel``."""
+  return jax.make_mesh((world,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:world])

@@ -1,4 +1,7 @@
-"""Shared test helpers: per-device gradients and running a transformation on simulated devices."""
+"""Shared test helpers: tolerances, per-device gradients, and running a transformation on simulated
+devices (pmapped, compiled once, waited for every step)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,13 +14,14 @@ F32_EPS = float(np.finfo(np.float32).eps)  # 2**-23
 def rounding_tol(ops, scale=1.0, dtype=np.float32):
   """``dict(rtol=..., atol=...)`` for comparing two DIFFERENT programs that compute the same values.
 
-  XLA:CPU emits different code per instruction set (FMA or not, vector width) and per program (fusion),
-  so two programs, or one program on another CPU, may round the same arithmetic differently: they agree
-  only to rounding. ``ops`` is how many roundings can differ on the way to a value (about the number of
-  terms in its reductions, times the steps it went through); each is ``eps`` of ``dtype`` (float32, or
-  the wire dtype where a value went through float16/bfloat16) relative to ``scale``, the magnitude of the
-  terms (absolute: where terms cancel, the result is far smaller than the error). rtol counts the same
-  number of float32 roundings of the value itself.
+  XLA:CPU emits different code per instruction set (FMA or not, vector width) and per program
+  (fusion), so two programs, or one program on another CPU, may round the same arithmetic
+  differently: they agree only to rounding. ``ops`` is how many roundings can differ on the way to
+  a value (about the number of terms in its reductions, times the steps it went through); each is
+  ``eps`` of ``dtype`` (float32, or the wire dtype where a value went through float16/bfloat16)
+  relative to ``scale``, the magnitude of the terms (absolute: where terms cancel, the result is
+  far smaller than the error). rtol counts the same number of float32 roundings of the value
+  itself.
   """
   return dict(rtol=ops * F32_EPS, atol=ops * float(ml_dtypes.finfo(dtype).eps) * scale)
 
@@ -36,14 +40,9 @@ def per_device_grads(rng, params, n_devices, make=dyadic):
   return jax.tree.map(leaf, params)
 
 
-def pmap_update(tx, grads, n_devices=8, axis_name="batch", state=None):
-  """Runs ``tx.update`` under pmap on per-device ``grads``; returns (outputs, new per-device states)."""
-  params = jax.tree.map(lambda g: g[0], grads)
-  if state is None:
-    state = jax.tree.map(lambda x: np.stack([x] * n_devices), tx.init(params))
-  step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=axis_name,
-                  devices=jax.devices()[:n_devices])
-  return jax.block_until_ready(step(grads, state))
+def replicate(tree, n_devices=8):
+  """Stacks ``tree`` n_devices times along a new leading axis (pmap's per-device layout)."""
+  return jax.tree.map(lambda x: np.stack([np.asarray(x)] * n_devices), tree)
 
 
 def assert_identical_across_devices(tree):
@@ -56,22 +55,88 @@ def assert_identical_across_devices(tree):
       np.testing.assert_array_equal(x[d:d + 1].view(np.uint8), x[:1].view(np.uint8))
 
 
-def replicate(tree, n_devices=8):
-  """Stacks ``tree`` n_devices times along a new leading axis (pmap's per-device layout)."""
-  return jax.tree.map(lambda x: np.stack([np.asarray(x)] * n_devices), tree)
+def pmapped(fn, n_devices=8, axis_name="batch", **pmap_kwargs):
+  """``fn`` under ``jax.pmap`` over the first ``n_devices`` devices, its axis named
+  ``axis_name``."""
+  return jax.pmap(fn, axis_name=axis_name, devices=jax.devices()[:n_devices], **pmap_kwargs)
 
 
-def run_updates(tx, grads_per_step, n_devices=8, axis_name="batch"):
-  """``tx.update`` under pmap, compiled once, on each per-device gradient pytree in turn.
+def pmapped_update(tx, n_devices=8, axis_name="batch"):
+  """``tx.update`` under pmap: ``step(grads, state[, params]) -> (outputs, state)``, per device."""
+  return pmapped(tx.update, n_devices, axis_name)
+
+
+@functools.lru_cache(maxsize=None)
+def pmapped_applied_update(tx, n_devices=8):
+  """``tx.update`` under pmap (compiled once per ``tx``), its updates applied to the parameters as
+  a guard after it would: ``step(grads, state, params) -> (updates, state, params)``; a
+  non-finite step (NaN updates) leaves the parameters."""
+
+  def update(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return updates, state, jax.tree.map(
+        lambda p, u: jnp.where(jnp.isfinite(u), p + u, p), params, updates)
+
+  return pmapped(update, n_devices)
+
+
+def fetched(tree):
+  """The program's outputs, waited for, as NumPy arrays (indexed device by device below)."""
+  return jax.tree.map(np.asarray, jax.block_until_ready(tree))
+
+
+def run_updates(tx, grads_per_step, n_devices=8, axis_name="batch", *, state=None, params=None):
+  """``tx.update`` under pmap, compiled once, on each per-device gradient pytree in turn, waited for
+  every step (XLA:CPU needs it).
+
+  Args:
+    tx: the transformation.
+    grads_per_step: per-device gradient pytrees (a leading device axis), one per step.
+    n_devices: how many devices (the first ones) run it.
+    axis_name: the mapped axis' name.
+    state: the per-device state the first step starts from; by default ``tx.init(params)`` stacked
+      over the devices.
+    params: what ``tx.init`` sees; by default the first step's gradients on device 0.
 
   Returns:
-    ``(outputs, states)``: one per step; the state starts from ``tx.init`` stacked over devices.
+    ``(outputs, states)``: one per step, each state the one after that step.
   """
-  step = jax.pmap(tx.update, axis_name=axis_name, devices=jax.devices()[:n_devices])
-  state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads_per_step[0])), n_devices)
+  step = pmapped_update(tx, n_devices, axis_name)
+  if state is None:
+    if params is None:
+      params = jax.tree.map(lambda g: g[0], grads_per_step[0])
+    state = replicate(tx.init(params), n_devices)
   outputs, states = [], []
   for grads in grads_per_step:
-    out, state = jax.block_until_ready(step(grads, state))  # blocked: XLA:CPU needs it
+    out, state = jax.block_until_ready(step(grads, state))
     outputs.append(out)
     states.append(state)
   return outputs, states
+
+
+def pmap_update(tx, grads, n_devices=8, axis_name="batch", state=None):
+  """One step of ``run_updates``: ``tx.update`` under pmap on per-device ``grads``; returns
+  (outputs, new per-device states)."""
+  (out,), (state,) = run_updates(tx, [grads], n_devices, axis_name, state=state)
+  return out, state
+
+
+def run_applied_updates(tx, grads_per_step, params, n_devices=8, state=None):
+  """``pmapped_applied_update`` on each per-device gradient pytree in turn, from ``params`` (one
+  copy, replicated here) and ``state`` (per device; by default ``tx.init(params)``, jitted,
+  replicated).
+
+  Returns:
+    ``(updates, states)``: one per step, as NumPy arrays (inputs of another kind would compile the
+    step again).
+  """
+  step = pmapped_applied_update(tx, n_devices)
+  if state is None:
+    state = replicate(jax.jit(tx.init)(params), n_devices)
+  params = replicate(params, n_devices)
+  outs, states = [], []
+  for grads in grads_per_step:
+    updates, state, params = fetched(step(grads, state, params))
+    outs.append(updates)
+    states.append(state)
+  return outs, states

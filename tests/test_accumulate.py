@@ -9,7 +9,8 @@ import optax
 import pytest
 
 import jaxcomp
-from helpers import rounding_tol
+from helpers import replicate, rounding_tol
+from training import pmap_step, run
 
 pytestmark = pytest.mark.numeric
 W = 8
@@ -33,30 +34,14 @@ def data(steps, per_device):
           rng.normal(size=(steps, W, per_device, 2)).astype(np.float32))
 
 
-def pmapped_step(tx):
-
-  def step(params, opt_state, x, y):
-    grads = jax.grad(loss_fn)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, updates
-
-  return jax.pmap(step, axis_name="batch")
-
-
-def replicate(tree):
-  return jax.tree.map(lambda x: np.broadcast_to(x, (W,) + np.shape(x)), tree)
-
-
-def run(tx, xs, ys):
-  step = pmapped_step(tx)
-  params = replicate(init_params())
-  opt_state = jax.pmap(tx.init)(params)
-  all_updates = []
-  for x, y in zip(xs, ys):
-    params, opt_state, updates = step(params, opt_state, x, y)
-    jax.block_until_ready(params)
-    all_updates.append(updates)
-  return params, opt_state, all_updates
+def train(tx, xs, ys):
+  """The pmapped steps of ``tx`` on the batches ``xs``, ``ys`` (``training.run``): the last
+  parameters and state, and every step's updates."""
+  params = replicate(init_params(), W)
+  params, opt_state, outputs = run(pmap_step(loss_fn, tx, W, returns="updates"), params,
+                                   jax.pmap(tx.init)(params), len(xs), n_devices=W,
+                                   batch=lambda t, n: (xs[t], ys[t]))
+  return params, opt_state, [updates for _, _, updates in outputs]
 
 
 INNERS = {
@@ -72,12 +57,12 @@ INNERS = {
 def test_k_micro_steps_equal_one_step_on_the_k_times_larger_batch(inner):
   big_steps, per_device = 3, 2
   xs, ys = data(big_steps * K, per_device)
-  params, _, updates = run(jaxcomp.accumulate(INNERS[inner](), every_k=K), xs, ys)
+  params, _, updates = train(jaxcomp.accumulate(INNERS[inner](), every_k=K), xs, ys)
 
   # The reference: each device sees its K micro-batches at once, one step per K micro-steps.
   big = lambda a: a.reshape(big_steps, K, W, per_device, -1).transpose(0, 2, 1, 3, 4).reshape(
       big_steps, W, K * per_device, -1)
-  ref_params, _, _ = run(INNERS[inner](), big(xs), big(ys))
+  ref_params, _, _ = train(INNERS[inner](), big(xs), big(ys))
   # A different program (K means of 2 vs one mean of 2K, then W devices): unit-scale params agree
   # to a rounding per term of each step's reductions.
   chex.assert_trees_all_close(params, ref_params, **rounding_tol(big_steps * (K * per_device + W)))
@@ -91,24 +76,26 @@ def test_k_micro_steps_equal_one_step_on_the_k_times_larger_batch(inner):
 def test_the_accumulator_is_per_device_and_resets_after_communicating():
   xs, ys = data(K, 2)
   tx = jaxcomp.accumulate(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)), every_k=K)
-  _, state, _ = run(tx, xs[:1], ys[:1])
+  _, state, _ = train(tx, xs[:1], ys[:1])
   assert isinstance(state, jaxcomp.AccumulateState)
   np.testing.assert_array_equal(state.micro_step, np.ones(W))
   grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(init_params(), xs[0], ys[0])
-  # The pmapped step against vmap outside it: a rounding per term of the 2-sample, 6-wide reductions,
-  # absolute on the scale of the terms (unit-scale inputs and weights): some gradients cancel to ~1e-3.
+  # The pmapped step against vmap outside it: a rounding per term of the 2-sample, 6-wide
+  # reductions, absolute on the scale of the terms (unit-scale inputs and weights): some gradients
+  # cancel to ~1e-3.
   chex.assert_trees_all_close(state.acc, tuple(jax.tree.leaves(grads)), **rounding_tol(2 * 6))
   assert not np.allclose(state.acc[0][0], state.acc[0][1])  # devices hold their own sums
-  _, state, _ = run(tx, xs, ys)
+  _, state, _ = train(tx, xs, ys)
   np.testing.assert_array_equal(state.micro_step, np.zeros(W))
   chex.assert_trees_all_equal(state.acc, jax.tree.map(jnp.zeros_like, state.acc))
 
 
 def _step_report(tx):
-  params = replicate(init_params())
+  params = replicate(init_params(), W)
   opt_state = jax.pmap(tx.init)(params)
   x, y = (a[0] for a in data(1, 2))
-  return jaxcomp.comm_report(pmapped_step(tx), params, opt_state, x, y)
+  return jaxcomp.comm_report(pmap_step(loss_fn, tx, W, returns="updates"), params, opt_state, x,
+                             y)
 
 
 def test_collectives_sit_in_the_branch_that_runs_once_per_k():
@@ -147,8 +134,8 @@ def test_every_k_one_is_the_inner_transformation():
   inner = lambda: optax.chain(jaxcomp.allreduce(), optax.sgd(0.1, momentum=0.9))
   # Two programs (the inner update inside a cond, or not): unit-scale params agree to rounding of
   # each step's reductions (2 samples, W devices); absolute, as b1 (from zero) is ~1e-3.
-  chex.assert_trees_all_close(run(jaxcomp.accumulate(inner(), every_k=1), xs, ys)[0],
-                              run(inner(), xs, ys)[0], **rounding_tol(len(xs) * (2 + W)))
+  chex.assert_trees_all_close(train(jaxcomp.accumulate(inner(), every_k=1), xs, ys)[0],
+                              train(inner(), xs, ys)[0], **rounding_tol(len(xs) * (2 + W)))
 
 
 @pytest.mark.parametrize("every_k, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
@@ -158,7 +145,7 @@ def test_every_k_is_validated(every_k, error):
     jaxcomp.accumulate(optax.sgd(0.1), every_k=every_k)
 
 
-def test_inner_is_validated():
+def test_an_inner_that_is_not_a_gradient_transformation_is_refused():
   with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
     jaxcomp.accumulate(lambda g: g, every_k=2)
 

@@ -1,7 +1,8 @@
 """Strict axes: inside a mapped context (pmap, vmap with an axis name, shard_map) that does not bind
-a transformation's axis, every compressor raises ``UnboundAxisError`` naming the missing axis and the
-bound ones — averaging over nothing there would let the replicas drift. (World size 1 where no axis
-is bound at all, with a warning on every new trace: tests/test_dense.py, tests/test_bad_input.py.)
+a transformation's axis, every compressor raises ``UnboundAxisError`` naming the missing axis and
+the bound ones — averaging over nothing there would let the replicas drift. (World size 1 where no
+axis is bound at all, with a warning on every new trace: tests/test_dense.py,
+tests/test_bad_input.py.)
 
 A float16 sum over devices (``axis.psum``, which every mean goes through) runs on XLA:CPU as an
 all-to-all, a sum in device order and an all-gather (``axis.sum_in_rows``): bit-identical to the

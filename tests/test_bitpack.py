@@ -31,7 +31,8 @@ def test_elias_fano_is_within_two_bits_a_position_of_the_information_bound():
   for n, k in [(4096, 16), (4096, 32), (4096, 64), (4096, 128), (65536, 64)]:
     bound = bitpack.information_bound(n, k)
     assert bound <= bitpack.EliasFano.of(n, k).bits(k) < bound + 2 * k
-  # The figures of the module docstring: 64 of 4,096 in 511 bits; the bound 471.3; 12-bit indices 768.
+  # The figures of the module docstring: 64 of 4,096 in 511 bits; the bound 471.3; 12-bit
+  # indices 768.
   assert bitpack.EliasFano.of(4096, 64).bits(64) == 511
   assert round(bitpack.information_bound(4096, 64), 1) == 471.3
 

@@ -23,7 +23,8 @@ MIB = 1024 * 1024
 
 
 def linear_stack(case):
-  """The golden model's parameters as a pytree in torch's parameters() order (weight, bias per layer)."""
+  """The golden model's parameters as a pytree in torch's parameters() order (weight, bias per
+  layer)."""
   params = GOLDEN[case]["params"]
   leaves = [jax.ShapeDtypeStruct(tuple(p["shape"]), jnp.dtype(p["dtype"])) for p in params]
   return [tuple(leaves[i:i + 2]) for i in range(0, len(leaves), 2)]
@@ -79,7 +80,8 @@ def counting_hook(state, bucket):
 
 def test_per_bucket_state_from_a_factory_and_non_finite_gating():
   tx = jaxcomp.comm_hook(counting_hook,
-                         lambda b: {"steps": jnp.zeros((), jnp.int32), "sum": jnp.zeros_like(b.buffer)},
+                         lambda b: {"steps": jnp.zeros((), jnp.int32),
+                                    "sum": jnp.zeros_like(b.buffer)},
                          bucket_cap_mb=0.0005)
   rng = np.random.default_rng(5)
   grads = per_device_grads(rng, PARAMS, W)

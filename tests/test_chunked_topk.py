@@ -2,7 +2,6 @@
 the non-finite policy, DDP buckets, a scheduled error decay, and its argument checks."""
 
 import chex
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -10,7 +9,8 @@ import optax
 import pytest
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate, rounding_tol
+from helpers import (assert_identical_across_devices, pmapped_update, replicate, rounding_tol,
+                     run_updates)
 from jaxcomp._src import chunked_topk as chunked_topk_lib
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
@@ -21,10 +21,10 @@ FLOAT = ("w", "b")  # the reduced leaves
 
 
 def reference_sent(e, k, chunk, bits, delta):
-  """Steps 2–3 of ``chunked_topk`` for one device's error-fed leaf ``e``, in float64, from the module
-  docstring: ``(sent, fragile)`` — the values sent at their positions (0 elsewhere), and how many
-  decisions (a top-k boundary, a magnitude-bin boundary, a bfloat16 rounding) lie within ``delta`` of
-  flipping, where a float32 program could decide otherwise."""
+  """Steps 2–3 of ``chunked_topk`` for one device's error-fed leaf ``e``, in float64, from the
+  module docstring: ``(sent, fragile)`` — the values sent at their positions (0 elsewhere), and how
+  many decisions (a top-k boundary, a magnitude-bin boundary, a bfloat16 rounding) lie within
+  ``delta`` of flipping, where a float32 program could decide otherwise."""
   n = e.size
   rows = -(-n // chunk)
   width = -(-n // rows)
@@ -58,7 +58,8 @@ def reference_sent(e, k, chunk, bits, delta):
 
 def reference(grads_per_step, k, chunk, bits, beta, delta):
   """``chunked_topk`` over steps, in float64: per device e ← β·e + g, ê = Q(TopK(e)), e ← e − ê; the
-  output is Σ_w ê_w / W. Returns the outputs, the final errors and the count of fragile decisions."""
+  output is Σ_w ê_w / W. Returns the outputs, the final errors and the count of fragile
+  decisions."""
   errors = [{name: np.zeros(grads_per_step[0][name].shape[1:]) for name in FLOAT}
             for _ in range(W)]
   outputs, fragile = [], 0
@@ -88,24 +89,11 @@ def gradients(steps, seed=0):
            "n": np.tile(np.arange(3, dtype=np.int32), (W, 1))} for _ in range(steps)]
 
 
-def run(tx, grads_per_step, state=None):
-  """``tx.update`` under pmap on each step's per-device gradients, compiled once; returns the outputs
-  and the state after every step."""
-  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
-  state = replicate(tx.init(params()), W) if state is None else state
-  outputs, states = [], []
-  for grads in grads_per_step:
-    out, state = jax.block_until_ready(step(grads, state))
-    outputs.append(out)
-    states.append(state)
-  return outputs, states
-
-
 @pytest.mark.parametrize("bits", [1, 2, 3])
 def test_matches_its_steps_in_numpy_and_the_mean_is_the_same_on_every_device(bits):
   grads = gradients(4)
   tx = jaxcomp.chunked_topk(K, chunk=CHUNK, bits=bits, error_decay=0.9)
-  outputs, states = run(tx, grads)
+  outputs, states = run_updates(tx, grads, W, params=params())
   # The errors (of order 1, below 4) went through four steps of two roundings each in float32: no
   # choice of the reference lies that close to flipping, so both programs choose alike, and the
   # outputs agree to a few roundings more.
@@ -128,14 +116,14 @@ def test_matches_its_steps_in_numpy_and_the_mean_is_the_same_on_every_device(bit
 
 def test_sends_one_uint8_all_gather_of_the_coded_chunks_and_nothing_else():
   tx = jaxcomp.chunked_topk(K, chunk=CHUNK)
-  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
+  step = pmapped_update(tx, W)
   report = jaxcomp.comm_report(step, gradients(1)[0], replicate(tx.init(params()), W),
                                num_devices=W)
   config = chunked_topk_lib.ChunkedTopKConfig(K, CHUNK)
   sent = chunked_topk_lib.payload_bytes(config, [(12, 9), (9,)])
-  # Per chunk of w: 4 positions of 27 in Elias–Fano code (l = 2: 8 low bits, 4 + 26 >> 2 = 10 upper),
-  # 4 2-bit codes: 26 bits, 4 bytes; then 2 bfloat16 centroids. b: 2 of 9 (l = 2: 4 + 4 bits) and
-  # 2 codes: 12 bits, 2 bytes, and 4 bytes of centroids.
+  # Per chunk of w: 4 positions of 27 in Elias–Fano code (l = 2: 8 low bits, 4 + 26 >> 2 = 10
+  # upper), 4 2-bit codes: 26 bits, 4 bytes; then 2 bfloat16 centroids. b: 2 of 9 (l = 2: 4 + 4
+  # bits) and 2 codes: 12 bits, 2 bytes, and 4 bytes of centroids.
   assert sent == 4 * (4 + 4) + (2 + 4)
   # No flag of its own: a non-finite gradient shows in the centroids sent.
   assert [(c.op, c.dtypes, c.payload_bytes) for c in report.collectives] == [
@@ -151,7 +139,7 @@ def test_a_non_finite_gradient_on_one_device_keeps_every_state_and_outputs_nan_e
   tx = jaxcomp.chunked_topk(K, chunk=CHUNK, error_decay=0.9)
   grads = gradients(2)
   grads[1]["w"][2, 3, 4] = bad
-  outputs, states = run(tx, grads)
+  outputs, states = run_updates(tx, grads, W, params=params())
   assert np.isnan(outputs[1]["w"]).all() and np.isnan(outputs[1]["b"]).all()
   np.testing.assert_array_equal(outputs[1]["n"], grads[1]["n"])
   chex.assert_trees_all_equal(states[1], states[0])  # error and count exactly as they were
@@ -160,23 +148,24 @@ def test_a_non_finite_gradient_on_one_device_keeps_every_state_and_outputs_nan_e
 
 def test_ddp_buckets_send_one_all_gather_each_and_average_as_the_whole_tree():
   grads = gradients(2)
-  whole, _ = run(jaxcomp.chunked_topk(K, chunk=CHUNK), grads)
+  whole, _ = run_updates(jaxcomp.chunked_topk(K, chunk=CHUNK), grads, W, params=params())
   tx = jaxcomp.chunked_topk(K, chunk=CHUNK, bucket_cap_mb=200 / 2**20)  # w and b apart
-  bucketed, states = run(tx, grads)
+  bucketed, states = run_updates(tx, grads, W, params=params())
   assert isinstance(states[-1], jaxcomp.CommHookState)
   for got, want in zip(bucketed, whole):  # the same per-leaf arithmetic in another program
     chex.assert_trees_all_close(got, want, **rounding_tol(16, scale=2.0))
-  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
+  step = pmapped_update(tx, W)
   report = jaxcomp.comm_report(step, grads[0], replicate(tx.init(params()), W), num_devices=W)
   assert sorted(c.dtypes for c in report.collectives if c.op == "all-gather") == [("u8",)] * 2
 
 
 def test_error_decay_may_be_scheduled_under_inject_hyperparams():
   grads = gradients(2)
-  fixed, _ = run(jaxcomp.chunked_topk(K, chunk=CHUNK, error_decay=0.5), grads)
+  fixed, _ = run_updates(jaxcomp.chunked_topk(K, chunk=CHUNK, error_decay=0.5), grads, W,
+                         params=params())
   injected = optax.inject_hyperparams(jaxcomp.chunked_topk, static_args=("k", "chunk", "bits"))(
       k=K, chunk=CHUNK, error_decay=0.5)
-  scheduled, states = run(injected, grads)
+  scheduled, states = run_updates(injected, grads, W, params=params())
   chex.assert_trees_all_close(scheduled, fixed, **rounding_tol(16, scale=2.0))
   assert float(states[-1].hyperparams["error_decay"][0]) == 0.5
 
@@ -198,7 +187,7 @@ def test_settings_are_checked_and_static_ones_refused_as_arrays_in_one_error():
 def test_a_gradient_without_floating_point_leaves_passes_through_and_sends_nothing():
   tx = jaxcomp.chunked_topk(K, chunk=CHUNK)
   grads = {"n": np.tile(np.arange(3, dtype=np.int32), (W, 1))}
-  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
+  step = pmapped_update(tx, W)
   state = replicate(tx.init({"n": np.zeros(3, np.int32)}), W)
   out, state = step(grads, state)
   np.testing.assert_array_equal(out["n"], grads["n"])

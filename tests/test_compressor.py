@@ -17,7 +17,7 @@ import pytest
 
 import jaxcomp
 from compressors import COMPRESSORS
-from helpers import assert_identical_across_devices, replicate
+from helpers import assert_identical_across_devices, replicate, run_updates
 from jaxcomp._src import axis, compressor, finite, local_steps, phases, validate
 from jaxcomp._src import tree as tree_lib
 from jaxcomp.train.registry import REGISTRY
@@ -106,16 +106,6 @@ def grads(seed=0, nan_on=None):
   return g
 
 
-def run(tx, steps):
-  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
-  state = replicate(tx.init(jax.tree.map(lambda x: x[0], steps[0])), W)
-  outs = []
-  for g in steps:
-    out, state = jax.block_until_ready(step(g, state))
-    outs.append(out)
-  return outs, state
-
-
 # ------------------------------------------------------------------------------------------ means
 
 
@@ -124,7 +114,7 @@ def test_a_mean_is_a_declared_transformation_with_its_scatter():
   assert isinstance(tx, jaxcomp.Transformation) and isinstance(tx, optax.GradientTransformation)
   assert (tx.name, tx.axis_name, tx.output, tx.owns_params) == ("toy", "batch", "gradient", False)
   g = grads()
-  (out,), _ = run(tx, [g])
+  (out,), _ = run_updates(tx, [g], W)
   shard = jax.pmap(tx.scatter, axis_name="batch", devices=jax.devices()[:W])(
       g, replicate(tx.init({"w": g["w"][0], "n": g["n"][0]}), W))[0]["w"]
   # The whole mean, this device's shard of it kept (flat layout: the raveled leaf cut in W).
@@ -135,7 +125,7 @@ def test_a_mean_is_a_declared_transformation_with_its_scatter():
 
 def test_phases_run_in_turn_count_the_steps_and_label_the_report():
   tx = toy()
-  outs, state = run(tx, [grads(0), grads(1)])
+  outs, (*_, state) = run_updates(tx, [grads(0), grads(1)], W)
   mean = lambda s: grads(s)["w"].mean(0)  # noqa: E731
   np.testing.assert_allclose(outs[0]["w"][0], 2 * mean(0), rtol=1e-6)  # the warm-up phase
   np.testing.assert_allclose(outs[1]["w"][0], mean(1), rtol=1e-6)
@@ -154,19 +144,19 @@ def test_each_way_of_the_nonfinite_policy_keeps_the_state_and_returns_nan_everyw
   config = {"skip": ToyConfig, "select": SelectToyConfig, "own": OwnToyConfig}[nonfinite](warmup=0)
   assert config.NONFINITE == nonfinite
   tx = toy(config, toy_own_step if nonfinite == "own" else toy_step)
-  outs, state = run(tx, [grads(0), grads(1, nan_on=2), grads(2)])
+  outs, (*_, state) = run_updates(tx, [grads(0), grads(1, nan_on=2), grads(2)], W)
   assert np.isnan(np.asarray(outs[1]["w"])).all()  # every device, every element
   assert np.asarray(state.count).tolist() == [2] * W  # the non-finite step was not counted
   np.testing.assert_allclose(state.last[0][0], grads(2)["w"].mean(0), rtol=1e-6)
-  _, kept = run(tx, [grads(0), grads(1, nan_on=2)])
-  np.testing.assert_array_equal(kept.last[0], run(tx, [grads(0)])[1].last[0])
+  _, (*_, kept) = run_updates(tx, [grads(0), grads(1, nan_on=2)], W)
+  np.testing.assert_array_equal(kept.last[0], run_updates(tx, [grads(0)], W)[1][0].last[0])
 
 
 def test_traceable_settings_are_arrays_and_static_ones_are_refused_with_every_static_name():
   tx = optax.inject_hyperparams(
       lambda scale, warmup: toy(ToyConfig(scale=scale, warmup=warmup)),
       static_args=("warmup",))(scale=3.0, warmup=0)
-  (out,), state = run(tx, [grads()])
+  (out,), (state,) = run_updates(tx, [grads()], W)
   np.testing.assert_allclose(out["w"][0], 3 * grads()["w"].mean(0), rtol=1e-6)
   assert state.inner_state.config.scale is validate.TRACED  # the array stays out of the state
   with pytest.raises(TypeError, match=r"^toy: warmup is static .*not an array. Under "
@@ -184,10 +174,11 @@ def test_the_hook_runs_the_same_step_on_a_bucket():
   tx = jaxcomp.comm_hook(hook, compressor.hook_state("toy", ToyConfig(warmup=0), toy_init))
   plain = toy(ToyConfig(warmup=0))
   g = {"w": grads()["w"]}
-  np.testing.assert_allclose(run(tx, [g])[0][0]["w"], run(plain, [g])[0][0]["w"], rtol=1e-6)
+  np.testing.assert_allclose(run_updates(tx, [g], W)[0][0]["w"],
+                             run_updates(plain, [g], W)[0][0]["w"], rtol=1e-6)
   with pytest.raises(TypeError, match=r"toy_hook needs the per-bucket state made by "
                                       r"jaxcomp.hooks.toy_state"):
-    run(jaxcomp.comm_hook(hook, optax.EmptyState()), [g])
+    run_updates(jaxcomp.comm_hook(hook, optax.EmptyState()), [g], W)
   with pytest.raises(ValueError, match="bucket_cap_mb cannot be used here: needs the whole tree"):
     toy(WholeTreeToyConfig(), bucket_cap_mb=1.0)
 

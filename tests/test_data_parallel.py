@@ -15,7 +15,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import hooks
-from helpers import rounding_tol
+from helpers import replicate, rounding_tol
+from training import pmap_step, run
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -50,18 +51,12 @@ def mesh_1d(kind, n=W, name="batch"):
 
 
 def pmap_run(tx, data, n=W, axis_name="batch"):
-  """The reference: the same training under pmap, state stacked over devices."""
-
-  def step(params, opt_state, x, y):
-    updates, opt_state = tx.update(jax.grad(loss_fn)(params, x, y), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  step = jax.pmap(step, axis_name=axis_name, devices=jax.devices()[:n])
-  params = jax.tree.map(lambda a: np.stack([a] * n), init_params())
-  opt_state = jax.tree.map(lambda a: np.stack([a] * n), tx.init(init_params()))
-  for x, y in data:
-    params, opt_state = jax.block_until_ready(
-        step(params, opt_state, x.reshape(n, -1, 6), y.reshape(n, -1, 3)))
+  """The reference: the same training under pmap (``training.run``), state stacked over devices.
+  Returns device 0's parameters and every device's state."""
+  params, opt_state, _ = run(
+      pmap_step(loss_fn, tx, n, returns=None, axis_name=axis_name), replicate(init_params(), n),
+      replicate(tx.init(init_params()), n), len(data), n_devices=n,
+      batch=lambda t, n: (data[t][0].reshape(n, -1, 6), data[t][1].reshape(n, -1, 3)))
   return jax.tree.map(lambda a: a[0], params), opt_state
 
 

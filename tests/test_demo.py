@@ -2,7 +2,6 @@
 ``demo.py``, with SciPy's orthonormal DCT), under pmap and data_parallel; a decode that is the same
 bits on every device; int16 positions and the bytes of the compiled step; non-finite steps."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,8 @@ from scipy import fft
 
 import jaxcomp
 from jaxcomp._src import demo as demo_lib
-from helpers import assert_identical_across_devices, replicate, rounding_tol
+from helpers import (assert_identical_across_devices, pmapped_update, replicate, rounding_tol,
+                     run_applied_updates)
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -108,26 +108,6 @@ def make(**settings):
   return jaxcomp.demo(LR, chunk=CHUNK, k=K, decay=DECAY, weight_decay=WD, **settings)
 
 
-@functools.lru_cache(maxsize=None)
-def pmapped(tx):
-  def update(grads, state, params):
-    updates, state = tx.update(grads, state, params)
-    return updates, state, jax.tree.map(  # a non-finite step (NaN updates) leaves the parameters
-        lambda p, u: jnp.where(jnp.isfinite(u), p + u, p), params, updates)
-  return jax.pmap(update, axis_name="batch", devices=jax.devices()[:W])
-
-
-def run_pmap(tx, grads_per_step, small=False):
-  params = replicate(params_tree(small), W)
-  state = replicate(jax.jit(tx.init)(params_tree(small)), W)
-  outs, states = [], []
-  for grads in grads_per_step:
-    updates, state, params = jax.tree.map(np.asarray, pmapped(tx)(grads, state, params))
-    outs.append(updates)
-    states.append(state)
-  return outs, states
-
-
 def run_data_parallel(tx, grads_per_step):
   """The steps under ``jaxcomp.data_parallel``'s per-device-step form (shard_map, check_vma): the
   parameters after each."""
@@ -152,7 +132,7 @@ def test_matches_the_reference_step_for_step_under_pmap_and_data_parallel():
   grads = gradients(3)
   tx = make()
   ref = RefDeMo(params_tree())
-  outs, states = run_pmap(tx, grads)
+  outs, states = run_applied_updates(tx, grads, params_tree(), W)
   after = run_data_parallel(tx, grads)
   for g, out, state, params in zip(grads, outs, states, after):
     want = ref.step(g)
@@ -168,7 +148,7 @@ def test_matches_the_reference_step_for_step_under_pmap_and_data_parallel():
 def test_positions_travel_as_int16_and_the_bytes_are_the_compiled_steps():
   tx = make()
   state = replicate(tx.init(params_tree()), W)
-  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
+  step = pmapped_update(tx, W)
   report = jaxcomp.comm_report(step, gradients(1)[0], state, replicate(params_tree(), W),
                                num_devices=W)
   # (tiles, coefficients sent per tile) of each leaf; "v" (5 tiles of 1 × 8) and "s" would send
@@ -184,7 +164,7 @@ def test_defaults_send_32_of_each_64_by_64_tile_85_times_less_than_the_mean():
   tx = jaxcomp.demo(1e-3)
   grads = {"w": np.ones((W, 128, 192), np.float32)}
   state = replicate(tx.init({"w": grads["w"][0]}), W)
-  report = jaxcomp.comm_report(jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W]),
+  report = jaxcomp.comm_report(pmapped_update(tx, W),
                                grads, state, num_devices=W)
   tiles = 2 * 3
   assert report.payload_bytes == W * tiles * 32 * (4 + 2)
@@ -198,7 +178,7 @@ def test_the_decode_is_the_devices_values_in_device_order_and_the_same_bits_ever
   grads = {"w": values[:, None, None] * np.eye(1, 8, dtype=np.float32)[None]}  # (W, 1, 8)
   tx = jaxcomp.demo(1.0, k=1, decay=0.0)
   state = replicate(tx.init({"w": grads["w"][0]}), W)
-  updates, state = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])(grads, state)
+  updates, state = pmapped_update(tx, W)(grads, state)
   coefficient = fft.dct(np.eye(1, 8)[0], norm="ortho")  # the DCT of e_0: all 8 positive
   order = np.argsort(-np.abs(coefficient), kind="stable")[0]
   sent = coefficient[order].astype(np.float32) * values
@@ -215,7 +195,7 @@ def test_the_decode_is_the_devices_values_in_device_order_and_the_same_bits_ever
 def test_a_non_finite_step_keeps_the_state_and_gives_nan_on_every_device():
   grads = gradients(4, small=True)
   grads[2]["w"][1, 4, 7] = np.nan
-  outs, states = run_pmap(make(), grads, small=True)
+  outs, states = run_applied_updates(make(), grads, params_tree(small=True), W)
   assert all(np.isnan(np.asarray(outs[2][k])).all() for k in ("w", "v"))
   jax.tree.map(np.testing.assert_array_equal, states[2], states[1])
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(outs[3]))
@@ -244,7 +224,7 @@ def test_the_learning_rate_scales_the_gradient_into_the_momentum_and_the_step_ou
   def one_step(tx, taken=0):
     state = replicate(jax.jit(tx.init)(params_tree(small=True)), W)
     state = state._replace(count=state.count + taken)
-    return jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])(
+    return pmapped_update(tx, W)(
         grads, state, params)
 
   fixed, fixed_state = one_step(make())

@@ -1,4 +1,5 @@
-"""allreduce / fp16_compress / bf16_compress under pmap, shard_map, a 2-D mesh and without an axis."""
+"""allreduce / fp16_compress / bf16_compress under pmap, shard_map, a 2-D mesh and without an
+axis."""
 
 import warnings
 
@@ -54,10 +55,12 @@ def test_cast_compress_matches_torch_order_to_wire_rounding(make, wire):
   assert out["dense"]["kernel"].dtype == np.float32
   reference = torch_order_mean(kernel, wire)
   eps = float(ml_dtypes.finfo(wire).eps)
-  # The sum order on the wire may differ from the reference's: W roundings of the wire dtype at most.
+  # The sum order on the wire may differ from the reference's: W roundings of the wire dtype at
+  # most.
   np.testing.assert_allclose(out["dense"]["kernel"][0], reference, rtol=0, atol=W * eps * 2)
   exact = kernel.mean(0)
-  assert np.abs(out["dense"]["kernel"][0] - exact).max() > 0  # it really went through the wire dtype
+  # It really went through the wire dtype.
+  assert np.abs(out["dense"]["kernel"][0] - exact).max() > 0
 
 
 def test_fp16_divides_before_summing_so_large_gradients_do_not_overflow():

@@ -1,4 +1,5 @@
-"""End to end: a Flax MLP on scikit-learn's digits, 8 devices, DGC at 0.1% against the plain mean."""
+"""End to end: a Flax MLP on scikit-learn's digits, 8 devices, DGC at 0.1% against the plain
+mean."""
 
 import jax
 import jax.numpy as jnp

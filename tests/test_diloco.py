@@ -1,5 +1,5 @@
-"""``diloco``: the paper's Algorithm 1 in NumPy step for step, its reduction to allreduce, compressed
-pseudo-gradients, what it sends, and an orbax resume in the middle of a period."""
+"""``diloco``: the paper's Algorithm 1 in NumPy step for step, its reduction to allreduce,
+compressed pseudo-gradients, what it sends, and an orbax resume in the middle of a period."""
 
 import chex
 import jax
@@ -10,9 +10,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate
+from helpers import assert_identical_across_devices, pmapped, replicate
 from jaxcomp.train.registry import REGISTRY
 from test_local_sgd import batch, init_params, loss_fn, numpy_grad, pmap_run
+from training import pmap_step, run
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -75,15 +76,12 @@ def test_matches_the_papers_algorithm_in_numpy_and_replicas_are_identical_after_
 
 
 def run_with_state(tx, steps, n=4, state=None, params=None, first=0):
-  def step(params, state, x, y):
-    updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
-    return optax.apply_updates(params, updates), state
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:n])
+  """``steps`` pmapped steps of ``tx`` from step ``first`` on the least-squares data
+  (``training.run``): the parameters and the state after the last."""
   params = replicate(init_params(), n) if params is None else params
   state = replicate(tx.init(init_params()), n) if state is None else state
-  for t in range(first, first + steps):
-    params, state = jax.block_until_ready(pstep(params, state, *batch(t, n)))
+  params, state, _ = run(pmap_step(loss_fn, tx, n, returns=None), params, state, steps, first,
+                         n_devices=n, batch=batch)
   return params, state
 
 
@@ -120,8 +118,7 @@ def test_sends_the_parameters_once_per_outer_step_amortised_by_the_registry():
   numel = sum(x.size for x in jax.tree.leaves(params))
 
   def report(tx):
-    step = jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name="batch",
-                    devices=jax.devices()[:4])
+    step = pmapped(lambda p, s, g: tx.update(g, s, p), 4)
     return jaxcomp.comm_report(step, replicate(params, 4), replicate(tx.init(params), 4),
                                replicate(params, 4), num_devices=4)
 

@@ -3,7 +3,6 @@ data-parallel exchange of the factors reproduces, by linearity), at low and at f
 pmap and data_parallel; at full rank its warm-started power iteration reaches the orthonormal factor
 UVᵀ of the mean momentum; the bytes of the compiled step; non-finite steps; NNX; exact resume."""
 
-import functools
 import math
 
 import jax
@@ -16,7 +15,8 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate, rounding_tol
+from helpers import (assert_identical_across_devices, pmapped, pmapped_update, replicate,
+                     rounding_tol, run_applied_updates)
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -92,33 +92,6 @@ def make(**settings):
                       fan_in=fan_in, **settings)
 
 
-@functools.lru_cache(maxsize=None)
-def pmapped(tx):
-  """The pmapped update of ``tx``, applied to the parameters (compiled once per ``tx``)."""
-
-  def update(grads, state, params):
-    updates, state = tx.update(grads, state, params)
-    # As a guard after it would: a non-finite step (NaN updates) leaves the parameters.
-    return updates, state, jax.tree.map(
-        lambda p, u: jnp.where(jnp.isfinite(u), p + u, p), params, updates)
-
-  return jax.pmap(update, axis_name="batch", devices=jax.devices()[:W])
-
-
-def run_pmap(tx, grads_per_step, params=None, state=None):
-  """pmapped updates applied to the parameters; the updates and states of each step."""
-  params = replicate(params_tree() if params is None else params, W)
-  if state is None:
-    state = replicate(jax.jit(tx.init)(jax.tree.map(lambda p: p[0], params)), W)
-  outs, states = [], []
-  for grads in grads_per_step:
-    # Back as NumPy arrays: inputs of another kind would compile the step again.
-    updates, state, params = jax.tree.map(np.asarray, pmapped(tx)(grads, state, params))
-    outs.append(updates)
-    states.append(state)
-  return outs, states
-
-
 def run_data_parallel(tx, grads_per_step):
   """The same steps under ``jaxcomp.data_parallel``'s per-device-step form (shard_map, check_vma);
   the parameters after each step."""
@@ -153,7 +126,7 @@ def test_matches_the_reference_on_the_mean_gradient(rank):
   ref = RefDion(params_tree(small), state.q, {k: MATRICES[k] for k in state.q
                                               if k in MATRICES})
   if small:  # under pmap: the updates
-    outs, _ = run_pmap(tx, grads, params_tree(small))
+    outs, _ = run_applied_updates(tx, grads, params_tree(small), W)
     for g, out in zip(grads, outs):
       want = ref.step({k: v.astype(np.float64).mean(0) for k, v in g.items()})
       assert_identical_across_devices(out)
@@ -180,7 +153,8 @@ def test_at_full_rank_the_update_is_the_orthonormal_factor_of_the_mean_momentum(
   first = {"w": (mean + noise - noise.mean(0)).astype(np.float32)}
   zero = {"w": np.zeros((W, 12, 6), np.float32)}
   tx = jaxcomp.dion(LR, rank_fraction=1.0, mu=1.0, weight_decay=0.0)
-  outs, _ = run_pmap(tx, [first] + [zero] * 40, {"w": np.zeros((12, 6), np.float32)})
+  outs, _ = run_applied_updates(tx, [first] + [zero] * 40, {"w": np.zeros((12, 6), np.float32)},
+                                W)
   polar = u @ v.T
   np.testing.assert_allclose(outs[-1]["w"][0], -LR * math.sqrt(6 / 12) * polar, rtol=0,
                              atol=1e-5 * LR)
@@ -195,7 +169,7 @@ def test_lion_is_optax_lion_on_the_mean_of_the_scalar_leaves():
   lion = optax.lion(SLR, b1=0.9, b2=0.99, weight_decay=SWD)
   params = {"bias": params_tree()["bias"]}
   lion_state = lion.init(params)
-  outs, _ = run_pmap(tx, grads, params_tree(small=True))
+  outs, _ = run_applied_updates(tx, grads, params_tree(small=True), W)
   for g, out in zip(grads, outs):
     want, lion_state = lion.update({"bias": g["bias"].mean(0)}, lion_state, params)
     params = optax.apply_updates(params, want)
@@ -206,7 +180,7 @@ def test_bytes_are_the_factors_and_the_dense_means_in_two_all_reduces():
   tx = make(rank=2)
   grads = gradients(1)[0]
   state = replicate(tx.init(params_tree()), W)
-  report = jaxcomp.comm_report(jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W]),
+  report = jaxcomp.comm_report(pmapped_update(tx, W),
                                grads, state, replicate(params_tree(), W), num_devices=W)
   factors = 2 * (24 + 10) + 2 * (6 + 20) + 2 * (8 + 10)  # r·(a + b) per compressed matrix
   dense = 3 * 4 + 10 + 12 * 4  # the uncompressed matrix, the bias, the embedding
@@ -218,7 +192,7 @@ def test_bytes_are_the_factors_and_the_dense_means_in_two_all_reduces():
 def test_a_non_finite_step_keeps_the_state_and_gives_nan_on_every_device():
   grads = gradients(4, small=True)
   grads[2]["tall"][3, 3, 1] = np.inf
-  outs, states = run_pmap(make(rank=2), grads, params_tree(small=True))
+  outs, states = run_applied_updates(make(rank=2), grads, params_tree(small=True), W)
   assert all(np.isnan(np.asarray(x)).all() for x in jax.tree.leaves(outs[2]))
   jax.tree.map(np.testing.assert_array_equal, states[2], states[1])
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(outs[3]))
@@ -250,7 +224,7 @@ def test_hyperparameters_may_be_injected_and_the_learning_rate_a_schedule():
   def one_step(tx, taken=0):  # from a fresh state that has taken ``taken`` steps
     state = replicate(jax.jit(tx.init)(params_tree(small=True)), W)
     state = state._replace(count=state.count + taken)
-    return jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])(
+    return pmapped_update(tx, W)(
         grads, state, params)[0]
 
   fixed = one_step(jaxcomp.dion(LR, mu=0.9, **settings))
@@ -293,7 +267,7 @@ def test_nnx_optimizer_gives_the_parameters_of_plain_arrays():
     updates, opt_state = tx.update(grads, plain[1], plain[0])
     return (model, optimizer), (optax.apply_updates(plain[0], updates), opt_state)
 
-  step = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  step = pmapped(step, W)
   nnx_state, plain = replicate((model, optimizer), W), replicate((params, state), W)
   rng = np.random.default_rng(0)
   for _ in range(3):
@@ -307,7 +281,7 @@ def test_nnx_optimizer_gives_the_parameters_of_plain_arrays():
 def test_resumes_from_an_orbax_checkpoint_bitwise(tmp_path):
   grads = gradients(4, small=True)
   tx = make(rank=2)
-  outs, states = run_pmap(tx, grads, params_tree(small=True))
+  outs, states = run_applied_updates(tx, grads, params_tree(small=True), W)
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(tmp_path / "state", states[1])
   with ocp.StandardCheckpointer() as ckpt:
@@ -317,6 +291,7 @@ def test_resumes_from_an_orbax_checkpoint_bitwise(tmp_path):
   params = replicate(params_tree(small=True), W)
   for out in outs[:2]:
     params = jax.tree.map(lambda p, u: p + np.asarray(u), params, out)
-  resumed, _ = run_pmap(tx, grads[2:], jax.tree.map(lambda p: p[0], params), restored)
+  resumed, _ = run_applied_updates(tx, grads[2:], jax.tree.map(lambda p: p[0], params), W,
+                                   restored)
   for got, want in zip(resumed, outs[2:]):
     jax.tree.map(np.testing.assert_array_equal, got, want)

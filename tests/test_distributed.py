@@ -1,6 +1,6 @@
 """DDP's promises besides the hooks, in one process on 8 devices: identical replicas
-(check_replicated / broadcast_replicated), buffer sync (sync_buffers), uneven inputs (all_have_data).
-The same across two processes: tests/test_distributed_multihost.py."""
+(check_replicated / broadcast_replicated), buffer sync (sync_buffers), uneven inputs
+(all_have_data). The same across two processes: tests/test_distributed_multihost.py."""
 
 import functools
 import warnings
@@ -49,8 +49,8 @@ def test_identical_replicas_pass_and_a_drifted_one_is_named_with_its_device():
   drifted = [c] * 3 + [c + 1] + [c] * 4
   bad = {**good, "d": with_copies(drifted), "e": with_copies([np.zeros(2)] * 5 + [np.ones(2)] * 3)}
   with pytest.raises(jaxcomp.ReplicaMismatchError,
-                     match=r"leaf \['d'\] \(bfloat16\[4\]\) differs between the devices of process 0: "
-                           r"its copy on local device 3"):
+                     match=r"leaf \['d'\] \(bfloat16\[4\]\) differs between the devices of "
+                           r"process 0: its copy on local device 3"):
     jaxcomp.check_replicated(bad)
 
 
@@ -58,7 +58,8 @@ def test_identical_replicas_pass_and_a_drifted_one_is_named_with_its_device():
                                    np.bool_, np.uint16])
 def test_one_changed_element_anywhere_is_caught(dtype):
   rng = np.random.default_rng(0)
-  base = (rng.integers(0, 2, 1001) if dtype == np.bool_ else rng.integers(-50, 50, 1001)).astype(dtype)
+  base = (rng.integers(0, 2, 1001) if dtype == np.bool_
+          else rng.integers(-50, 50, 1001)).astype(dtype)
   for position in (0, 500, 1000):
     other = base.copy()
     other[position] = np.logical_not(other[position]) if dtype == np.bool_ else other[position] + 1
@@ -146,8 +147,9 @@ def test_mean_is_the_mean_over_devices_and_first_is_device_0s_bit_for_bit():
   stats = stats_tree(np.random.default_rng(0))
   mean = jax.pmap(lambda s: jaxcomp.sync_buffers(s, "mean"), axis_name="batch")(floats(stats))
   first = jax.pmap(lambda s: jaxcomp.sync_buffers(s, "first"), axis_name="batch")(stats)
-  expected_mean = jax.tree.map(lambda x: np.broadcast_to(x.mean(0, dtype=np.float64).astype(x.dtype),
-                                                         x.shape), floats(stats))
+  expected_mean = jax.tree.map(
+      lambda x: np.broadcast_to(x.mean(0, dtype=np.float64).astype(x.dtype), x.shape),
+      floats(stats))
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, mean), expected_mean)
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, first),
                               jax.tree.map(lambda x: np.broadcast_to(x[0], x.shape), stats))
@@ -160,7 +162,8 @@ def test_mean_refuses_integer_buffers_by_name():
 
 
 def numpy_every_k(updates, k, steps):
-  """Per-device buffers x_d ← x_d + u_d each step; averaged after the step when (step+1) % k == 0."""
+  """Per-device buffers x_d ← x_d + u_d each step; averaged after the step when
+  (step+1) % k == 0."""
   x, history = np.zeros_like(updates[0]), []
   for step in range(steps):
     x = x + updates[step]
@@ -212,8 +215,10 @@ def test_every_k_decides_on_the_largest_step_so_devices_never_disagree():
 
 def test_shard_map_every_step_keeps_the_buffers_replicated():
   stats = floats(stats_tree(np.random.default_rng(5)))
-  fn = jax.jit(jax.shard_map(lambda s: jaxcomp.sync_buffers(jax.tree.map(lambda x: x[0], s), "first"),
-                             mesh=MESH, in_specs=P("batch"), out_specs=P()))  # check_vma: invariant
+  # check_vma: invariant.
+  fn = jax.jit(jax.shard_map(
+      lambda s: jaxcomp.sync_buffers(jax.tree.map(lambda x: x[0], s), "first"),
+      mesh=MESH, in_specs=P("batch"), out_specs=P()))
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, fn(stats)),
                               jax.tree.map(lambda x: x[0], stats))
 

@@ -1,8 +1,9 @@
-"""DDP's promises besides the hooks across two processes joined by jax.distributed on 127.0.0.1 (gloo):
-a different start stops the job naming the leaf, process 0's broadcast makes the replicas identical,
-a process with fewer batches ends the job for all at the same step, BatchNorm statistics follow
-the chosen policy (pmap, shard_map, data_parallel), and data_parallel's make_state starts every process
-from process 0's state. Every job runs under a timeout, so a hang fails instead of blocking."""
+"""DDP's promises besides the hooks across two processes joined by jax.distributed on 127.0.0.1
+(gloo): a different start stops the job naming the leaf, process 0's broadcast makes the replicas
+identical, a process with fewer batches ends the job for all at the same step, BatchNorm statistics
+follow the chosen policy (pmap, shard_map, data_parallel), and data_parallel's make_state starts
+every process from process 0's state. Every job runs under a timeout, so a hang fails instead of
+blocking."""
 
 import os
 import pathlib
@@ -97,7 +98,8 @@ def test_batchnorm_statistics_follow_each_policy_across_two_processes():
   for process in range(2):
     for mapping in ("pmap", "shard_map", "data_parallel"):
       for policy in ("local", "mean", "first", "mean every 3"):
-        line = next(l for l in lines if l.startswith(f"process {process}: {mapping:13s} {policy:12s} "))
+        prefix = f"process {process}: {mapping:13s} {policy:12s} "
+        line = next(l for l in lines if l.startswith(prefix))
         assert "after every step match NumPy" in line, line
         outcome = "differ" if policy == "local" else "identical"
         assert f"both layers' statistics {outcome} on the 4 devices" in line, line

@@ -41,7 +41,7 @@ def accuracy(stdout):
 
 @pytest.mark.slow  # an end-to-end run of a script
 @pytest.mark.parametrize("name", ["train_nnx_pmap.py", "train_linen_pmap.py"])
-def test_pmap_examples_train(name):
+def test_pmap_examples_train_to_over_80_percent_accuracy_on_4_devices(name):
   out = run_example(name, "--steps", "60", "--devices", "4")
   assert "on 4 devices" in out
   assert accuracy(out) > 0.8

@@ -17,7 +17,7 @@ import pytest
 
 from jaxcomp._src import exchange, shards
 from jaxcomp._src import quantized as quantized_lib
-from helpers import assert_identical_across_devices, dyadic, rounding_tol
+from helpers import assert_identical_across_devices, dyadic, fetched, pmapped, rounding_tol
 
 pytestmark = pytest.mark.numeric
 W = 8
@@ -32,15 +32,6 @@ def exact_codec(granule):
 
 def per_device(rng, shapes=SHAPES, make=dyadic):
   return [make(rng, (W,) + s) for s in shapes]
-
-
-def fetched(tree):
-  """The program's outputs, waited for, as NumPy arrays (indexed device by device below)."""
-  return jax.tree.map(np.asarray, jax.block_until_ready(tree))
-
-
-def pmapped(fn):
-  return jax.pmap(fn, axis_name="batch", devices=jax.devices()[:W])
 
 
 def test_shard_length_and_every_layouts_rows_valid_and_count():
@@ -61,7 +52,7 @@ def test_shard_length_and_every_layouts_rows_valid_and_count():
       out[name] = (pieces, rows_of.join(pieces), rows_of.valid(owner), rows_of.count(owner))
     return out
 
-  out = fetched(pmapped(rows_of)(*arrays))
+  out = fetched(pmapped(rows_of, W)(*arrays))
   for name, (pieces, joined, valid, count) in out.items():
     for d in range(W):
       chex.assert_trees_all_equal([j[d] for j in joined], [a[d] for a in arrays])
@@ -83,7 +74,7 @@ def test_an_exact_codec_gives_the_mean_and_leaves_no_error():
   def mean_of(x, worker, server):
     return exchange.compressed_mean(exact_codec(4), list(x), list(worker), list(server), "batch")
 
-  mean, worker, server, ok = fetched(pmapped(mean_of)(x, zeros, zeros))
+  mean, worker, server, ok = fetched(pmapped(mean_of, W)(x, zeros, zeros))
   assert np.asarray(ok).all()
   assert_identical_across_devices(mean)
   for a, m in zip(x, mean):
@@ -104,7 +95,7 @@ def test_the_int8_codec_gives_the_mean_within_its_rounding_and_the_errors_hold_t
   def mean_of(x, worker, server):
     return exchange.compressed_mean(codec, list(x), list(worker), list(server), "batch")
 
-  mean, worker, server, _ = fetched(pmapped(mean_of)(x, zeros, zeros))
+  mean, worker, server, _ = fetched(pmapped(mean_of, W)(x, zeros, zeros))
   assert_identical_across_devices(mean)
   biggest = max(np.abs(a).max() for a in x)
   for a, m, w, s in zip(x, mean, worker, server):
@@ -140,7 +131,7 @@ def test_scatter_mean_and_gather_rows_in_the_rows_of_sharded_state():
                                        "batch")
     return rows, owned, again, whole, worker
 
-  rows, owned, again, whole, worker = fetched(pmapped(halves)(*x))
+  rows, owned, again, whole, worker = fetched(pmapped(halves, W)(*x))
   assert worker is None
   chex.assert_trees_all_equal(again, rows)
   assert_identical_across_devices(whole)

@@ -1,5 +1,5 @@
-"""guard: ``jaxcomp.skip_if_nonfinite``, ``optax.apply_if_finite`` for chains that communicate: every
-device skips or applies the step together, from one all-device flag."""
+"""guard: ``jaxcomp.skip_if_nonfinite``, ``optax.apply_if_finite`` for chains that communicate:
+every device skips or applies the step together, from one all-device flag."""
 
 import chex
 import jax
@@ -9,39 +9,9 @@ import optax
 import pytest
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate, rounding_tol, run_updates
-
-W = 4
-
-
-def params():
-  return {"w": np.ones((6, 5), np.float32), "b": np.zeros(5, np.float32)}
-
-
-def grads(seed=0, nan_on=None):
-  rng = np.random.default_rng(seed)
-  g = {"w": rng.normal(size=(W, 6, 5)).astype(np.float32),
-       "b": rng.normal(size=(W, 5)).astype(np.float32)}
-  if nan_on is not None:
-    g["w"][nan_on, 0, 0] = np.nan
-  return g
-
-
-def powersgd_chain():
-  return optax.chain(jaxcomp.powersgd(1, start_iter=0), optax.sgd(0.1, momentum=0.9))
-
-
-def pmapped(tx):
-  return jax.pmap(lambda g, s: tx.update(g, s, None), axis_name="batch",
-                  devices=jax.devices()[:W])
-
-
-def run(tx, steps, state=None):
-  step = pmapped(tx)
-  state = replicate(tx.init(params()), W) if state is None else state
-  for g in steps:
-    out, state = jax.block_until_ready(step(g, state))
-  return out, state
+from chain_harness import W, grads, params, powersgd_chain, run
+from helpers import (assert_identical_across_devices, pmapped_update, replicate, rounding_tol,
+                     run_updates)
 
 
 def test_skip_if_nonfinite_skips_on_every_device_together_and_keeps_the_inner_state():
@@ -106,7 +76,7 @@ def test_under_pmap_it_decides_as_apply_if_finite_after_the_mean_and_lets_the_la
 
 def test_one_flag_is_sent_on_every_step_and_the_inner_collectives_only_where_it_applies():
   tx = jaxcomp.skip_if_nonfinite(optax.chain(jaxcomp.allreduce(), optax.sgd(0.1)), 3)
-  step = jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:W])
+  step = pmapped_update(tx, W)
   g, state = grads(), replicate(tx.init(params()), W)
   jax.block_until_ready(step(g, state))
   report = jaxcomp.comm_report(step, g, state)

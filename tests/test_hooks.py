@@ -15,8 +15,9 @@ import pytest
 
 import jaxcomp
 from jaxcomp import hooks
-from helpers import (assert_identical_across_devices, per_device_grads, pmap_update, replicate,
-                     rounding_tol, run_updates)
+from dgc_reference import device_grads, make_params
+from helpers import (assert_identical_across_devices, per_device_grads, pmap_update, pmapped_update,
+                     replicate, rounding_tol, run_updates)
 
 pytestmark = pytest.mark.numeric
 W = 8
@@ -40,8 +41,9 @@ def test_default_hooks_equal_the_dense_transformations(hook, exact):
   out, _ = pmap_update(jaxcomp.comm_hook(hook, bucket_cap_mb=0.001), grads)
   expected, _ = pmap_update(dense, grads)
   assert_identical_across_devices(out)
-  # Two programs (buckets, or leaf by leaf) for the same mean of W unit-scale terms: float32 rounding
-  # of the W terms, or, through the wire dtype, a wire rounding or two of the unit-scale mean.
+  # Two programs (buckets, or leaf by leaf) for the same mean of W unit-scale terms: float32
+  # rounding of the W terms, or, through the wire dtype, a wire rounding or two of the unit-scale
+  # mean.
   wire = {hooks.fp16_compress_hook: np.float16, hooks.bf16_compress_hook: ml_dtypes.bfloat16}
   tol = rounding_tol(W) if exact else rounding_tol(2, dtype=wire[hook])
   chex.assert_trees_all_close(out, expected, **tol)
@@ -108,22 +110,6 @@ def test_wrappers_compose_with_any_hook(wrapper, wire, inner):
 # ------------------------------------------------------------------------------ the stateful hooks
 
 DGC_W = 4
-
-
-def make_params():
-  return {"w1": np.zeros((16, 32), np.float32), "b1": np.zeros((32,), np.float32),
-          "w2": np.zeros((32, 8), np.float32), "t": np.zeros((), np.float32),
-          "steps": np.zeros((3,), np.int32)}
-
-
-def device_grads(rng, params, world):
-  return {k: (rng.standard_normal((world,) + p.shape).astype(np.float32)
-              if p.dtype == np.float32 else np.stack([p] * world)) for k, p in params.items()}
-
-
-def pmapped_update(tx, world):
-  return jax.pmap(lambda g, s: tx.update(g, s), axis_name="batch",
-                  devices=jax.devices()[:world])
 
 
 def test_dgc_hook_matches_dgc_in_exact_mode():
@@ -261,7 +247,7 @@ def test_a_hook_given_another_algorithms_state_names_the_state_it_needs(hook, ot
   got = type(state.hook_states[0]).__name__
   with pytest.raises(TypeError, match=rf"needs the per-bucket state made by jaxcomp\.hooks\."
                                       rf"{needed}\(\.\.\.\).*got {got}"):
-    jax.pmap(tx.update, axis_name="batch", devices=jax.devices()[:HOOK_W])(grads, state)
+    pmapped_update(tx, HOOK_W)(grads, state)
 
 
 @pytest.mark.parametrize("wrapper, wire", [(jaxcomp.fp16_compress_wrapper, np.float16),

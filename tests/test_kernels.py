@@ -19,33 +19,26 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxcomp._src import kernels
-from helpers import dyadic, rounding_tol
+from helpers import dyadic, fetched, pmapped, rounding_tol
 
 pytestmark = pytest.mark.numeric
 W = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def pmapped(fn, world=W):
-  return jax.pmap(fn, axis_name="batch", devices=jax.devices()[:world])
-
-
-def fetched(tree):
-  """The program's outputs, waited for, as NumPy arrays (indexed device by device below)."""
-  return jax.tree.map(np.asarray, jax.block_until_ready(tree))
-
-
 # ------------------------------------------------------------------------------ the benchmark
 
 
 def run_script(name, *args):
-  """A benchmark script in ``--quick`` mode, in its own process; it must leave BENCHMARKS.md alone."""
+  """A benchmark script in ``--quick`` mode, in its own process; it must leave BENCHMARKS.md
+  alone."""
   from benchmarks import common
   env = dict(os.environ, PYTHONPATH=ROOT)
   env.pop("XLA_FLAGS", None)
   before = _read(common.BENCHMARKS_MD)
-  result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), "--quick", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", name), "--quick", *args],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   assert _read(common.BENCHMARKS_MD) == before, f"{name} --quick changed BENCHMARKS.md"
   return result.stdout
@@ -105,7 +98,7 @@ def test_the_matrix_kernels_are_the_products_they_stand_for():
                 padded=kernels.zero_padded([g, scalar, q], 2 * n * m),
                 in_place=kernels.in_place(lambda old, a, b: 0.5 * old + a * b, e, g, scalar))
 
-  out = fetched(pmapped(kernels_of)(g, e, q, p, p9, q9, scalar))
+  out = fetched(pmapped(kernels_of, W)(g, e, q, p, p9, q9, scalar))
   f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
   for d in range(W):
     m_d = f64(g[d]) + f64(e[d])
@@ -183,7 +176,7 @@ def test_the_scatters_kth_largest_and_the_guarded_loop_are_their_obvious_forms()
                 subtract_at=kernels.subtract_at(x, indices[:4], flat[indices[:4]]),
                 kth=kernels.kth_largest(flat, 3), loop=loop[1])
 
-  out = fetched(pmapped(kernels_of)(x, indices, values, starts))
+  out = fetched(pmapped(kernels_of, W)(x, indices, values, starts))
   for d in range(W):
     kept = indices[d] < x[d].size
     expected = np.zeros(x[d].size, np.float32)
@@ -200,7 +193,7 @@ def test_the_scatters_kth_largest_and_the_guarded_loop_are_their_obvious_forms()
   np.testing.assert_array_equal(out["loop"], np.maximum(5 - starts, 0))
 
 
-# ------------------------------------------------------------------------------ the non-finite policy
+# -------------------------------------------------------------------------- the non-finite policy
 
 
 def test_where_with_a_scalar_predicate_is_jnp_where():
@@ -211,7 +204,7 @@ def test_where_with_a_scalar_predicate_is_jnp_where():
     even = jax.lax.axis_index("batch") % 2 == 0
     return kernels.where(even, new, old), kernels.where(even, new[0, 0], old[0, 0])
 
-  leaf, scalar = fetched(pmapped(select)(new, old))
+  leaf, scalar = fetched(pmapped(select, W)(new, old))
   for d in range(W):
     np.testing.assert_array_equal(leaf[d], new[d] if d % 2 == 0 else old[d])
     assert scalar[d] == (new if d % 2 == 0 else old)[d, 0, 0]
@@ -234,7 +227,7 @@ def test_the_collectives_of_several_arrays_and_the_device_mean():
     mean = kernels.device_mean(lambda w: [ra[w], rc[w]], W)
     return ra, rb, rc, ga, gc, mean
 
-  ra, rb, rc, ga, gc, mean = fetched(pmapped(exchange)(a, b, c))
+  ra, rb, rc, ga, gc, mean = fetched(pmapped(exchange, W)(a, b, c))
   for d in range(W):
     np.testing.assert_array_equal(ra[d], a[:, d])
     np.testing.assert_array_equal(rb[d], b[:, d])
@@ -269,7 +262,7 @@ def test_one_row_of_the_flat_layout_and_back():
     return (kernels.row_of_arrays(list(arrays), owner, length, W),
             kernels.row_update_arrays(list(old), rows, owner))
 
-  row, placed = fetched(pmapped(rows_of)(rows, *arrays, *olds))
+  row, placed = fetched(pmapped(rows_of, W)(rows, *arrays, *olds))
   for d in range(W):
     flat = np.concatenate([x[d].ravel() for x in arrays] + [np.zeros(W * length - 23, np.float32)])
     np.testing.assert_array_equal(row[d], flat[d * length:(d + 1) * length])
@@ -315,7 +308,7 @@ def test_scatter_rows_add_sums_the_terms_row_by_row():
     return kernels.scatter_rows_add([(positions[t], values[t]) for t in range(terms)],
                                     (rows_, columns))
 
-  out = fetched(pmapped(scatter)(positions, values))
+  out = fetched(pmapped(scatter, W)(positions, values))
   for d in range(W):
     expected = np.zeros((rows_, columns), np.float32)
     for t in range(terms):
@@ -334,7 +327,7 @@ def test_keeps_leaves_only_where_another_mesh_axis_is_left_to_the_partitioner():
     seen.append(kernels.keeps_leaves())
     return x
 
-  jax.block_until_ready(pmapped(record)(np.zeros(W, np.float32)))
+  jax.block_until_ready(pmapped(record, W)(np.zeros(W, np.float32)))
   flat = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices()[:W])
   jax.block_until_ready(jax.jit(jax.shard_map(record, mesh=flat, in_specs=P("batch"),
                                               out_specs=P("batch")))(np.zeros(W, np.float32)))

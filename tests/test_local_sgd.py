@@ -1,5 +1,5 @@
-"""``local_sgd``: torch's post-local SGD with periodic averaging, against NumPy and allreduce-SGD, and its
-hierarchical forms on a 2-D mesh with ``comm_report`` per axis."""
+"""``local_sgd``: torch's post-local SGD with periodic averaging, against NumPy and allreduce-SGD,
+and its hierarchical forms on a 2-D mesh with ``comm_report`` per axis."""
 
 import functools
 
@@ -13,6 +13,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
 from helpers import assert_identical_across_devices, replicate
+from training import pmap_step, run
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -43,17 +44,11 @@ def numpy_grad(params, x, y):
 
 
 def pmap_run(tx, steps, n):
-  def step(params, state, x, y):
-    updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
-    return optax.apply_updates(params, updates), state
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:n])
-  params, state = replicate(init_params(), n), replicate(tx.init(init_params()), n)
-  history = []
-  for t in range(steps):
-    params, state = jax.block_until_ready(pstep(params, state, *batch(t, n)))
-    history.append(params)
-  return history
+  """``steps`` pmapped steps of ``tx`` on the least-squares data on ``n`` devices
+  (``training.run``): the parameters after each."""
+  _, _, outputs = run(pmap_step(loss_fn, tx, n, returns=None), replicate(init_params(), n),
+                      replicate(tx.init(init_params()), n), steps, n_devices=n, batch=batch)
+  return [params for params, _ in outputs]
 
 
 def reference(steps, n, sync_every, start_iter):
@@ -156,7 +151,8 @@ def test_hierarchical_mean_over_fast_every_step_and_parameters_over_slow_every_p
 
 
 def test_nested_local_sgd_averages_at_two_periods():
-  """HierarchicalModelAverager's idea: parameters averaged over fast every 2 steps, over all every 6."""
+  """HierarchicalModelAverager's idea: parameters averaged over fast every 2 steps, over all
+  every 6."""
   inner = jaxcomp.local_sgd(optax.sgd(LR), sync_every=2, axis_name="fast")
   tx = jaxcomp.local_sgd(inner, sync_every=6, axis_name="slow")
   history, by_axes = mesh_run(tx, mesh_2d(), 7, ("slow", "fast"))

@@ -1,6 +1,6 @@
-"""What local SGD and DiLoCo share: ``Assign`` updates, the local non-finite policy, and the places they
-run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``, ``nnx.Optimizer``,
-``jaxcomp.data_parallel`` (parameters per device, both forms)."""
+"""What local SGD and DiLoCo share: ``Assign`` updates, the local non-finite policy, and the places
+they run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``,
+``nnx.Optimizer``, ``jaxcomp.data_parallel`` (parameters per device, both forms)."""
 
 import functools
 
@@ -14,6 +14,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
 from helpers import assert_identical_across_devices, replicate, rounding_tol
+from training import pmap_step, run
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
@@ -43,23 +44,13 @@ WRAPPERS = {
 }
 
 
-def pmap_run(tx, steps, poison=None):
-  """``steps`` pmapped steps from identical parameters; ``poison[step]`` is added to the gradient
-  (one value per device). Returns the parameters after every step."""
-
-  def step(params, state, x, y, bad):
-    grads = jax.tree.map(lambda g: g + bad, jax.grad(loss_fn)(params, x, y))
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
-  params, state = replicate(init_params(), W), replicate(tx.init(init_params()), W)
-  history = []
-  for t in range(steps):
-    bad = np.zeros(W, np.float32) if poison is None or t not in poison else poison[t]
-    params, state = jax.block_until_ready(pstep(params, state, *batch(t), bad))
-    history.append(params)
-  return history
+def pmap_run(tx, steps, poison_at=()):
+  """``steps`` pmapped steps from identical parameters (``training.run``; ``poison_at``: its
+  ``(step, device, value)`` triples). Returns the parameters after every step."""
+  _, _, outputs = run(pmap_step(loss_fn, tx, W, poisoned=True, returns=None),
+                      replicate(init_params(), W), replicate(tx.init(init_params()), W), steps,
+                      poison_at=poison_at, n_devices=W, batch=batch)
+  return [params for params, _ in outputs]
 
 
 # ------------------------------------------------------------------------------------- Assign
@@ -71,8 +62,8 @@ def test_assign_sets_parameters_exactly_where_adding_a_difference_cannot():
   t = np.float32(2**-21)
   assert p1 + (t - p1) != t or p2 + (t - p2) != t
   for p in (p1, p2, jnp.asarray(p1), np.asarray([p2])):
-    np.testing.assert_array_equal(p + jaxcomp.Assign(np.asarray(t, np.float32).reshape(np.shape(p))),
-                                  t)
+    np.testing.assert_array_equal(
+        p + jaxcomp.Assign(np.asarray(t, np.float32).reshape(np.shape(p))), t)
   params = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}
   target = {"a": jnp.full(3, 7.0), "b": jnp.zeros((2, 2))}
   updates = jax.tree.map(jaxcomp.Assign, target)
@@ -118,9 +109,8 @@ def test_update_without_params_is_refused():
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
 def test_a_nan_on_one_device_stays_there_and_the_next_sync_brings_it_back(name):
   # Step 3 is local for both (local SGD averages after 2 and 5, DiLoCo after 2 and 5).
-  poison = {3: np.array([0, np.nan, 0, 0], np.float32)}
   clean = pmap_run(WRAPPERS[name](), 6)
-  hit = pmap_run(WRAPPERS[name](), 6, poison)
+  hit = pmap_run(WRAPPERS[name](), 6, [(3, 1, np.nan)])  # device 1's gradient at step 3
   for leaf_hit, leaf_before, leaf_clean in zip(*(map(np.asarray, jax.tree.leaves(h))
                                                  for h in (hit[3], hit[2], clean[3]))):
     np.testing.assert_array_equal(leaf_hit[1], leaf_before[1])  # device 1 kept its parameters
@@ -132,7 +122,7 @@ def test_a_nan_on_one_device_stays_there_and_the_next_sync_brings_it_back(name):
 
 def test_a_nan_during_gradient_averaging_keeps_every_device_in_step():
   tx = WRAPPERS["local_sgd"]()  # steps 0 and 1 average gradients
-  hit = pmap_run(tx, 3, {1: np.array([0, 0, np.inf, 0], np.float32)})
+  hit = pmap_run(tx, 3, [(1, 2, np.inf)])  # device 2's gradient at step 1
   for before, after in zip(jax.tree.leaves(hit[0]), jax.tree.leaves(hit[1])):
     np.testing.assert_array_equal(after, before)  # the mean is not finite: nobody moved
   assert_identical_across_devices(hit[1])
@@ -143,15 +133,16 @@ def test_a_nan_during_gradient_averaging_keeps_every_device_in_step():
 
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
-def test_shard_map_with_check_vma_matches_pmap(name):
+def test_shard_map_with_check_vma_matches_pmap(name, batch_mesh):
   """Per-device parameters (they differ between syncs) as a leading axis sharded over the mesh."""
   tx = WRAPPERS[name]()
-  mesh = jax.make_mesh((W,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices()[:W])
   specs = jaxcomp.state_partition_specs(tx, init_params(), axis_name="batch")
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(init_params())
+  state = jax.jit(jax.shard_map(tx.init, mesh=batch_mesh, in_specs=P(), out_specs=specs))(
+      init_params())
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("batch"), specs, P("batch"), P("batch")),
+  @functools.partial(jax.shard_map, mesh=batch_mesh,
+                     in_specs=(P("batch"), specs, P("batch"), P("batch")),
                      out_specs=(P("batch"), specs))
   def step(params, state, x, y):
     params = jax.tree.map(lambda p: p[0], params)
@@ -200,7 +191,8 @@ def test_nnx_optimizer_gives_the_parameters_of_plain_arrays(name):
   for t in range(6):
     state = jax.block_until_ready(pstep(state, *batch(t)))
     model_state = nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
-    got = {"w": np.asarray(model_state["w"].get_value()), "b": np.asarray(model_state["b"].get_value())}
+    got = {"w": np.asarray(model_state["w"].get_value()),
+           "b": np.asarray(model_state["b"].get_value())}
     chex.assert_trees_all_close(got, expected[t], rtol=0, atol=1e-5)
   assert_identical_across_devices(got)
 
@@ -287,7 +279,8 @@ def test_data_parallel_refuses_replicated_parameters_under_local_steps():
   with pytest.raises(ValueError, match=r"state\[0\]\['b'\] differs from device to device.*"
                                        r"local_sgd, diloco.*jaxcomp.PerDevice\(params\)"):
     dp.step(state, *dp.shard(_flat(*batch(0))))
-  with pytest.raises(ValueError, match="make_params places the parameters of the loss-function form"):
+  with pytest.raises(ValueError,
+                     match="make_params places the parameters of the loss-function form"):
     dp.make_params(init_params())
 
 
@@ -384,5 +377,6 @@ def test_a_compressor_over_another_axis_is_refused_naming_both():
 def test_an_inner_optimizer_that_communicates_over_the_same_axis_is_refused(inner):
   # It would send on every local step (4 KiB per step in the report), silently.
   with pytest.raises(ValueError, match=r"sparseloco: its inner optimizer communicates over 'batch' "
-                                       r"on every local step \(.*\), so the steps would not be local"):
+                                       r"on every local step \(.*\), so the steps would not be "
+                                       r"local"):
     _dp_steps(_sparseloco(inner()), 1)

@@ -3,10 +3,11 @@ scikit-learn's digits with 8 devices.
 
 On the 2-D mesh each runs under ``jaxcomp.data_parallel`` with parameters sharded over the model
 axis: only codes and scales may cross the mesh, and each output is what its errors say it must be.
-On digits each trains the task's MLP (``jaxcomp.train.tasks.digits``) for the same steps on the
-same batches as the plain mean with SGD (momentum 0.9), through the registry entry the main job
-uses, with its paper's recipe: ``quantized_int8`` none; ``sign`` SGD without momentum (EF-SignSGD's experiments);
-``onebit_adam`` dense Adam for the first 20% of the steps (DeepSpeed: 15–25%), learning rate 1e-3.
+On digits each trains the task's MLP (``jaxcomp.train.tasks.digits``) for the same steps on the same
+batches as the plain mean with SGD (momentum 0.9), through the registry entry the main job uses,
+with its paper's recipe: ``quantized_int8`` none; ``sign`` SGD without momentum (EF-SignSGD's
+experiments); ``onebit_adam`` dense Adam for the first 20% of the steps (DeepSpeed: 15–25%),
+learning rate 1e-3.
 """
 
 import jax

@@ -14,35 +14,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate, rounding_tol
+from chain_harness import W, grads, params, powersgd_chain, run
+from helpers import assert_identical_across_devices, pmapped_update, replicate, rounding_tol
 
-W = 4
 HANG = r"a collective over 'batch' runs under a decision taken on each device alone: .*"
 DRIFT = (r"is the same on every device when the step starts, and the step returns it at the same "
          r"place different on each device: it reached no collective.*optax.masked.*compress=.*"
          r"sparsify=.*multi_transform")
-
-
-def params():
-  return {"w": np.ones((6, 5), np.float32), "b": np.zeros(5, np.float32)}
-
-
-def grads(seed=0, nan_on=None):
-  rng = np.random.default_rng(seed)
-  g = {"w": rng.normal(size=(W, 6, 5)).astype(np.float32),
-       "b": rng.normal(size=(W, 5)).astype(np.float32)}
-  if nan_on is not None:
-    g["w"][nan_on, 0, 0] = np.nan
-  return g
-
-
-def powersgd_chain():
-  return optax.chain(jaxcomp.powersgd(1, start_iter=0), optax.sgd(0.1, momentum=0.9))
-
-
-def pmapped(tx):
-  return jax.pmap(lambda g, s: tx.update(g, s, None), axis_name="batch",
-                  devices=jax.devices()[:W])
 
 
 def pmap_step(tx):
@@ -51,14 +29,6 @@ def pmap_step(tx):
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s
   return jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
-
-
-def run(tx, steps, state=None):
-  step = pmapped(tx)
-  state = replicate(tx.init(params()), W) if state is None else state
-  for g in steps:
-    out, state = jax.block_until_ready(step(g, state))
-  return out, state
 
 
 def check(tx, g=None):
@@ -197,7 +167,7 @@ def test_multi_steps_warns_and_accumulate_sends_k_times_less_for_the_same_update
     state = replicate(tx.init(params()), W)
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
-      report = jaxcomp.comm_report(pmapped(tx), steps[0], state)
+      report = jaxcomp.comm_report(pmapped_update(tx, W), steps[0], state)
     every_step = sum(c.payload_bytes for c in report.collectives if not c.in_conditional)
     once = sum(c.payload_bytes for c in report.collectives if c.in_conditional)
     return k * every_step + once, report

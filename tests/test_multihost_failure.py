@@ -31,7 +31,8 @@ def start_job(tmp_path, name, *extra):
     log = open(tmp_path / f"{name}{i}.log", "w")
     procs.append(subprocess.Popen(
         [sys.executable, "-u", str(EXAMPLE), "--steps", str(STEPS), "--coordinator",
-         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), "--local-devices", "2",
+         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         "--local-devices", "2",
          "--heartbeat-timeout", str(HEARTBEAT), "--out", str(tmp_path / f"{name}.npz"), *extra],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log, stderr=subprocess.STDOUT))
   return procs

@@ -59,8 +59,8 @@ def _with_sgd(make):
   return lambda inner: optax.chain(make(), inner)
 
 
-# Each as a whole optimizer around momentum SGD: a compressor chained before it, local SGD and DiLoCo
-# around it, 1-bit Adam alone.
+# Each as a whole optimizer around momentum SGD: a compressor chained before it, local SGD and
+# DiLoCo around it, 1-bit Adam alone.
 OPTIMIZERS = {**{f"registry:{name}": functools.partial(optimizer, name) for name in COMPRESSORS},
               **{f"hook:{name}": _with_sgd(make) for name, make in HOOKS.items()},
               "accumulate(powersgd)": _with_sgd(lambda: jaxcomp.accumulate(
@@ -74,8 +74,9 @@ FAST = ("registry:allreduce", "registry:powersgd_r1", "registry:dgc", "registry:
         "hook:dgc_hook", "accumulate(powersgd)")
 
 
-@pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.slow)
-                                  for name in sorted(OPTIMIZERS)])
+@pytest.mark.parametrize("name", [
+    name if name in FAST else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(OPTIMIZERS)])
 def test_nnx_optimizer_gives_the_parameters_of_plain_arrays(name):
   tx = OPTIMIZERS[name](optax.sgd(0.1, momentum=0.9))
   model = MLP(nnx.Rngs(0))

@@ -22,7 +22,7 @@ def execute(name, monkeypatch):
 
 
 @pytest.mark.slow
-def test_quickstart(monkeypatch):
+def test_quickstart_notebook_executes_and_reports_bytes_and_each_compressors_loss(monkeypatch):
   text = execute("quickstart.ipynb", monkeypatch)
   assert "collectives on one device: 0" in text
   assert "in 5 steps PowerSGD sent" in text
@@ -31,7 +31,7 @@ def test_quickstart(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compare_compressors(monkeypatch):
+def test_compare_compressors_notebook_executes_and_tabulates_four_compressors(monkeypatch):
   text = execute("compare_compressors.ipynb", monkeypatch)
   assert "| compressor | sent/step/device |" in text
   for name in ("allreduce", "powersgd_r1", "dgc", "coarse_dgc"):

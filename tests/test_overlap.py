@@ -1,13 +1,13 @@
-"""Per-bucket collectives (``bucket_cap_mb``): in the compiled HLO each bucket's collectives depend on
-that bucket's gradients only, so a scheduler may start them while the backward pass still computes the
-gradients of earlier layers (DDP's reason for buckets).
+"""Per-bucket collectives (``bucket_cap_mb``): in the compiled HLO each bucket's collectives depend
+on that bucket's gradients only, so a scheduler may start them while the backward pass still
+computes the gradients of earlier layers (DDP's reason for buckets).
 
-The check reads the compiled HLO text: for every collective it follows the operands back to the entry
-parameters, through fusions, tuples and the operands of the conditionals and loops that contain it
-(conservatively: a value inside a conditional branch depends on every operand of the conditional). XLA:CPU
-combines independent all-reduces into one (its ``cpu-all-reduce-combiner`` pass), which would tie the
-buckets together again on this backend; the programs are compiled without that pass, as a GPU compiler
-keeps collectives above its combine threshold apart.
+The check reads the compiled HLO text: for every collective it follows the operands back to the
+entry parameters, through fusions, tuples and the operands of the conditionals and loops that
+contain it (conservatively: a value inside a conditional branch depends on every operand of the
+conditional). XLA:CPU combines independent all-reduces into one (its ``cpu-all-reduce-combiner``
+pass), which would tie the buckets together again on this backend; the programs are compiled without
+that pass, as a GPU compiler keeps collectives above its combine threshold apart.
 """
 
 import re
@@ -143,5 +143,6 @@ def test_without_buckets_a_collective_needs_the_whole_gradient():
 
 
 def test_clip_norm_needs_the_whole_gradient():
-  with pytest.raises(ValueError, match=r"bucket_cap_mb cannot be used here: local clipping \(clip_norm\)"):
+  with pytest.raises(ValueError, match=r"bucket_cap_mb cannot be used here: local clipping "
+                                       r"\(clip_norm\)"):
     jaxcomp.dgc(0.01, clip_norm=1.0, bucket_cap_mb=1.0)

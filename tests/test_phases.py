@@ -1,5 +1,5 @@
-"""phases: the labelled branches of a step (``switch``, ``cond``, ``when``), as ``comm_report`` reads
-them back: each phase's collectives apart, named after the transformation that owns them."""
+"""phases: the labelled branches of a step (``switch``, ``cond``, ``when``), as ``comm_report``
+reads them back: each phase's collectives apart, named after the transformation that owns them."""
 
 import jax
 import jax.numpy as jnp

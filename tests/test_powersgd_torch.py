@@ -26,8 +26,9 @@ _SPEC = importlib.util.spec_from_file_location(
 golden = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(golden)
 
-# torch's float32 order against XLA's, on unit-scale gradients: per step, roundings along the sums of P
-# and Q (n + m of the largest matrix) and the devices, carried through the steps by the error feedback.
+# torch's float32 order against XLA's, on unit-scale gradients: per step, roundings along the sums
+# of P and Q (n + m of the largest matrix) and the devices, carried through the steps by the error
+# feedback.
 TOL = rounding_tol(golden.STEPS * (max(s[0] + int(np.prod(s[1:])) for s in golden.SHAPES.values())
                                    + golden.WORLD))
 
@@ -80,8 +81,8 @@ def check_parity(data, config: int):
   assert rate == pytest.approx(torch_rate, rel=1e-12)
 
 
-# Each combination of error feedback and warm start (the code paths) in the fast tier, each at another
-# rank; the other ranks in the slow tier.
+# Each combination of error feedback and warm start (the code paths) in the fast tier, each at
+# another rank; the other ranks in the slow tier.
 FAST = ((1, True, True), (2, True, False), (4, False, True), (2, False, False))
 
 
@@ -103,5 +104,6 @@ def test_matches_live_torch(tmp_path):
   assert str(data["torch_version"]) == torch.__version__
   for config in range(len(golden.CONFIGS)):
     check_parity(data, config)
-  # torch's batched hook raises at its first compressed step; jaxcomp's works (test_powersgd.py).
+  # torch's batched hook raises at its first compressed step; jaxcomp's works
+  # (test_powersgd_hooks.py).
   assert str(data["batched_raised"]).startswith(f"AssertionError at step {golden.START_ITER}")

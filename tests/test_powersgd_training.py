@@ -1,4 +1,5 @@
-"""End to end: a Flax MLP on scikit-learn's bundled digits, 8 devices, PowerSGD against the plain mean.
+"""End to end: a Flax MLP on scikit-learn's bundled digits, 8 devices, PowerSGD against the plain
+mean.
 
 The task (data, model, batches) is ``jaxcomp.train.tasks.digits``; nothing is downloaded.
 """

@@ -40,7 +40,8 @@ def make_grads(spec, seed, scale):
 def run_steps(tx, grads, steps, sets_params=False):
   """``steps`` pmapped updates on the same per-device gradients; returns every (output, old state,
   new state). The parameters start as device 0's gradients on every device. A wrapper of the
-  optimizer (``sets_params``: local SGD, DiLoCo) moves them, and its output is the new parameters."""
+  optimizer (``sets_params``: local SGD, DiLoCo) moves them, and its output is the new
+  parameters."""
   params = replicate(jax.tree.map(lambda g: g[0], grads))
   state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads)))
 
@@ -149,7 +150,8 @@ def test_allreduce_equals_the_mean_of_dyadic_values_exactly(spec, seed):
 
 
 def per_dtype_flat(tree, keys_by_dtype):
-  """The batched PowerSGD layout: per dtype (first appearance order), the leaves' flat concatenation."""
+  """The batched PowerSGD layout: per dtype (first appearance order), the leaves' flat
+  concatenation."""
   return [np.concatenate([np.asarray(tree[k], np.float64).reshape(W, -1) for k in keys], axis=1)
           for keys in keys_by_dtype]
 

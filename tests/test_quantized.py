@@ -1,10 +1,10 @@
 """quantized: int8 / float8 averaging through all-to-all and all-gather, against a NumPy reference.
 
-The reference is written from the definition (module docstring of ``jaxcomp._src.quantized``): blocks of
-``block_size`` values, ``scale = max|x| · (1/Q)``, codes rounded to the nearest (half to even for int8,
-float8's own rounding for fp8), the owner's mean of the W dequantized copies (each ÷W, summed in
-device order) plus its server error, re-quantized and gathered. Its codes and scales must equal the
-ones jaxcomp sends bit for bit.
+The reference is written from the definition (module docstring of ``jaxcomp._src.quantized``):
+blocks of ``block_size`` values, ``scale = max|x| · (1/Q)``, codes rounded to the nearest (half to
+even for int8, float8's own rounding for fp8), the owner's mean of the W dequantized copies (each
+÷W, summed in device order) plus its server error, re-quantized and gathered. Its codes and scales
+must equal the ones jaxcomp sends bit for bit.
 """
 
 import jax
@@ -127,9 +127,11 @@ def test_codes_and_scales_equal_the_reference_two_phase_average_exactly(bits):
         run(grads[t], worker, server))
     assert np.asarray(codes1).dtype == CODE_DTYPES[bits]
     for d in range(W):
-      np.testing.assert_array_equal(values_of(codes1[d]), values_of(phase1[d][0]), err_msg=f"step {t}")
+      np.testing.assert_array_equal(values_of(codes1[d]), values_of(phase1[d][0]),
+                                    err_msg=f"step {t}")
       np.testing.assert_array_equal(scales1[d].reshape(W, -1), phase1[d][1], err_msg=f"step {t}")
-      np.testing.assert_array_equal(values_of(codes2[d]), values_of(phase2[d][0]), err_msg=f"step {t}")
+      np.testing.assert_array_equal(values_of(codes2[d]), values_of(phase2[d][0]),
+                                    err_msg=f"step {t}")
       np.testing.assert_array_equal(scales2[d].reshape(1, -1), phase2[d][1], err_msg=f"step {t}")
       np.testing.assert_allclose(mean[d], ref_mean, rtol=0, atol=4 * EPS * np.abs(ref_mean).max())
     top = np.abs(grads[t]).max()

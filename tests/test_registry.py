@@ -187,7 +187,8 @@ LOOPS = {"shard_map": run_shard_map, "data_parallel loss form": run_loss_form,
 
 # data_parallel's two forms place the state alike and differ only in who calls the update: the step
 # form runs for one entry of each kind of state (stateless mean, stateful compressor with per-device
-# fields, whole optimizer, wrapper of the optimizer, fragments, bucketed hook); the other loops for all.
+# fields, whole optimizer, wrapper of the optimizer, fragments, bucketed hook); the other loops for
+# all.
 STEP_FORM = ("allreduce", "powersgd_r1", "dgc", "quantized_int8", "onebit_adam", "diloco_h20",
              "streaming_diloco_h20_p2", "dgc_hook")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from compressors import COMPRESSORS, synced_leaves
-from training import W, make_step, run, start
+from training import W, make_step, mean_losses, run, start
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "resume.py"
 
@@ -49,14 +49,14 @@ def test_2000_steps_with_random_faults_never_drift_or_poison_the_state(name):
     end = 100 * (hundred + 1) - 1
     while not any(synced_after(end)):
       end -= 1
-    params, opt_state, chunk_losses = run(pstep, params, opt_state, end + 1 - len(losses),
-                                          len(losses), faults)
-    losses += chunk_losses
+    params, opt_state, outputs = run(pstep, params, opt_state, end + 1 - len(losses),
+                                     len(losses), faults)
+    losses += mean_losses(outputs)
     assert max_drift(params, synced_after(end)) == 0.0, f"replicas drifted by step {end + 1}"
     assert all_finite(params) and all_finite(opt_state), f"poisoned by step {end + 1}"
-  params, opt_state, chunk_losses = run(pstep, params, opt_state, 2000 - len(losses), len(losses),
-                                        faults)
-  losses += chunk_losses
+  params, opt_state, outputs = run(pstep, params, opt_state, 2000 - len(losses), len(losses),
+                                   faults)
+  losses += mean_losses(outputs)
   finite_losses = [l for l in losses[-100:] if np.isfinite(l)]
   assert np.mean(finite_losses) < 0.2 * np.mean(losses[:20]), "training did not continue"
 
@@ -66,10 +66,11 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
   def worker(*args):
     subprocess.run([sys.executable, str(WORKER), "--steps", "30", *args], check=True, timeout=900)
 
-  # Saved after 13 steps (mid-period for local SGD and DiLoCo at test scale: tests/compressors.py) by
-  # a run that goes on uninterrupted to the end.
+  # Saved after 13 steps (mid-period for local SGD and DiLoCo at test scale: tests/compressors.py)
+  # by a run that goes on uninterrupted to the end.
   worker("--save-at", "13", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "full.npz"))
-  worker("--resume-from", "13", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed.npz"))
+  worker("--resume-from", "13", "--ckpt", str(tmp_path / "ckpt"),
+         "--out", str(tmp_path / "resumed.npz"))
   full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
   assert sorted(full.files) == sorted(resumed.files)
   assert {k.split("/")[0] for k in full.files} == set(COMPRESSORS)

@@ -117,7 +117,8 @@ def test_shard_map_check_vma_the_pcast_recipe_sends_only_the_compressed_gradient
 
 def test_shard_map_check_vma_without_pcast_the_summed_gradient_is_refused():
   """Without the pcast, autodiff's transpose of the implicit pvary sums the gradient over the
-  devices in float32 before the compressor: averaged again, the update would be W times too large."""
+  devices in float32 before the compressor: averaged again, the update would be W times too
+  large."""
   tx = optax.chain(jaxcomp.fp16_compress(), optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"fp16_compress: .*already the same on every device.*pcast"):
     jaxcomp.comm_report(shard_map_step(tx, pcast=False), PARAMS, tx.init(PARAMS), *BATCH)
@@ -189,7 +190,8 @@ def test_parses_async_and_combined_collectives():
 ENTRY %main (p: f32[8]) -> f32[64] {
   %ars = (f32[8]{0}, f16[4]{0}) all-reduce-start(%p, %q), replica_groups=[1,8]<=[8], to_apply=%add
   %ard = (f32[8]{0}, f16[4]{0}) all-reduce-done(%ars)
-  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%p), replica_groups={{0,1,2,3,4,5,6,7}}, \
+dimensions={0}
   %agd = f32[64]{0} all-gather-done(%ags)
   %cp = f32[8]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0}}
 }

@@ -194,7 +194,8 @@ def test_powersgd_error_is_per_device_and_its_shard_map_step_matches_pmap():
                              optax.sgd(0.1))
   specs = jaxcomp.state_partition_specs(make(), params)
   assert specs[0].error == {"w": P("batch"), "b": P("batch")}  # error feedback: local
-  assert specs[0].q["w"] == specs[0].count == P()  # Q: from all-reduced factors, the same everywhere
+  # Q: from all-reduced factors, the same everywhere.
+  assert specs[0].q["w"] == specs[0].count == P()
   rng = np.random.default_rng(3)
   xs = rng.normal(size=(3, W, 2, 5)).astype(np.float32)
   ys = rng.normal(size=(3, W, 2, 3)).astype(np.float32)

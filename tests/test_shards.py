@@ -1,8 +1,9 @@
 """shards: how a leaf is cut among the W devices of an axis, and the collectives on the shards.
 
-The layouts (``shards.Layout``) against the module docstring's definition, written in NumPy; ``own``,
-``mean_scatter`` and ``gather`` under ``jax.pmap`` (the flat layout) and under ``jax.shard_map`` on a
-mesh whose other axis is left to the partitioner (by leaf), against NumPy's mean.
+The layouts (``shards.Layout``) against the module docstring's definition, written in NumPy;
+``own``, ``mean_scatter`` and ``gather`` under ``jax.pmap`` (the flat layout) and under
+``jax.shard_map`` on a mesh whose other axis is left to the partitioner (by leaf), against NumPy's
+mean.
 """
 
 import math
@@ -15,17 +16,12 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxcomp._src import shards
-from helpers import assert_identical_across_devices, dyadic, rounding_tol
+from helpers import assert_identical_across_devices, dyadic, fetched, rounding_tol
 
 pytestmark = pytest.mark.numeric
 W = 8
 # 0-d, fewer values than devices, W divides the leaf (or its last axis), it does not, rank 3.
 SHAPES = [(), (3,), (16,), (5, 7), (2, 3, 9), (4, 8)]
-
-
-def fetched(tree):
-  """The program's outputs, waited for, as NumPy arrays (indexed device by device below)."""
-  return jax.tree.map(np.asarray, jax.block_until_ready(tree))
 
 
 def reference_split(x, world, by_leaf):

@@ -1,5 +1,5 @@
-"""``sparseloco``: SparseLoCo's Algorithm 1 in NumPy (float64) over three periods on 8 devices, one of
-them skipping a non-finite step; replicas identical right after every synchronization; what a
+"""``sparseloco``: SparseLoCo's Algorithm 1 in NumPy (float64) over three periods on 8 devices, one
+of them skipping a non-finite step; replicas identical right after every synchronization; what a
 synchronization sends; an orbax resume in the middle of a period; data_parallel against pmap."""
 
 import chex
@@ -12,15 +12,17 @@ import pytest
 from jax.sharding import AxisType
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate, rounding_tol
+from helpers import assert_identical_across_devices, pmapped, replicate, rounding_tol
 from jaxcomp._src import chunked_topk as chunked_topk_lib
 from test_chunked_topk import reference_sent
 from test_local_sgd import batch, init_params, loss_fn, numpy_grad
+from training import pmap_step, run
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
 LR, MOMENTUM = 0.05, 0.9
-H, K, CHUNK, BITS, BETA, ALPHA = 3, 3, 16, 2, 0.9, 0.8  # w (8, 6): 3 chunks of 16, 3 kept; b: 2 of 6
+# w (8, 6): 3 chunks of 16, 3 kept; b: 2 of 6.
+H, K, CHUNK, BITS, BETA, ALPHA = 3, 3, 16, 2, 0.9, 0.8
 
 
 def make():
@@ -62,42 +64,26 @@ def reference(steps, n, delta, skip=()):
   return history, fragile
 
 
-def pmapped(tx, n):
-  """One compiled step: the gradient plus ``bad`` (per device: 0, or NaN to poison it)."""
-
-  def step(params, state, x, y, bad):
-    grads = jax.tree.map(lambda g: g + bad, jax.grad(loss_fn)(params, x, y))
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return jax.pmap(step, axis_name="batch", devices=jax.devices()[:n])
-
-
-def run(step, tx, steps, n, poison=None, params=None, state=None, first=0):
-  """``steps`` steps from ``first``; ``poison[t]`` is the per-device ``bad`` of step t. Returns the
+def train(step, tx, steps, n, poison_at=(), params=None, state=None, first=0):
+  """``steps`` steps of ``step`` (a ``training.pmap_step``, poisoned) from step ``first``, on ``n``
+  devices (``training.run``; ``poison_at``: its ``(step, device, value)`` triples). Returns the
   parameters after every step and the last state."""
   params = replicate(init_params(), n) if params is None else params
   state = replicate(tx.init(init_params()), n) if state is None else state
-  history = []
-  for t in range(first, first + steps):
-    bad = (poison or {}).get(t, np.zeros(n, np.float32))
-    params, state = jax.block_until_ready(step(params, state, *batch(t, n), bad))
-    history.append(params)
-  return history, state
+  _, state, outputs = run(step, params, state, steps, first, poison_at, n, batch)
+  return [params for params, _ in outputs], state
 
 
 def test_matches_algorithm_1_in_numpy_on_8_devices_also_when_one_skips_a_non_finite_step():
   n, steps = 8, 3 * H
   tx = make()
-  step = pmapped(tx, n)
-  poison = np.zeros(n, np.float32)
-  poison[5] = np.nan
+  step = pmap_step(loss_fn, tx, n, poisoned=True, returns=None)
   # The float32 parameters (of order 1) stay within 1e-7 of the reference's (measured); no choice
   # of the reference (top-k, magnitude bin, bfloat16 centroid) lies within ten times that of
   # flipping, so both programs choose alike.
   delta = rounding_tol(8)["atol"]
   for skip in ((), ((4, 5),)):  # device 5's gradient is NaN at step 4, in the second period
-    got, state = run(step, tx, steps, n, poison={t: poison for t, _ in skip})
+    got, state = train(step, tx, steps, n, poison_at=[(t, device, np.nan) for t, device in skip])
     expected, fragile = reference(steps, n, delta, skip)
     assert fragile == 0
     for t, (params, want) in enumerate(zip(got, expected)):
@@ -121,8 +107,7 @@ def test_a_synchronization_sends_one_uint8_all_gather_of_the_coded_chunks():
   numel = sum(x.size for x in jax.tree.leaves(params))
 
   def report(tx):
-    step = jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name="batch",
-                    devices=jax.devices()[:n])
+    step = pmapped(lambda p, s, g: tx.update(g, s, p), n)
     return jaxcomp.comm_report(step, replicate(params, n), replicate(tx.init(params), n),
                                replicate(params, n), num_devices=n)
 
@@ -145,16 +130,16 @@ def test_a_synchronization_sends_one_uint8_all_gather_of_the_coded_chunks():
 
 def test_orbax_resume_in_the_middle_of_a_period_is_bit_identical(tmp_path):
   n, tx = 4, make()
-  step = pmapped(tx, n)
-  full, full_state = run(step, tx, 8, n)
-  history, state = run(step, tx, 4, n)  # one step into the second period
+  step = pmap_step(loss_fn, tx, n, poisoned=True, returns=None)
+  full, full_state = train(step, tx, 8, n)
+  history, state = train(step, tx, 4, n)  # one step into the second period
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "ckpt", jax.device_get({"params": history[-1], "state": state}))
   checkpointer.wait_until_finished()
   target = jax.tree.map(jnp.zeros_like, {"params": history[-1], "state": state})
   restored = checkpointer.restore(tmp_path / "ckpt", target)
-  resumed, resumed_state = run(step, tx, 4, n, params=restored["params"],
-                               state=restored["state"], first=4)
+  resumed, resumed_state = train(step, tx, 4, n, params=restored["params"],
+                                 state=restored["state"], first=4)
   chex.assert_trees_all_equal(resumed[-1], full[-1])
   chex.assert_trees_all_equal(resumed_state, full_state)
 
@@ -162,7 +147,7 @@ def test_orbax_resume_in_the_middle_of_a_period_is_bit_identical(tmp_path):
 def test_data_parallel_loss_form_keeps_parameters_and_errors_per_device_and_matches_pmap():
   n, steps = 4, 2 * H
   tx = make()
-  expected, _ = run(pmapped(tx, n), tx, steps, n)
+  expected, _ = train(pmap_step(loss_fn, tx, n, poisoned=True, returns=None), tx, steps, n)
   mesh = jax.make_mesh((n,), ("batch",), axis_types=(AxisType.Explicit,),
                        devices=jax.devices()[:n])
   dp = jaxcomp.data_parallel(loss_fn, mesh, tx=tx)

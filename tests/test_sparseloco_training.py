@@ -3,8 +3,8 @@ average over three seeds, and ring bytes per step and device.
 
 The task's MLP (``jaxcomp.train.tasks.digits``: 64-128-128-10, 26,122 parameters), 16 examples per
 device, SGD with momentum 0.9 (the task's learning rate 0.1, clipped at norm 1) for allreduce and as
-SparseLoCo's inner optimizer; SparseLoCo with H = 50, 2-bit values, error decay 0.95 (Covenant-72B's)
-and outer learning rate 1. Measured on this machine (``python -m pytest -m slow -s
+SparseLoCo's inner optimizer; SparseLoCo with H = 50, 2-bit values, error decay 0.95
+(Covenant-72B's) and outer learning rate 1. Measured on this machine (``python -m pytest -m slow -s
 tests/test_sparseloco_training.py``), accuracy for seeds 0 / 1 / 2:
 
 * continuing 100 steps of allreduce (the DiLoCo paper's protocol: its C4 runs continue a pretrained

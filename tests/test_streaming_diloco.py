@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import AxisType
 
 import jaxcomp
-from helpers import assert_identical_across_devices, replicate, rounding_tol
+from helpers import assert_identical_across_devices, pmapped, replicate, rounding_tol
+from training import pmap_step, run
 from jaxcomp import StreamingDiLoCoConfig
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
@@ -102,29 +103,19 @@ def reference(steps, delay, mix, skip=(), outer_lr=0.7, outer_momentum=0.9):
 
 
 @functools.lru_cache(maxsize=2)
-def pmapped_step(tx):
-  """The pmapped step of ``tx`` (compiled once per test): the gradient plus ``bad`` (one value per
-  device), then the update."""
-
-  def step(params, state, x, y, bad):
-    grads = jax.tree.map(lambda g: g + bad, jax.grad(loss_fn)(params, x, y))
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+def compiled_step(tx):
+  """The pmapped step of ``tx`` on this file's regression (``training.pmap_step``, a per-device
+  value added to the gradient), compiled once per test."""
+  return pmap_step(loss_fn, tx, W, poisoned=True, returns=None)
 
 
-def pmap_run(tx, steps, poison=None, params=None, state=None, first=0):
-  """``steps`` pmapped steps; ``poison[t]`` (one value per device) is added to the gradient of step
-  t. Returns the parameters and the state after every step."""
+def pmap_run(tx, steps, poison_at=(), params=None, state=None, first=0):
+  """``steps`` pmapped steps from step ``first`` (``training.run``; ``poison_at``: its ``(step,
+  device, value)`` triples). Returns the parameters and the state after every step."""
   params = replicate(init_params(), W) if params is None else params
   state = replicate(tx.init(init_params()), W) if state is None else state
-  history = []
-  for t in range(first, first + steps):
-    bad = (poison or {}).get(t, np.zeros(W, np.float32))
-    params, state = jax.block_until_ready(pmapped_step(tx)(params, state, *batch(t), bad))
-    history.append((params, state))
-  return history
+  return run(compiled_step(tx), params, state, steps, first, poison_at, W,
+             batch=lambda t, n: batch(t))[2]
 
 
 def identical(tree) -> bool:
@@ -137,7 +128,7 @@ def identical(tree) -> bool:
 
 @pytest.mark.parametrize("delay, mix, poison", [
     (2, 0.5, None),
-    (2, 1.0, {3: np.array([0, np.nan, 0, 0], np.float32)}),  # during fragment 0's exchange
+    (2, 1.0, ((3, 1, np.nan),)),  # device 1's gradient at step 3, during fragment 0's exchange
     (0, 0.5, None),
 ])
 def test_matches_numpy_over_two_periods_and_each_fragment_lands_alike_on_every_device(
@@ -146,7 +137,7 @@ def test_matches_numpy_over_two_periods_and_each_fragment_lands_alike_on_every_d
   tx = make(delay, mix)
   expected, thetas = reference(steps, delay, mix, skip={(3, 1)} if poison else ())
   config = tx.init(init_params()).config
-  history = pmap_run(tx, steps, poison)
+  history = pmap_run(tx, steps, poison or ())
   for t, ((got, state), want, theta) in enumerate(zip(history, expected, thetas)):
     # float32 against float64: a few roundings per step, compounded by the momenta.
     chex.assert_trees_all_close(got, want, **rounding_tol(4 * (t + 1)))
@@ -194,7 +185,7 @@ EQUAL_LEAVES = {f"w{k}": np.ones((64, 64), np.float32) for k in range(8)}  # P =
 
 
 def report(tx, params):
-  step = jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name="batch", devices=jax.devices()[:W])
+  step = pmapped(lambda p, s, g: tx.update(g, s, p), W)
   return jaxcomp.comm_report(step, replicate(params, W), replicate(tx.init(params), W),
                              replicate(params, W), num_devices=W)
 
@@ -352,7 +343,7 @@ def test_any_pytree_scalars_mixed_dtypes_and_leaves_not_reduced(delay, compresso
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  pstep = pmapped(step, W)
   params_w, state = replicate(params, W), replicate(tx.init(params), W)
   for t in range(8):
     params_w, state = jax.block_until_ready(pstep(params_w, state, np.arange(1.0, W + 1)))

@@ -36,9 +36,10 @@ def test_a_stacked_state_that_reaches_update_unmapped_is_named_with_the_fix(make
   state = replicate(tx.init(jax.tree.map(lambda g: g[0], grads())), W)
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name="batch", in_axes=(0, None),
                   devices=jax.devices()[:W])
-  with pytest.raises(ValueError, match=r"state leaf \S+ should be \w+\[.*\], as \w+'s init makes it; "
-                                       r"got \w+\[4[,\]].*one more leading axis.*stack tx.init\(params\) "
-                                       r"W times or use jax.pmap\(tx.init\).*in_axes=0"):
+  with pytest.raises(ValueError, match=r"state leaf \S+ should be \w+\[.*\], as \w+'s init "
+                                       r"makes it; got \w+\[4[,\]].*one more leading axis.*stack "
+                                       r"tx.init\(params\) W times or use jax.pmap\(tx.init\)"
+                                       r".*in_axes=0"):
     step(grads(), state)
 
 

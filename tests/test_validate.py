@@ -33,7 +33,7 @@ def pmap_steps(name, grads, steps=4):
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
-def test_empty_pytrees(name):
+def test_empty_pytrees_update_to_outputs_of_the_same_structure(name):
   tx = COMPRESSORS[name](axis_name=None)
   for empty in ({}, [], {"a": {}}):
     out, _ = tx.update(empty, tx.init(empty), empty)

@@ -1,7 +1,9 @@
-"""Records torch DDP's bucket layout for known models into ddp_buckets.json (run with torch installed).
+"""Records torch DDP's bucket layout for known models into ddp_buckets.json (run with torch
+installed).
 
-Each case is a stack of Linear layers, some in float16, wrapped in DDP on a 1-process gloo group with a
-hook that records every bucket's parameters; the layout after DDP's first-iteration rebuild is kept.
+Each case is a stack of Linear layers, some in float16, wrapped in DDP on a 1-process gloo group
+with a hook that records every bucket's parameters; the layout after DDP's first-iteration rebuild
+is kept.
     python tests/golden/make_ddp_buckets.py
 """
 

@@ -31,8 +31,8 @@ import numpy as np
 WORLD = 2
 START_ITER = 2
 STEPS = 5
-# name -> torch-layout shape. At rank 4, w1 and w2 are compressed with QR, conv (6 x 18) is sent dense
-# and w3 (3 x 20, effective rank 3) too; at ranks 1 and 2 they are Gram–Schmidt matrices.
+# name -> torch-layout shape. At rank 4, w1 and w2 are compressed with QR, conv (6 x 18) is sent
+# dense and w3 (3 x 20, effective rank 3) too; at ranks 1 and 2 they are Gram–Schmidt matrices.
 SHAPES = {
     "conv": (6, 2, 3, 3),
     "w1": (18, 16),

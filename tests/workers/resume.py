@@ -1,6 +1,6 @@
-"""Trains every compressor for --steps steps; with --save-at it checkpoints there on the way (and stops
-there unless --out is given), with --resume-from it restores that checkpoint (in this fresh process)
-and continues. Writes the final params to --out.
+"""Trains every compressor for --steps steps; with --save-at it checkpoints there on the way (and
+stops there unless --out is given), with --resume-from it restores that checkpoint (in this fresh
+process) and continues. Writes the final params to --out.
 
     python tests/workers/resume.py --steps 30 --save-at 12 --ckpt DIR --out full.npz
     python tests/workers/resume.py --steps 30 --resume-from 12 --ckpt DIR --out resumed.npz
