@@ -82,10 +82,10 @@ APIS = (
 )
 # Private modules read with a fallback (a note, not a stop): (module, attribute, who reads it).
 PRIVATE = (
-    ("jax._src.core", "unsafe_get_axis_names", "axis.bound_axis_names"),
-    ("jax._src.core", "trace_ctx", "axis.warn_once_per_trace"),
-    ("jax._src.lax.parallel", "all_gather_invariant", "axis.all_gather"),
-    ("jax._src.source_info_util", "summarize", "jaxprs.where"),
+    ("jax._src.core", "unsafe_get_axis_names", "jax_internals.bound_axis_names"),
+    ("jax._src.core", "trace_ctx", "jax_internals.trace_key"),
+    ("jax._src.lax.parallel", "all_gather_invariant", "jax_internals.all_gather_invariant"),
+    ("jax._src.source_info_util", "summarize", "jax_internals.source_line"),
 )
 
 

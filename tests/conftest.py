@@ -1,7 +1,7 @@
 """Tests run real multi-device programs on 8 simulated CPU devices.
 
-``--max-test-seconds S`` fails the session if any test (setup, call and teardown together) took longer
-than S seconds, naming them: the fast tier's per-test limit (``.ci/run``).
+``--max-test-seconds S`` fails the session if any test (setup, call and teardown together) took
+longer than S seconds, naming them: the fast tier's per-test limit (``.ci/run``).
 
 The fast tier (``-m "not slow"``, README's test command) spends most of its time compiling, so
 where XLA_FLAGS is not set it compiles with LLVM's optimisations off

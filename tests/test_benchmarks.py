@@ -1,8 +1,8 @@
 """The benchmark scripts in quick mode (so they cannot rot), and the pieces they are built from.
 
-Each script runs in its own process with ``--quick`` (small shapes, few repeats); the tests check that
-it prints its table with a row per compressor, that the wire bytes equal the algorithm's minimum
-exactly, and that a quick run leaves BENCHMARKS.md alone. No timing is asserted.
+Each script runs in its own process with ``--quick`` (small shapes, few repeats); the tests check
+that it prints its table with a row per compressor, that the wire bytes equal the algorithm's
+minimum exactly, and that a quick run leaves BENCHMARKS.md alone. No timing is asserted.
 """
 
 import os
@@ -22,8 +22,9 @@ def run_script(name, *args):
   env = dict(os.environ, PYTHONPATH=ROOT)
   env.pop("XLA_FLAGS", None)
   before = _read(common.BENCHMARKS_MD)
-  result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), "--quick", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  script = os.path.join(ROOT, "benchmarks", name)
+  result = subprocess.run([sys.executable, script, "--quick", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   assert _read(common.BENCHMARKS_MD) == before, f"{name} --quick changed BENCHMARKS.md"
   return result.stdout
@@ -199,8 +200,8 @@ def test_alpha_beta_formulas():
       0.05 * 6 * (1e-5 + n / beta))
   # A token bucket passes its first `burst` bytes of a step at once: the rate applies to the rest,
   # and a step that moves less than the bucket holds pays only the latency.
-  assert model.shared_medium_time([("all-reduce", n, 1.0)], 4, 1e-5, beta, burst=n) == pytest.approx(
-      6 * 1e-5 + 5 * n / beta)
+  assert model.shared_medium_time([("all-reduce", n, 1.0)], 4, 1e-5, beta,
+                                   burst=n) == pytest.approx(6 * 1e-5 + 5 * n / beta)
   assert model.shared_medium_time([("all-gather", 100, 1.0), ("all-reduce", 4, 1.0)], 4, 1e-5, beta,
                                   burst=2000) == pytest.approx(9 * 1e-5)
   # ... on every step it runs on: a synchronization every 20 steps gets the whole bucket.
@@ -370,21 +371,22 @@ def test_gpu_schedule_reads_async_collectives():
 
 %async_computation (p: f32[8]) -> f32[8] {
   %p = f32[8]{0} parameter(0)
-  ROOT %all-to-all.1 = f32[8]{0} all-to-all(%p), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  ROOT %all-to-all.1 = f32[8]{0} all-to-all(%p), channel_id=2, replica_groups={{0,1}},
+  dimensions={0}
 }
 
 ENTRY %main (x: f32[8]) -> f32[8] {
   %x = f32[8]{0} parameter(0)
-  %f1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, metadata={op_name="jit(s)/transpose(jvp())/mul"}
-  %ars = f32[8]{0} all-reduce-start(%f1), channel_id=1, replica_groups={{0,1}}, to_apply=%add
-  %f2 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, metadata={op_name="jit(s)/transpose(jvp())/dot"}
-  %f3 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, metadata={op_name="jit(s)/jaxcomp.update/mul"}
-  %ard = f32[8]{0} all-reduce-done(%ars)
-  %as = ((f32[8]{0}), f32[8]{0}) async-start(%ard), calls=%async_computation, backend_config={"is_sync":true}
-  %ad = f32[8]{0} async-done(%as)
+  %f1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add,
+  metadata={op_name="jit(s)/transpose(jvp())/mul"} %ars = f32[8]{0} all-reduce-start(%f1),
+  channel_id=1, replica_groups={{0,1}}, to_apply=%add %f2 = f32[8]{0} fusion(%x), kind=kLoop,
+  calls=%add, metadata={op_name="jit(s)/transpose(jvp())/dot"} %f3 = f32[8]{0} fusion(%x),
+  kind=kLoop, calls=%add, metadata={op_name="jit(s)/jaxcomp.update/mul"} %ard = f32[8]{0}
+  all-reduce-done(%ars) %as = ((f32[8]{0}), f32[8]{0}) async-start(%ard), calls=%async_computation,
+  backend_config={"is_sync":true} %ad = f32[8]{0} async-done(%as)
   %ag = f32[16]{0} all-gather(%ad), channel_id=3, replica_groups={{0,1}}, dimensions={0}
-  %f4 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, metadata={op_name="jit(s)/transpose(jvp())/mul"}
-  ROOT %r = f32[8]{0} add(%f4, %f2)
+  %f4 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add,
+  metadata={op_name="jit(s)/transpose(jvp())/mul"} ROOT %r = f32[8]{0} add(%f4, %f2)
 }
 """
   result = gpu_schedule.analyse(hlo, 2)

@@ -2,8 +2,8 @@
 refusal messages, a link that is really rate-limited, a namespace that is gone on every exit path,
 and workers that time the main job's ``data_parallel`` steps without torch.
 
-The namespace tests need root and the ``ip`` / ``tc`` commands; where they are missing they skip with
-that reason (CI runs as root, so there they run).
+The namespace tests need root and the ``ip`` / ``tc`` commands; where they are missing they skip
+with that reason (CI runs as root, so there they run).
 """
 
 import os
@@ -163,7 +163,8 @@ def _worker_is_gone(pid, seconds=10) -> bool:
 
 
 @needs_link
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "exit", "SIGHUP ignored, then exit"])
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "exit",
+                                 "SIGHUP ignored, then exit"])
 def test_namespace_and_workers_are_gone_on_signals_and_exit(how):
   """A signal (handled by default) ends the holder and its namespace; a signal the user ignores is
   left ignored (the holder lives on) and the namespace goes at exit."""

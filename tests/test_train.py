@@ -313,7 +313,8 @@ def test_registered_entries_leave_the_registry_when_the_block_fails():
       raise RuntimeError
   assert "dion_r16" not in registry.REGISTRY and "allreduce" in registry.REGISTRY
   other = registry.variant("x", "dion_r8", {})
-  with pytest.raises(ValueError, match="'dion_r8' is a registry entry's name and the entry differs"):
+  with pytest.raises(ValueError,
+                     match="'dion_r8' is a registry entry's name and the entry differs"):
     with registry.registered([dataclasses.replace(other, name="dion_r8", settings={"rank": 2})]):
       pass
   assert registry.REGISTRY["dion_r8"].settings["rank"] == 8
@@ -325,7 +326,8 @@ def test_recipes_name_their_phases():
   assert registry.REGISTRY["powersgd_r2"].phases(300) == (
       registry.Phase(0, "allreduce", {}), registry.Phase(30, "powersgd_r2", {}))
   assert registry.REGISTRY["powersgd_r2"].make("batch", steps=300) is not None
-  # DGC: the paper's warm-up densities in four equal stages over the first 10%, then the steady state.
+  # DGC: the paper's warm-up densities in four equal stages over the first 10%, then the steady
+  # state.
   dgc = registry.REGISTRY["dgc"].phases(400)
   assert [p.first_step for p in dgc] == [0, 10, 20, 30, 40]
   assert [p.settings.get("ratio") for p in dgc] == [0.25, 0.0625, 0.015625, 0.004, None]
@@ -478,5 +480,5 @@ def test_quick_run_over_a_slow_link(tmp_path):
   assert rows["allreduce"]["wall-clock to target"].endswith("(1.00x)")
   assert any(line.startswith("step times over a 100mbit link: 2 processes in a network namespace")
              for line in lines)
-  assert not any(n.startswith(namespaces.PREFIX) for n in
-                 subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+  listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  assert not any(n.startswith(namespaces.PREFIX) for n in listed.split())

@@ -103,7 +103,7 @@ class Plan:
     text: the tables and the sources of every figure (print it).
     speeds, curves: the plot's link speeds and ``{name: {"step": [...], "target": [...]}}``, the
       projected times over allreduce's at each.
-    fsdp: the "Fully sharded" table's ``fsdp_plan.FsdpRow``\ s (DDP, ZeRO-1/2, FSDP variants).
+    fsdp: the "Fully sharded" table's ``fsdp_plan.FsdpRow``\\ s (DDP, ZeRO-1/2, FSDP variants).
   """
   model: str
   params: int
