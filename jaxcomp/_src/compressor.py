@@ -56,7 +56,6 @@ from jaxcomp._src import axis, buckets, finite, interface, kernels, phases, shar
 from jaxcomp._src import tree as tree_lib
 
 STEADY = phases.Phase("steady", 1.0)  # the one phase of a step without phases: unlabelled
-NONFINITE = ("skip", "select", "own")
 
 
 class MeanConfig(validate.Config):
