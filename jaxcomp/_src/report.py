@@ -317,10 +317,10 @@ def comm_report(fn: Callable, *args, stage: str = "compiled",
       no arguments) or compiled (``jax.stages.Compiled``, read as it is).
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
     stage: ``"compiled"`` (the HLO XLA runs) or ``"lowered"`` (before optimisation: requested
-    dtypes,
-      no partitioner collectives).
+      dtypes, no partitioner collectives).
     num_devices: group size for collectives over all devices that name no groups; default all
-    devices. **kwargs: keyword arguments of ``fn``.
+      devices.
+    **kwargs: keyword arguments of ``fn``.
 
   Returns:
     A ``CommReport``; ``print`` it for a table.
