@@ -208,7 +208,8 @@ def _quantize(values: jax.Array, bits: int) -> tuple:
 
 
 def _dequantize(codes: jax.Array, centroids: jax.Array) -> jax.Array:
-  """3: ``v̂ = ±centroid`` (float32) of each code; the sender and every receiver compute it alike."""
+  """3: ``v̂ = ±centroid`` (float32) of each code; the sender and every receiver compute it
+  alike."""
   levels = centroids.shape[-1]
   magnitude = jnp.take_along_axis(centroids.astype(jnp.float32), codes % levels, axis=-1)
   return jnp.where(codes >= levels, -magnitude, magnitude)
