@@ -15,7 +15,6 @@ from jax.sharding import AxisType
 
 import jaxcomp
 from helpers import rounding_tol
-from jaxcomp._src import restore
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -142,7 +141,7 @@ def test_a_sharded_optimizer_state_restored_on_another_number_of_devices(tmp_pat
   params = jax.tree.map(np.asarray, params)  # the parameters, saved apart (to the host here)
   narrow = jaxcomp.data_parallel(plain_loss, mesh_1d(4), tx=tx)
   with pytest.warns(UserWarning, match=r"restore: state.exchange.worker_error.*starts afresh"):
-    restored = restore.restore_data_parallel(narrow, tmp_path / "ckpt", params)
+    restored = narrow.restore(tmp_path / "ckpt", params)
   shapes = opt_state.signature.shapes
   sharded = lambda tree, world: [  # noqa: E731  (every leaf is cut, the 0-d one too)
       np.asarray(x).reshape(-1)[:np.prod(shape, dtype=int)].reshape(shape)
@@ -170,7 +169,7 @@ def test_dion_momenta_start_afresh_and_the_rest_is_restored(tmp_path):
   params = jax.tree.map(np.asarray, params)  # the parameters, saved apart (to the host here)
   narrow = jaxcomp.data_parallel(plain_loss, mesh_1d(4), tx=tx)
   with pytest.warns(UserWarning, match=r"restore: state.momentum.*starts afresh"):
-    restored = restore.restore_data_parallel(narrow, tmp_path / "ckpt", params)
+    restored = narrow.restore(tmp_path / "ckpt", params)
   fresh = narrow.make_state(params)
   chex.assert_trees_all_equal(restored.momentum, fresh.momentum)
   kept = lambda s: [x for x, m in zip(jax.tree.leaves(s),  # noqa: E731

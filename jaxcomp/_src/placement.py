@@ -4,8 +4,9 @@ The step takes its state placed on the mesh: per-device leaves (error feedback, 
 accumulators, a sharded optimizer's shards; the parameters of an optimizer that moves each
 device's copy between synchronizations) stacked along a new leading axis of W and sharded along it,
 as ``jax.pmap`` stores them, the rest replicated (``jaxcomp.per_device_mask``). ``DataParallel``
-makes that state (``make_state``, ``make_params``), places a batch (``shard``) and gives the
-shardings of a state (an orbax restore target); ``jaxcomp._src.data_parallel`` builds the step.
+makes that state (``make_state``, ``make_params``), places a batch (``shard``), gives the
+shardings of a state (an orbax restore target) and restores a checkpoint saved on any number of
+devices (``restore``); ``jaxcomp._src.data_parallel`` builds the step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcomp._src import distributed, misuse, nnx_step, spmd
+from jaxcomp._src import restore as restore_lib
 from jaxcomp._src.sharding import params_per_device, per_device_mask
 from jaxcomp._src.zero import holds_sharded_state
 
@@ -147,6 +149,25 @@ class DataParallel:
                  else self._abstract_state(params))
     return self._place(self._same_start(params), lambda t: t,
                        lambda t: loss_form_masks(self.buffers, (t, opt_state))[0])
+
+  def restore(self, directory, params):
+    """The loss form's optimizer state saved in ``directory`` by an orbax ``StandardCheckpointer``,
+    laid out for this mesh whatever number of devices it was saved from
+    (``jaxcomp._src.restore``): a ``sharded_optimizer``'s shards of its optimizer's state (and
+    master copy) exactly; each device's own leaves (error feedback, Dion's momentum) started
+    afresh, with a warning naming them; the rest as saved.
+
+    Args:
+      directory: the checkpoint of ``step``'s optimizer state.
+      params: the parameters (their structure, shapes and dtypes make the fresh state).
+
+    Returns:
+      The optimizer state, placed as ``make_state(params)`` places it.
+    """
+    if self.tx is None:
+      raise ValueError("restore lays out the optimizer state of the loss-function form (with tx); "
+                       "restore a per-device-step state with orbax, onto make_state's shardings")
+    return restore_lib.restore_data_parallel(self, directory, params)
 
   def _init(self, params):
     """The loss form's optimizer state: ``tx.init(params)``, or for an nnx model

@@ -25,8 +25,9 @@ below):
 
 ``fully_sharded``'s state also records its layout (``FullyShardedState.layout``, ``marker``): its
 step refuses a state laid out for another mesh before it runs (``CheckedStep``), e.g. one that
-orbax's ``strict=False`` padded or truncated. ``restore_data_parallel`` is the call for
-``jaxcomp.data_parallel``'s loss form (``sharded_optimizer``'s shards, Dion's momenta).
+orbax's ``strict=False`` padded or truncated. ``restore_data_parallel`` (``DataParallel.restore``)
+is the call for ``jaxcomp.data_parallel``'s loss form (``sharded_optimizer``'s shards, Dion's
+momenta).
 
 orbax-checkpoint is the caller's dependency (jaxcomp's ``examples`` extra), imported here when
 called.
@@ -237,9 +238,9 @@ def restore_data_parallel(dp, directory, params):
   ``sharded_optimizer``'s shards of its optimizer's state (and master copy) exactly; each device's
   own leaves (error feedback, Dion's momentum) started afresh, with a warning naming them.
 
-  Example (``DataParallel.restore`` would be this call)::
+  ``DataParallel.restore`` is this call::
 
-    opt_state = restore_data_parallel(dp, "/ckpt/100", params)
+    opt_state = dp.restore("/ckpt/100", params)
 
   Args:
     dp: the ``DataParallel`` whose state it is (loss form, arrays as the parameters).
