@@ -280,3 +280,22 @@ def test_momentum_after_sign_compress_is_warned_of():
     warnings.simplefilter("always")
     check(tx)
   assert any("sign_compress is followed by momentum" in str(w.message) for w in caught)
+
+
+def test_check_reads_a_program_whose_inner_jit_returns_a_constant():
+  inner = jax.jit(lambda y: (y * 2.0, 1.0))  # the 1.0 is a literal among the jit's results
+  step = jax.jit(lambda x: inner(x))
+  jaxcomp.check(step, jnp.ones(3))  # nothing mapped, nothing to refuse: it must not raise
+
+
+def test_a_per_device_loss_is_not_read_as_the_new_value_of_a_later_argument():
+  # step(params, state, g, zeros) -> (params, state, loss): the loss has the layout of the
+  # (replicated) last argument, but it is not that argument's new value.
+  tx = optax.chain(jaxcomp.allreduce(), optax.sgd(0.1))
+
+  def step(p, s, g, offset):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s, jnp.sum(g["w"]) + offset
+  mapped = jax.pmap(step, axis_name="batch", devices=jax.devices()[:W])
+  jaxcomp.check(mapped, replicate(params(), W), replicate(tx.init(params()), W), grads(),
+                np.zeros(W, np.float32))

@@ -279,9 +279,11 @@ def check(step: Callable, *args, **kwargs) -> None:
     ``should_skip_update_fn``, a ``lax.cond`` of your own on a value of the batch): the job would
     hang at the first step where the devices decide differently;
   * a value that is the same on every device when the step starts (a parameter, a replicated
-    state leaf) comes out different on each device at the same place of the step's results,
-    without a state declaring it per device: it reached no collective (``optax.masked`` around a
-    compressor), and the replicas would drift apart;
+    state leaf) comes out different on each device as the result at its place (the k-th result
+    is read as the new value of the k-th argument where their layouts agree, as in
+    ``step(params, opt_state, *batch) -> (params, opt_state, loss)``), without a state declaring
+    it per device: it reached no collective (``optax.masked`` around a compressor), and the
+    replicas would drift apart;
   * an optimizer follows a whole optimizer in an ``optax.chain`` (the optimizer state says so);
 
   and warns where ``optax.MultiSteps`` runs a jaxcomp transformation on every micro-step.
@@ -315,7 +317,8 @@ def check(step: Callable, *args, **kwargs) -> None:
   program, results = jax.make_jaxpr(step, return_shape=True)(*args, **kwargs)
   flat = jax.tree.leaves((args, kwargs))
   origin = dict(zip(program.jaxpr.invars, range(len(flat))))
-  destination = {v: i for i, v in enumerate(program.jaxpr.outvars)}
+  destination = {v: i for i, v in enumerate(program.jaxpr.outvars)
+                 if not isinstance(v, jax.extend.core.Literal)}
   drifting = set()  # the step's outputs that differ from device to device, by index
   for body in _mapped_bodies(program.jaxpr, origin, destination):
     drifting |= _check_body(body, flat)
@@ -333,17 +336,19 @@ class _Body:
 
 def _mapped_bodies(jaxpr, origin: dict, destination: dict) -> list:
   """The ``shard_map`` equations of ``jaxpr``, also inside the jits that call them."""
+  look = lambda table, v: None if isinstance(v, jax.extend.core.Literal) else table.get(v)  # noqa: E731
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "shard_map":
-      found.append(_Body(eqn, [origin.get(v) for v in eqn.invars],
-                         [destination.get(v) for v in eqn.outvars]))
+      found.append(_Body(eqn, [look(origin, v) for v in eqn.invars],
+                         [look(destination, v) for v in eqn.outvars]))
       continue
     for sub in jaxprs.subjaxprs(eqn):
-      inner_origin = {s: origin.get(v) for s, v in zip(sub.invars, eqn.invars)
+      inner_origin = {s: look(origin, v) for s, v in zip(sub.invars, eqn.invars)
                       if len(sub.invars) == len(eqn.invars)}
-      inner_destination = {s: destination.get(v) for s, v in zip(sub.outvars, eqn.outvars)
-                           if len(sub.outvars) == len(eqn.outvars)}
+      inner_destination = {s: look(destination, v) for s, v in zip(sub.outvars, eqn.outvars)
+                           if len(sub.outvars) == len(eqn.outvars)
+                           and not isinstance(s, jax.extend.core.Literal)}
       found += _mapped_bodies(sub, inner_origin, inner_destination)
   return found
 
@@ -396,17 +401,16 @@ def _check_body(body: _Body, flat: list) -> set:
 
 
 def _refuse_drift(drifting: set, args: tuple, results, flat: list) -> None:
-  """2: raises for a result that differs from device to device at the place of an argument leaf
-  that is the same on every device and not declared per device."""
+  """2: raises for a result that differs from device to device where it is the new value of an
+  argument leaf (the k-th result of the k-th argument) that is the same on every device and not
+  declared per device."""
   per_device_params = any(sharding.params_per_device(arg) for arg in args)
   starts = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in args])
   result_parts = list(results) if isinstance(results, tuple) else [results]
   offset = 0
-  for part in result_parts:
+  for a, (arg, part) in enumerate(zip(args, result_parts)):
     leaves = jax.tree.leaves(part)
-    for a, arg in enumerate(args):
-      if not _same_layout(arg, part):
-        continue
+    if _same_layout(arg, part):
       declared = jax.tree.leaves(sharding.per_device_mask(arg))
       free = per_device_params and not any(declared)  # the parameters of local steps
       paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(arg)]
@@ -417,7 +421,6 @@ def _refuse_drift(drifting: set, args: tuple, results, flat: list) -> None:
               f"argument {a}{paths[i]} is the same on every device when the step starts, and the "
               "step returns it at the same place different on each device: it reached no "
               f"collective, and the replicas drift apart. {_DRIFT_FIX}")
-      break
     offset += len(leaves)
 
 
