@@ -11,8 +11,8 @@ rate 0.7, momentum 0.9) each train 400 more steps on the same batches. The inner
 a third of allreduce's learning rate: the outer momentum multiplies each period's progress.
 
 Digits: Streaming DiLoCo (H = 100, three fragments, τ = 1) keeps allreduce's accuracy to within
-0.5% where DiLoCo at the same H loses 3%, and with a float16 PowerSGD rank-4 pseudo-gradient it
-does so for about 2,000× fewer bytes than allreduce.
+two standard errors with about 60% of DiLoCo's peak bytes, and with a float16 PowerSGD rank-4
+pseudo-gradient it comes within 3% for about 2,000× fewer bytes than allreduce.
 
 The DiLoCo methods are evaluated on θ, the synchronized parameters of their state (DiLoCo's are
 every device's right after a sync; Streaming DiLoCo's devices never hold all of θ at once), as the
@@ -150,19 +150,20 @@ def test_streaming_diloco_keeps_allreduce_accuracy_on_digits_for_2000x_fewer_byt
     print(f"{name}: accuracy {accuracy:.4f} ({accuracy - base:+.2%}), {report.ring_bytes:,.1f} "
           f"B/step/device ({base_report.ring_bytes / report.ring_bytes:,.0f}x fewer), peak "
           f"{peak(report):,.0f} B")
-  # Measured: allreduce 0.9889; DiLoCo 0.9556; Streaming DiLoCo 0.9861 (100x fewer bytes), and
-  # with the float16 PowerSGD rank-4 pseudo-gradient 0.9861 at 1,996x (0.9806 since PowerSGD draws
-  # its factors from the seed, the step and the leaf's path; 0.9778 on another x86 CPU, the same
-  # code: XLA:CPU's code, and so the last bits of every step, differ by CPU). On 360 held-out
-  # digits one digit is 0.28% and the standard error of an accuracy near 98.5% is 0.64%: "keeps
-  # allreduce's accuracy" means within two standard errors (1.3%), not within a digit or two;
-  # DiLoCo, 3.3% behind, is outside it.
+  # Measured (allreduce, DiLoCo, Streaming DiLoCo, with the float16 PowerSGD rank-4 pseudo-gradient):
+  # 0.9889, 0.9556, 0.9861, 0.9806 on one x86 CPU (0.9778 on another, the same code: XLA:CPU's code,
+  # and so the last bits of every step, differ by CPU); 0.9889, 0.9833, 0.9889, 0.9639 on an AMD
+  # EPYC (2026-12-07, the code of 2026-11-28 gave the same). On 360 held-out digits one digit is
+  # 0.28% and the standard error of an accuracy near 98.5% is 0.64%: "keeps allreduce's accuracy"
+  # means within two standard errors (1.3%). Whether DiLoCo at H = 100 falls behind depends on the
+  # CPU (3.3% on the first, 0.6% on the EPYC), so it is printed, not asserted; the PowerSGD
+  # pseudo-gradient costs 0.3% to 2.5%.
   assert base > 0.98
-  diloco, diloco_report = results["diloco_h100"]
-  assert diloco < base - 0.02
-  for name in ("streaming_h100_p3_d1", "streaming_h100_p3_d1_fp16_powersgd_r4"):
+  _, diloco_report = results["diloco_h100"]
+  for name, allowed in (("streaming_h100_p3_d1", 0.013),
+                        ("streaming_h100_p3_d1_fp16_powersgd_r4", 0.03)):
     accuracy, report = results[name]
-    assert accuracy >= base - 0.013, name
+    assert accuracy >= base - allowed, name
     # Fragments are whole layers: the peak is the largest one's, the middle layer here (63%).
     assert peak(report) <= 0.65 * peak(diloco_report), name
   _, report = results["streaming_h100_p3_d1_fp16_powersgd_r4"]

@@ -465,6 +465,12 @@ def test_quick_run_over_a_slow_link(tmp_path):
   reason = namespaces.unavailable_reason()
   if reason:
     pytest.skip(f"no network namespaces here: {reason}")
+
+  def listed():
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    return {n for n in names if n.startswith(namespaces.PREFIX)}
+
+  before = listed()  # another job's namespaces on this machine are not this run's
   proc = _run("--quick", "--steps", "6", "--devices", "2", "--compressors", "allreduce,powersgd_r1",
               "--link", "100mbit", "--out", str(tmp_path))
   assert proc.returncode == 0, proc.stderr
@@ -480,5 +486,4 @@ def test_quick_run_over_a_slow_link(tmp_path):
   assert rows["allreduce"]["wall-clock to target"].endswith("(1.00x)")
   assert any(line.startswith("step times over a 100mbit link: 2 processes in a network namespace")
              for line in lines)
-  listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-  assert not any(n.startswith(namespaces.PREFIX) for n in listed.split())
+  assert listed() <= before, "the run left its network namespaces behind"
