@@ -6,7 +6,8 @@ fusion as one kernel), with:
 
 * **FLOPs**: a dot 2·(output elements)·(contracted elements); a convolution 2·(output
   elements)·(kernel elements ÷ output features); every other instruction one per output element
-  (a reduction one per input element); a fusion the sum over the instructions it fuses;
+  (a reduction one per input element); a fusion the sum over the instructions it fuses (in a loop
+  fusion, at most one per output element each: it computes what its output needs);
 * **bytes**: what the kernel reads and writes (``bytes_moved``): its operands and its output, with
   two refinements for what XLA does in place or computes in part — a loop fusion computes each
   output element once, so it reads at most as many elements of an operand as it writes (a fusion
@@ -168,10 +169,11 @@ def _flops(i: _Instruction, computations: dict, dims: dict) -> tuple:
   out = sum(math.prod(d) for _, d in i.arrays)
   if i.opcode == "fusion" and i.calls in computations:
     total, dtype = 0.0, None
+    cap = out if i.fusion_kind == "kLoop" else float("inf")  # each output element computed once
     for inner in computations[i.calls].values():
       if inner.opcode not in _FREE:
         flops, kind = _flops(inner, computations, dims)
-        total, dtype = total + flops, dtype or kind
+        total, dtype = total + (flops if kind else min(flops, cap)), dtype or kind
     return total, dtype
   if i.opcode == "dot":
     lhs = dims.get(i.operands[0], [("f32", ())])[0]
