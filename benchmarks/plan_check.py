@@ -15,8 +15,9 @@ One device: the planner costs what the collectives send with the α-β model, an
 devices a collective is a memory copy among threads that share the cores, so one device isolates
 the compute the planner predicts (every compressor still compresses and decodes, at W = 1).
 
-``--gpu-section`` also predicts the MLP's ratios on the ``h200`` preset and sets them beside the GPU step ratios in BENCHMARKS.md's "GPU" section (measured on an H200 by
-``gpu.sh``, dated there). ``--platform gpu --device h100`` runs both sides on a lent GPU.
+``--gpu-section`` also predicts the MLP's ratios on the ``h200`` preset and sets them beside the
+GPU step ratios in BENCHMARKS.md's "GPU" section (measured on an H200 by ``gpu.sh``, dated
+there). ``--platform gpu --device h100`` runs both sides on a lent GPU.
 
   nice -n 19 env PYTHONPATH=. python benchmarks/plan_check.py --write [--models mlp,chars]
       [--compressors all] [--repeats 10] [--gpu-section]
@@ -57,12 +58,14 @@ def predicted(task, params, batch, names, device) -> tuple:
           update)
 
 
-def measured(task, params, batch, compressor_list, repeats, platform) -> dict:
-  """``{name: step ratio}``: ``step_time.py``'s measurement on one device."""
+def measured(task, params, batch, compressor_list, repeats, platform) -> tuple:
+  """``({name: step ratio}, allreduce's median step in seconds)``: ``step_time.py``'s measurement
+  on one device."""
   runners = step_time.step_runners(task, compressor_list, batch, common.devices(1, platform),
                                    params=params)
   times = common.interleaved(runners, repeats, warmup=2)
-  return {c.name: common.ratio(times, c.name, "allreduce") for c in compressor_list}
+  return ({c.name: common.ratio(times, c.name, "allreduce") for c in compressor_list},
+          common.median(times["allreduce"]))
 
 
 def gpu_section(path: str = common.BENCHMARKS_MD) -> dict:
@@ -104,9 +107,10 @@ def main(argv=None) -> int:
     params = task.init(0)
     batch = task.batch(0, 0, batch_size(1))
     guess, model_s, update = predicted(task, params, batch, names, model_device)
-    seen = measured(task, params, batch, compressor_list, repeats, args.platform)
-    notes.append(f"{label}: forward and backward {1e3 * model_s:.3g} ms predicted, allreduce's "
-                 f"update {1e3 * update['allreduce']:.3g} ms")
+    seen, base_s = measured(task, params, batch, compressor_list, repeats, args.platform)
+    notes.append(f"{label}: allreduce's step {1e3 * (model_s + update['allreduce']):.3g} ms "
+                 f"predicted (forward and backward {1e3 * model_s:.3g} ms, the update "
+                 f"{1e3 * update['allreduce']:.3g} ms), {1e3 * base_s:.3g} ms measured")
     for name in names:
       rows.append(_row(label, name, guess[name], seen[name]))
       if guess[name] is not None:

@@ -23,12 +23,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AXIS = "batch"
 
 
-@pytest.fixture(autouse=True)
-def plan_cache(tmp_path_factory, monkeypatch):
-  """One cache of compiled updates for the session's plans, not the user's."""
-  monkeypatch.setenv("JAXCOMP_PLAN_CACHE", str(tmp_path_factory.getbasetemp() / "plan_cache"))
-
-
 def _chars_shapes(**size):
   """The main job's transformer class (Flax attention's 3-D kernels, embeddings, norms): shapes."""
   model = tasks.CharTransformer(**size)

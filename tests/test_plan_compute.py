@@ -4,6 +4,9 @@ the device model's roofline against hand-computed cases, this machine's measured
 update of a tree compiled per shape group against the whole tree compiled at once (``compute``)."""
 
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -153,3 +156,17 @@ def test_memory_per_device_is_the_state_jax_would_allocate():
   state = jax.eval_shape(tx.init, tree)
   extra = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
   assert compute.memory("quantized_int8", tree) == 4 * n + extra
+
+
+@pytest.mark.slow  # compiles and times two entries' steps
+def test_plan_check_quick():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "benchmarks/plan_check.py", "--quick", "--models", "mlp",
+                         "--compressors", "allreduce,powersgd_r1"], cwd=root,
+                        env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr
+  rows = [line for line in proc.stdout.splitlines() if line.startswith("| MLP (quick) |")]
+  assert [r.split(" | ")[1] for r in rows] == ["allreduce", "powersgd_r1"]
+  assert rows[0].split(" | ")[2:4] == ["1.00", "1.00"]  # the baseline, predicted and measured
+  assert "within ±30%" in proc.stdout

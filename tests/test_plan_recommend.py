@@ -19,12 +19,6 @@ CONTRASTED = ["allreduce", "bf16", "quantized_int8", "onebit_adam", "streaming_d
 """The entries the main job's default run measured (J1), and so the ones that can be ranked."""
 
 
-@pytest.fixture(autouse=True)
-def plan_cache(tmp_path_factory, monkeypatch):
-  """One cache of compiled updates for the session's plans, not the user's."""
-  monkeypatch.setenv("JAXCOMP_PLAN_CACHE", str(tmp_path_factory.getbasetemp() / "plan_cache"))
-
-
 def test_a_slow_link_picks_a_compressor_and_a_fast_one_a_dense_mean():
   slow = planner.plan(TINY, devices=64, gbits=[0.01], step_ms=1.0, names=CONTRASTED[:4])
   rec = slow.recommendations[0.01]

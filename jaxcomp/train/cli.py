@@ -30,9 +30,11 @@ started is marked "diverged". ``OUT/loss.png`` plots the held-out loss against s
 bytes, the modelled wall-clock at each link speed and (with ``--link``) the wall-clock over the
 link.
 
-``--plan`` trains nothing: it projects the measurements (``jaxcomp/train/measured.json``) to
-another model (``--model``, ``--params``) on ``--devices`` workers at each ``--gbits`` link speed
-(``jaxcomp.train.planner``). A run without it ends with one line naming that command.
+``--plan`` trains nothing: it recommends a way to train another model (``--model``, a preset or
+``module:function``; ``--params``) on ``--devices`` workers of kind ``--device`` at each
+``--gbits`` link speed, from each entry's update compiled at that model's shapes and the steps to
+target measured (``jaxcomp.train.planner``). A run without it ends with one line naming that
+command.
 
 ``--link RATE`` (root, ``ip`` and ``tc``) also times each phase's step over a real slow link —
 ``--devices`` processes in a private network namespace whose loopback is rate-limited
@@ -148,9 +150,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true",
                       help="a tiny run for CI: smaller model and eval set, 20 steps unless --steps")
   plan = parser.add_argument_group(
-      "sizing a cluster (--plan): no training run; the bytes at the model's real layer shapes, each "
-      "entry's update compiled at them and timed on --device, the α-β model, and the steps to "
-      "target measured (jaxcomp/train/measured.json, dated)")
+      "sizing a cluster (--plan): no training run; the bytes at the model's real layer shapes, "
+      "each entry's update compiled at them and timed on --device, the α-β model, and the steps "
+      "to target measured (jaxcomp/train/measured.json, dated)")
   plan.add_argument(
       "--plan", action="store_true",
       help="recommend one way to train --model or --params on --devices workers of kind --device "

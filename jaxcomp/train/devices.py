@@ -19,7 +19,8 @@ is a lower bound of a program's time, and the planner says so.
 
 ``PRESETS`` are the accelerators users train on, each dated, with its sources; ``this-cpu`` is the
 machine the planner runs on, whose figures ``measure_this_cpu`` takes in a few seconds (a float32
-matrix product, a streaming loop, a chain of small kernels), so that the planner's predictions can
+matrix product, a streaming loop over 16 MB — larger buffers are fresh pages on every call, which
+XLA:CPU's allocator does not keep, and measure the page faults — a chain of small kernels), so that the planner's predictions can
 be checked against steps measured on the same machine (``benchmarks/plan_check.py``).
 
 ``sustained`` is the share of the bfloat16 peak a training step's matrix products sustain, which
@@ -36,6 +37,8 @@ import functools
 import time
 from typing import Optional, Sequence
 
+TAKEN = "2026-12-07"
+"""When the presets' figures were taken from their sources."""
 LAUNCH_GPU = 3e-6
 """Seconds per kernel on an NVIDIA GPU: a CUDA launch and XLA's thunk, a few µs (an assumption;
 ``benchmarks/plan_check.py --platform gpu`` measures what the steps say)."""
@@ -59,10 +62,11 @@ class Device:
     bandwidth: memory bandwidth, bytes/s.
     launch: seconds per kernel.
     memory_gib: memory per device, GiB (None: not a limit the planner checks).
-    date: when the figures were taken.
+    date: when the figures were taken (from the sources, or measured).
     sources: where each figure comes from.
     sustained: the share of the bfloat16 peak a training step's matrix products sustain.
-    accelerator: kernels are queued ahead and the fusable ones fused (module docstring); False: a CPU.
+    accelerator: kernels are queued ahead and the fusable ones fused (module docstring); False: a
+      CPU.
   """
   name: str
   about: str
@@ -139,30 +143,30 @@ _H100 = "NVIDIA H100 datasheet, SXM5 (nvidia.com/en-us/data-center/h100), dense 
 PRESETS = {
     "h100": Device("h100", "NVIDIA H100 SXM5 80GB", {"f32": 494.7e12, "bf16": 989.4e12,
                                                      "int8": 1978.9e12},
-                   66.9e12, 3.35e12, LAUNCH_GPU, 80, "2023-09", (_H100,)),
+                   66.9e12, 3.35e12, LAUNCH_GPU, 80, TAKEN, (_H100,)),
     "h200": Device("h200", "NVIDIA H200 SXM 141GB", {"f32": 494.7e12, "bf16": 989.4e12,
                                                      "int8": 1978.9e12},
-                   66.9e12, 4.8e12, LAUNCH_GPU, 141, "2024-11",
+                   66.9e12, 4.8e12, LAUNCH_GPU, 141, TAKEN,
                    ("NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): the H100's "
                     "compute, 141 GB at 4.8 TB/s",)),
     "a100": Device("a100", "NVIDIA A100 SXM4 80GB", {"f32": 156e12, "bf16": 312e12,
                                                      "int8": 624e12},
-                   19.5e12, 2.039e12, LAUNCH_GPU, 80, "2021-06",
+                   19.5e12, 2.039e12, LAUNCH_GPU, 80, TAKEN,
                    ("NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100), dense",)),
     "b200": Device("b200", "NVIDIA B200 (HGX, 1,000 W)", {"f32": 1100e12, "bf16": 2250e12,
                                                          "int8": 4500e12},
-                   80e12, 8e12, LAUNCH_GPU, 180, "2025-03",
+                   80e12, 8e12, LAUNCH_GPU, 180, TAKEN,
                    ("NVIDIA Blackwell architecture technical brief: HGX B200 dense, 180 GB of "
                     "HBM3e at 8 TB/s (DGX B200: 1,440 GB for 8)",)),
     "tpu-v5e": Device("tpu-v5e", "Google TPU v5e", {"f32": 197e12, "bf16": 197e12,
                                                    "int8": 394e12},
-                      197e12 / 16, 819e9, LAUNCH_TPU, 16, "2024-08",
+                      197e12 / 16, 819e9, LAUNCH_TPU, 16, TAKEN,
                       ("cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 394 int8, 16 GB at "
                        "819 GB/s; float32 dots as one bfloat16 pass; vector unit 1/16 of the "
                        "MXUs (an assumption)",)),
     "tpu-v5p": Device("tpu-v5p", "Google TPU v5p", {"f32": 459e12, "bf16": 459e12,
                                                    "int8": 918e12},
-                      459e12 / 16, 2765e9, LAUNCH_TPU, 95, "2024-08",
+                      459e12 / 16, 2765e9, LAUNCH_TPU, 95, TAKEN,
                       ("cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB at 2,765 GB/s; "
                        "float32 dots as one bfloat16 pass; vector unit 1/16 of the MXUs (an "
                        "assumption)",)),
@@ -186,7 +190,7 @@ def _best(fn, *args, repeats: int = 5) -> float:
 @functools.lru_cache(maxsize=None)
 def measure_this_cpu() -> Device:
   """The machine this process runs on, measured (a few seconds; once per process): the float32
-  rate of a 1,024² matrix product, the bandwidth of a loop over 64 MB in and out, and the cost per
+  rate of a 1,024² matrix product, the bandwidth of a loop over 16 MB in and out, and the cost per
   kernel of a chain of 256 small matrix products (each a kernel of its own, the chain's kernels
   counted from its compiled program)."""
   import jax
@@ -199,7 +203,7 @@ def measure_this_cpu() -> Device:
   n = 1024
   a = put(np.random.default_rng(0).standard_normal((n, n), np.float32))
   matmul = 2 * n**3 / _best(jax.jit(lambda x: x @ x), a)
-  x = put(np.ones(16 * 2**20, np.float32))
+  x = put(np.ones(4 * 2**20, np.float32))  # 16 MB: larger buffers page-fault on every call
   stream = jax.jit(lambda v: v * 2.0 + 1.0)
   bandwidth = 2 * x.nbytes / _best(stream, x)
 
@@ -215,7 +219,7 @@ def measure_this_cpu() -> Device:
   return Device("this-cpu", f"this machine's CPU ({cpu.device_kind}, measured)",
                 {"f32": matmul, "bf16": matmul, "int8": matmul}, matmul, bandwidth, launch, None,
                 time.strftime("%Y-%m-%d"),
-                (f"measured now: a {n}² float32 matrix product, a loop over 64 MB, a chain of "
+                (f"measured now: a {n}² float32 matrix product, a loop over 16 MB, a chain of "
                  f"{count:.0f} small kernels (jaxcomp.train.devices.measure_this_cpu)",),
                 sustained=1.0, accelerator=False)
 

@@ -17,7 +17,9 @@ fusion as one kernel), with:
 * **dtype**: the operands' dtype of a dot or convolution (what sets its peak FLOP/s), else None;
 * **weight**: how many times it runs per step of the steady state. A loop's body runs its known
   trip count (XLA's ``known_trip_count``; once where XLA does not know it, and ``unknown_trips``
-  says so); a branch labelled as a phase by jaxcomp (``jaxcomp_phase[name|share]`` in its
+  says so); jaxcomp's loop that runs a branch once or never (``phases.when``) runs it once when
+  the branch is a labelled phase (its share decides), never when it is not (jaxcomp's only such
+  branch restores the state after a non-finite step); a branch labelled as a phase by jaxcomp (``jaxcomp_phase[name|share]`` in its
   ``op_name``: a warm-up 0, a synchronization every H steps 1/H, each half of alternating
   PowerSGD ½) runs its share; of a conditional whose branches carry no label, the costliest branch
   counts;
@@ -263,11 +265,18 @@ def kernels(hlo_text: str, least_share: float = 0.0) -> Program:
       op_name = _OP_NAME.search(i.rest)
       op_name = op_name.group("op_name") if op_name else ""
       if i.opcode == "while":
-        trips = _TRIPS.search(i.rest)
-        if trips is None and _WHEN not in op_name:
+        trips, body = _TRIPS.search(i.rest), _BODY.search(i.rest)
+        if body is None:
+          continue
+        count = int(trips.group(1)) if trips else 1
+        if _WHEN in op_name:  # runs once if its phase is taken; unlabelled, on a non-finite step
+          own = set(_PHASE.findall(op_name))
+          labelled = any(set(_PHASE.findall(j.rest)) - own
+                         for j in computations.get(body.group(1), {}).values())
+          count = 1 if labelled else 0
+        elif trips is None:
           unknown += 1
-        body = _BODY.search(i.rest)
-        out += walk(body.group(1), weight * (int(trips.group(1)) if trips else 1)) if body else []
+        out += walk(body.group(1), weight * count)
       elif i.opcode == "conditional":
         found = _BRANCHES.search(i.rest)
         names = ([b.strip().lstrip("%") for b in found.group(1).split(",")] if found

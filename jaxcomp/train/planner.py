@@ -113,9 +113,10 @@ class Plan:
   """What ``plan`` returns.
 
   Attributes:
-    model, about: the command line's name of the model (``--model gpt2-small``) and what it is; params: its parameter count; world: W; gbits:
-      the link speeds; alpha: the α-β model's latency.
-    device: the ``jaxcomp.train.devices.Device``; device_gib: the memory per device the plan checks (None: none).
+    model, about: the command line's name of the model (``--model gpt2-small``) and what it is.
+    params: its parameter count; world: W; gbits: the link speeds; alpha: the α-β model's latency.
+    device: the ``jaxcomp.train.devices.Device``; device_gib: the memory per device the plan
+      checks (None: none).
     model_ms, model_note: the model's step per device (forward, backward) and where it comes from.
     rows: a ``Row`` per registry entry, in the registry's order (allreduce and bf16 first when
       ``names`` left them out).
@@ -263,7 +264,8 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
       ``jax.eval_shape(model.init, rng, x)["params"]``); or None with ``model``.
     devices: W, the data-parallel workers.
     gbits: link speeds per worker.
-    device: a ``jaxcomp.train.devices.NAMES`` entry: the accelerator's roofline (``"this-cpu"``: measured now).
+    device: a ``jaxcomp.train.devices.NAMES`` entry: the accelerator's roofline (``"this-cpu"``:
+      this machine, measured now).
     step_ms: the measured model step per device (forward, backward; no communication); None: an
       estimate from the model's FLOPs (as a transformer for ``params_or_shapes``).
     model: a preset of ``shapes.MODELS`` instead of ``params_or_shapes``.
@@ -297,6 +299,7 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
     tree, about = params_or_shapes, about or "the model given"
   gbits = _check(devices, gbits, step_ms)
   hardware = accelerators.get(device)
+  fsdp_plan.check_device_gib(device_gib)
   if device_gib is None:
     device_gib = hardware.memory_gib
   n = sum(math.prod(shape) for _, shape in wire.leaves(tree))

@@ -6,8 +6,9 @@ reached (``evidence``), whose update compiled and whose bytes are known, ordered
 time to target over allreduce's, overlap credited (``planner``'s stated assumption; the answer
 without the credit is said where it differs). Where the model with DDP and Adam does not fit the
 device's memory (``device_gib``: the parameters and the transformation's state with Adam, as the
-"Fully sharded" table counts them; the gradient, activations and temporaries not counted), only the ways that fit are ranked, and the exact sharded ways to train enter: ZeRO-1/2
-and ``jaxcomp.fully_sharded`` with exact gathers and scatters, whose steps to target are allreduce's
+"Fully sharded" table counts them; the gradient, activations and temporaries not counted), only
+the ways that fit are ranked, and the exact sharded ways to train enter: ZeRO-1/2 and
+``jaxcomp.fully_sharded`` with exact gathers and scatters, whose steps to target are allreduce's
 by construction (the same arithmetic), their communication hidden behind the model's step up to
 its length (FSDP prefetches the next layer's parameters while this one computes; ZeRO's
 reduce-scatter runs bucket by bucket in the backward pass), their update costed as allreduce's.
