@@ -35,11 +35,9 @@ shares and compressors, not the ms with another machine's.
 A second table gives the bytes each phase moves per device and step, in passes over the gradient
 (bytes ÷ the gradient's float32 bytes): every executed instruction's operands read and output
 written, from the shapes in the compiled HLO, as many times as it ran (an instruction inside a
-conditional branch or a loop counts each time it executed, not at all where it did not). Two
-refinements of that count, for what XLA:CPU does in place or computes in part (``bytes_moved``): a
-loop fusion computes each output element once, so it reads at most as many elements of an operand
-as it writes (a fusion that computes one row of a larger expression reads that row); a
-dynamic-update-slice or a scatter writes only its update into its operand's buffer. An
+conditional branch or a loop counts each time it executed, not at all where it did not), counted
+by ``jaxcomp.train.hlo_cost.bytes_moved`` (the planner's count, with its two refinements for what
+XLA:CPU does in place or computes in part). An
 algorithm that reads the gradient and its state once and writes its state and output once moves
 2 + 2·state / gradient; the plain mean moves 4 (the all-reduce's input and output, the ÷W).
 
@@ -51,13 +49,11 @@ from __future__ import annotations
 
 import collections
 import glob
-import math
 import os
 import re
 import sys
 import tempfile
 import time
-from typing import NamedTuple, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,6 +65,7 @@ import optax  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from jaxcomp.train.hlo_cost import bytes_moved  # noqa: E402  (the planner's count, shared)
 
 OPTIMIZER_SCOPE = "profile.optimizer"
 # The parts the jaxcomp plumbing names (``jax.named_scope("jaxcomp.<part>")``), as the table calls
@@ -88,16 +85,6 @@ _OP_NAME = re.compile(r'op_name="(?P<op_name>[^"]*)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _SCOPE = re.compile("|".join(re.escape(s) for s in PARTS) + r"|\b(?:jvp|transpose)\(")
-_DEFINITION = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s"
-                         r"(?P<op>[a-z][a-z0-9\-]*)\((?P<operands>[^)]*)\)(?P<rest>.*)$")
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_KIND = re.compile(r"\bkind=(k\w+)")
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "bf16": 2, "f8e4m3fn": 1, "f8e5m2": 1,
-                **{f"{k}{b}": b // 8 for k in "suf" for b in (8, 16, 32, 64)}}
-_IN_PLACE = ("dynamic-update-slice", "scatter")
-
-
 def scoped(tx: optax.GradientTransformation, name: str) -> optax.GradientTransformation:
   """``tx`` with its ``init`` and ``update`` traced under the name scope ``name``."""
   def init(params):
@@ -132,81 +119,6 @@ def instructions(hlo_text: str) -> dict:
   for name, computation in called.items():
     out[name] = (out[name][0], inside.get(computation, ""))
   return out
-
-
-class _Instruction(NamedTuple):
-  opcode: str
-  operands: list  # the names of its operands
-  elements: list  # (count, bytes per element) of each array of its output
-  calls: Optional[str]  # the computation a fusion calls
-  fusion_kind: str
-  root: bool
-
-
-def _arrays(shape: str) -> list:
-  """``(count, bytes per element)`` of each array of an HLO shape (a tuple has several)."""
-  return [(math.prod(int(d) for d in dims.split(",") if d), _DTYPE_BYTES[dtype])
-          for dtype, dims in _ARRAY.findall(shape)]
-
-
-def _nbytes(arrays: list) -> int:
-  return sum(count * size for count, size in arrays)
-
-
-def _parsed(hlo_text: str) -> dict:
-  """``{computation: {instruction name: _Instruction}}`` of a compiled HLO module."""
-  computations, computation = {}, None
-  for line in hlo_text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header:
-      computation = computations.setdefault(header.group("name"), {})
-      continue
-    m = _DEFINITION.match(line)
-    if m and computation is not None:
-      calls, kind = _CALLS.search(m.group("rest")), _KIND.search(m.group("rest"))
-      computation[m.group("name")] = _Instruction(
-          m.group("op"), _OPERAND.findall(m.group("operands")), _arrays(m.group("shape")),
-          calls.group(1) if calls else None, kind.group(1) if kind else "", bool(m.group("root")))
-  return computations
-
-
-def bytes_moved(hlo_text: str) -> dict:
-  """``{instruction name: bytes}`` each instruction of the module's computations (but fused ones)
-  reads and writes when it runs: its operands and its output, with two refinements (the module
-  docstring): a loop fusion reads at most as many elements of each operand as it writes, and a
-  dynamic-update-slice or scatter (alone, or the root of a fusion) writes its update only, in place
-  of its first operand, which it does not read."""
-  computations = _parsed(hlo_text)
-  shapes = {name: i.elements for c in computations.values() for name, i in c.items()}
-  fused = {i.calls for c in computations.values() for i in c.values() if i.opcode == "fusion"}
-  moved = {}
-  for computation in (c for name, c in computations.items() if name not in fused):
-    for name, i in computation.items():
-      if i.opcode in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast") \
-         or i.opcode in _CONTROL:
-        continue
-      operands = [shapes.get(o, []) for o in i.operands]
-      root = i
-      if i.calls in computations:  # a fusion: what its root does (through bitcasts)
-        body = computations[i.calls]
-        root = next((f for f in body.values() if f.root), i)
-        while root.opcode == "bitcast" and root.operands and root.operands[0] in body:
-          root = body[root.operands[0]]
-      at = 1 if root.opcode == "dynamic-update-slice" else 2  # the update among its operands
-      if root.opcode in _IN_PLACE and len(root.operands) > at:  # written into a buffer not read
-        update = shapes.get(root.operands[at], [])
-        written, sizes = _nbytes(update), [_nbytes(o) for o in operands]
-        if _nbytes(i.elements) in sizes:
-          operands.pop(sizes.index(_nbytes(i.elements)))
-        limit = sum(count for count, _ in update)
-      elif i.fusion_kind == "kLoop":  # one read of an operand's element per output element
-        written, limit = _nbytes(i.elements), sum(count for count, _ in i.elements)
-      else:
-        written, limit = _nbytes(i.elements), None
-      moved[name] = written + sum(
-          _nbytes(o) if limit is None or len(o) != 1 else min(_nbytes(o), limit * o[0][1])
-          for o in operands)
-  return moved
 
 
 def phase_of(opcode: str, op_name: str) -> str:

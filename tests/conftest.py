@@ -32,6 +32,10 @@ FAST_TIER_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def pytest_configure(config):
+  # The planner's compiled updates (jaxcomp.train.compute) cached for the session, not the user's.
+  plans = tempfile.mkdtemp(prefix="jaxcomp-test-plans-")
+  config.add_cleanup(lambda: shutil.rmtree(plans, ignore_errors=True))
+  os.environ["JAXCOMP_PLAN_CACHE"] = plans
   # Before any test starts XLA's CPU backend, which reads XLA_FLAGS once.
   fast_tier = config.option.markexpr == "not slow"
   if fast_tier and "XLA_FLAGS" not in os.environ:

@@ -13,8 +13,11 @@ scikit-learn, and the models), ``registry`` (the named compressors that the main
 benchmarks and the tests share), ``network`` (the α-β model of time on a link), ``units``; a real
 rate-limited link: ``namespaces`` (a network namespace, its ``tc`` rate limit and its cleanup) and
 ``link_job`` (training processes timed over it); and the planner of ``--plan``: ``planner`` (the
-projection), ``wire`` (each entry's bytes per step at any layer shapes, from the algorithm's
-definition), ``shapes`` (published models' parameter shapes, shared with the benchmarks),
-``fsdp_plan`` (memory and bytes of the sharded ways to train) and ``measured`` (the dated
-measurements it projects from, ``measured.json``).
+projection), ``recommend`` (its answer), ``plan_text`` (its text and plot), ``compute`` (each
+entry's update compiled at the model's shapes), ``hlo_cost`` (a compiled program's kernels: FLOPs
+and bytes), ``devices`` (the accelerators' rooflines, dated), ``evidence`` (steps to target by model
+size, and the papers'), ``user_model`` (``--model module:function``), ``wire`` (each entry's bytes
+per step at any layer shapes, from the algorithm's definition), ``shapes`` (published models'
+parameter shapes, shared with the benchmarks), ``fsdp_plan`` (memory and bytes of the sharded ways
+to train) and ``measured`` (the dated steps to target, ``measured.json``).
 """

@@ -30,9 +30,11 @@ started is marked "diverged". ``OUT/loss.png`` plots the held-out loss against s
 bytes, the modelled wall-clock at each link speed and (with ``--link``) the wall-clock over the
 link.
 
-``--plan`` trains nothing: it projects the measurements (``jaxcomp/train/measured.json``) to
-another model (``--model``, ``--params``) on ``--devices`` workers at each ``--gbits`` link speed
-(``jaxcomp.train.planner``). A run without it ends with one line naming that command.
+``--plan`` trains nothing: it recommends a way to train another model (``--model``, a preset or
+``module:function``; ``--params``) on ``--devices`` workers of kind ``--device`` at each
+``--gbits`` link speed, from each entry's update compiled at that model's shapes and the steps to
+target measured (``jaxcomp.train.planner``). A run without it ends with one line naming that
+command.
 
 ``--link RATE`` (root, ``ip`` and ``tc``) also times each phase's step over a real slow link —
 ``--devices`` processes in a private network namespace whose loopback is rate-limited
@@ -55,7 +57,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxcomp.train import device_setup, link_job, namespaces, network, registry, shapes
+from jaxcomp.train import (device_setup, devices, link_job, namespaces, network, registry, shapes,
+                           user_model)
 from jaxcomp.train.plots import plot
 from jaxcomp.train.runs import (WINDOW, Run, modelled_note, modelled_to_target, phase_programs,
                                 table, target_of)
@@ -147,28 +150,36 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true",
                       help="a tiny run for CI: smaller model and eval set, 20 steps unless --steps")
   plan = parser.add_argument_group(
-      "sizing a cluster (--plan): no training run; the bytes at the model's real layer shapes, the "
-      "α-β model, and the step and steps-to-target ratios measured on small models "
-      "(jaxcomp/train/measured.json, dated)")
+      "sizing a cluster (--plan): no training run; the bytes at the model's real layer shapes, "
+      "each entry's update compiled at them and timed on --device, the α-β model, and the steps "
+      "to target measured (jaxcomp/train/measured.json, dated)")
   plan.add_argument(
       "--plan", action="store_true",
-      help="project every registry entry (or --compressors) to --model or --params on --devices "
-           "workers at each --gbits link speed: bytes per step, communication time, compute "
-           "overhead, time per step and to target against allreduce and bf16, crossover link "
-           "speed; writes OUT/plan.md and OUT/plan.png")
-  plan.add_argument("--model", choices=list(shapes.MODELS), default=None,
-                    help="--plan: a model of published layer shapes")
+      help="recommend one way to train --model or --params on --devices workers of kind --device "
+           "at each --gbits link speed, with its reasons, then project every registry entry (or "
+           "--compressors): bytes per step, communication time, compute from the compiled "
+           "update, overlap, time per step and to target against allreduce and bf16, crossover "
+           "link speed; writes OUT/plan.md and OUT/plan.png")
+  plan.add_argument("--model", default=None, metavar="NAME|MODULE:FUNCTION",
+                    help="--plan: a model of published layer shapes (" + ", ".join(shapes.MODELS)
+                         + "), or package.module:function / path/to/file.py:function returning "
+                         "a Flax model's parameters (run under jax.eval_shape: nothing "
+                         "allocated)")
   plan.add_argument("--params", default=None, metavar="N",
                     help="--plan: a GPT-2-shaped transformer of about N parameters (e.g. 350M, "
                          "1.3e9, 7B)")
+  plan.add_argument("--device", default=None, metavar="NAME",
+                    help="--plan: the accelerator, whose roofline times the compiled updates and "
+                         "the model's step: " + ", ".join(devices.NAMES) + " (this-cpu: this "
+                         "machine, measured in seconds); default h100")
   plan.add_argument("--step-ms", type=float, default=None, metavar="MS",
-                    help="--plan: your measured compute time per step (forward, backward, "
-                         "optimizer; no communication), in ms; without it, an estimate from the "
-                         "model's FLOPs, printed as such")
+                    help="--plan: your measured model step per device (forward, backward; no "
+                         "communication), in ms; without it, an estimate from the model's FLOPs "
+                         "at the device's sustained rate, printed as such")
   plan.add_argument("--device-gib", type=float, default=None, metavar="G",
-                    help="--plan: GiB of memory per device; the \"Fully sharded\" table marks "
-                         "which ways to train (DDP, ZeRO-1/2, FSDP) hold the parameters, Adam's "
-                         "state and the exchange's state in it")
+                    help="--plan: GiB of memory per device (default: --device's); the ways to "
+                         "train that do not fit are not recommended, and where DDP does not fit "
+                         "the exact sharded ways (ZeRO-1/2, FSDP) are ranked")
   plan.add_argument("--from-run", default=None, metavar="RESULTS_JSON",
                     help="--plan: also take the steps to target from this run of the job "
                          "(its OUT/results.json), before the packaged ones")
@@ -183,7 +194,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.variant = registry.parse_variants(args.variant)
   except ValueError as e:
     parser.error(f"--variant {e}")
-  planning = ("--model", "--params", "--step-ms", "--from-run", "--device-gib")
+  planning = ("--model", "--params", "--step-ms", "--from-run", "--device-gib", "--device")
   if not args.plan:
     given = [o for o in planning if getattr(args, o[2:].replace("-", "_")) is not None]
     if given:
@@ -197,8 +208,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if trained:
       parser.error(f"{trained[0]} does not apply to --plan (it trains nothing)")
     if (args.model is None) == (args.params is None):
-      parser.error("--plan needs --model (" + ", ".join(shapes.MODELS) + ") or --params N"
-                   + (", not both" if args.model else ""))
+      parser.error("--plan needs --model (" + ", ".join(shapes.MODELS) + ", or "
+                   "module:function) or --params N" + (", not both" if args.model else ""))
+    if args.model is not None and not (args.model in shapes.MODELS
+                                       or user_model.is_function(args.model)):
+      parser.error(f"--model: unknown model {args.model!r}; choose from "
+                   f"{', '.join(shapes.MODELS)}, or give package.module:function or "
+                   "path/to/file.py:function")
+    args.device = args.device or "h100"
+    if args.device not in devices.NAMES:
+      parser.error(f"--device: unknown device {args.device!r}; choose from "
+                   f"{', '.join(devices.NAMES)}")
     if args.params is not None:
       try:
         args.params = parse_count(args.params)
@@ -213,6 +233,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    f"{args.device_gib:g}")
     if args.from_run is not None and not os.path.isfile(args.from_run):
       parser.error(f"--from-run: no such file: {args.from_run}")
+    unwritable = _unwritable(args.out)
+    if unwritable:
+      parser.error(f"--out {args.out}: cannot write there ({unwritable}); give a folder you can "
+                   "write to")
     try:
       args.gbits = parse_gbits(args.gbits)
     except ValueError as e:
@@ -253,6 +277,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   if unnamed:
     parser.error(f"--variant {unnamed[0]} is not in --compressors: name it there to train it")
   return args
+
+
+def _unwritable(folder: str) -> Optional[str]:
+  """Why files cannot be written in ``folder`` (created if missing), or None."""
+  try:
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, ".jaxcomp_write_check")
+    with open(probe, "w", encoding="utf-8"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    return e.strerror or type(e).__name__
+  return None
 
 
 def _names(parser: argparse.ArgumentParser, text: str) -> list:
@@ -305,7 +342,8 @@ def time_over_link(task_name: str, runs: Sequence[Run], *, rate: str, quick: boo
   return result
 
 
-PLAN_EXAMPLE = "python -m jaxcomp.train --plan --model gpt2-small --devices 64 --gbits 25"
+PLAN_EXAMPLE = ("python -m jaxcomp.train --plan --model gpt2-small --devices 64 --gbits 25 "
+                "--device h100")
 """The command the default run names at its end."""
 
 
@@ -325,13 +363,19 @@ def run_plan(args: argparse.Namespace) -> int:
       print(f"python -m jaxcomp.train: error: --from-run {args.from_run}: not a results.json of "
             f"the job ({type(e).__name__}: {e})", file=sys.stderr)
       return 2
-  if args.model:
-    tree, about = None, None
-  else:
-    tree, about = shapes.transformer(args.params)
-  result = planner.plan(tree, model=args.model, devices=args.devices, gbits=args.gbits,
-                        step_ms=args.step_ms, names=args.compressors, data=data, about=about,
-                        device_gib=args.device_gib)
+  model, tree, about = args.model, None, None
+  spec = f"--model {args.model}" if args.model else f"--params {args.params:.3g}"
+  try:
+    if args.model and user_model.is_function(args.model):
+      model, (tree, about) = None, user_model.load(args.model)
+    elif args.params is not None:
+      tree, about = shapes.transformer(args.params)
+  except user_model.ModelError as e:
+    print(f"python -m jaxcomp.train: error: --model {args.model}: {e}", file=sys.stderr)
+    return 2
+  result = planner.plan(tree, model=model, devices=args.devices, gbits=args.gbits,
+                        device=args.device, step_ms=args.step_ms, names=args.compressors,
+                        data=data, about=about, device_gib=args.device_gib, spec=spec)
   print(result.text)
   os.makedirs(args.out, exist_ok=True)
   command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if args.argv is None else args.argv)

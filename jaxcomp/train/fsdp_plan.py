@@ -23,8 +23,9 @@ train with Adam:
   fit that many GiB per device (activations, the gathered layer and temporaries not counted: a
   necessary condition, not a sufficient one).
 
-The step time of ``fully_sharded`` against DDP's and its steps to target are not in
-``measured.json``: the table says "not measured" and projects no step or time to target.
+The step time of ``fully_sharded`` against DDP's and its steps to target are not measured: the
+table says "not measured"; where DDP does not fit a device, the recommendation ranks the exact
+sharded ways (``jaxcomp.train.recommend``).
 """
 
 from __future__ import annotations
@@ -96,6 +97,23 @@ def memory(tree, world: int, kind: str, exchange: str = "allreduce",
   return 12 * held, kept
 
 
+def check_device_gib(device_gib) -> None:
+  """Refuses a ``device_gib`` that is not None or a positive number of GiB.
+
+  Raises:
+    TypeError: ``device_gib`` is not a number.
+    ValueError: ``device_gib`` is not a positive number of GiB.
+  """
+  if device_gib is None:
+    return
+  if not isinstance(device_gib, numbers.Real) or isinstance(device_gib, bool):
+    raise TypeError(f"device_gib must be a number of GiB per device (e.g. 80); got "
+                    f"{type(device_gib).__name__}")
+  if not 0 < device_gib < float("inf"):
+    raise ValueError(f"device_gib must be a positive number of GiB per device (e.g. 80); got "
+                     f"{device_gib!r}")
+
+
 def rows(tree, world: int, gbits: Sequence[float], alpha: float = network.ALPHA,
          device_gib: Optional[float] = None) -> list:
   """An ``FsdpRow`` per ``VARIANTS`` entry for ``tree`` on ``world`` devices at each of ``gbits``.
@@ -104,13 +122,7 @@ def rows(tree, world: int, gbits: Sequence[float], alpha: float = network.ALPHA,
     TypeError: ``device_gib`` is not a number.
     ValueError: ``device_gib`` is not a positive number of GiB.
   """
-  if device_gib is not None:
-    if not isinstance(device_gib, numbers.Real) or isinstance(device_gib, bool):
-      raise TypeError(f"device_gib must be a number of GiB per device (e.g. 80); got "
-                      f"{type(device_gib).__name__}")
-    if not 0 < device_gib < float("inf"):
-      raise ValueError(f"device_gib must be a positive number of GiB per device (e.g. 80); got "
-                       f"{device_gib!r}")
+  check_device_gib(device_gib)
   out = []
   for label, kind, gather, exchange, feedback in VARIANTS:
     if kind == "ddp":
@@ -177,8 +189,9 @@ def render(table: list, world: int, gbits: Sequence[float], alpha: float,
       "gathers it again (add the gather's bytes once more).",
       "* comm: the α-β model (jaxcomp/train/network.py), ring / tree (recursive doubling; a "
       "reduce-scatter as the all-gather it mirrors, recursive halving), no overlap with compute "
-      "(FSDP's prefetch of the next layer's gather is not credited).",
-      "* compute overhead and steps to target: fully_sharded's step ratio and steps to target are "
-      "not in measured.json (benchmarks/fsdp.py times it against DDP on an MLP on CPU), so no "
-      "step or time to target is projected for it."]
+      "here (the recommendation credits FSDP's prefetch of the next layer's gather).",
+      "* compute overhead and steps to target: not measured for the sharded ways (benchmarks/"
+      "fsdp.py times fully_sharded against DDP on an MLP on CPU); where DDP does not fit, the "
+      "recommendation ranks the exact ones (ZeRO-1/2, FSDP exact) with allreduce's steps, the "
+      "same arithmetic, and allreduce's update."]
   return "\n".join(lines)

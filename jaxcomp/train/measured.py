@@ -1,23 +1,31 @@
-"""The measurements the planner projects from, dated, with the commands that took them.
+"""The measurements the planner ranks by, dated, with the commands that took them.
 
-``measured.json`` (shipped with the package) holds two kinds of figures, each with its command, its
-date, the model and the devices it was measured on:
+``measured.json`` (shipped with the package) holds the steps to target (``jaxcomp.train.evidence``
+reads them), each run with its command, its date, the model and the devices it was measured on:
 
-* ``step_time``: each registry entry's training step as a ratio to allreduce's, from
-  ``benchmarks/step_time.py`` (BENCHMARKS.md, "Training step time against allreduce");
 * ``steps_to_target``: runs of the main job (``python -m jaxcomp.train``), newest first: the steps
-  each entry took to reach allreduce's final held-out loss, or the steps it ran without reaching
-  it (``not_in``), or that it diverged.
+  each entry took to reach allreduce's final held-out loss (``outcomes``: ``{"steps": s}``, or the
+  steps it ran without reaching it, ``{"not_in": s}``, or ``{"diverged": true}``), with the model's
+  ``params``, the ``tokens`` allreduce trained on to its final loss and, where recorded, each
+  entry's final held-out loss (``losses``);
+* ``scaling``: records of a scaling study, one per entry, model size and seed (the format of
+  ``benchmarks/scaling_quality.py``'s results file, one JSON object a line): ``entry``, ``size``,
+  ``seed``, ``params``, ``tokens``, ``steps``, ``heldout_loss``, ``allreduce_loss`` (the
+  baseline's, same size and seed), ``steps_to_allreduce_loss`` (the first evaluated step at that
+  loss or below, null if none), ``baseline`` (the baseline's entry; default
+  ``allreduce_adamw``), ``date``, ``command``, ``machine``.
 
-Regenerate it from new runs (either input may be left out; the other section is kept)::
+The planner's compute is not here: it compiles each entry's update at the user's shapes
+(``jaxcomp.train.compute``). Regenerate the file from new runs (each input may be left out; the
+other sections are kept)::
 
-  PYTHONPATH=. python benchmarks/step_time.py --models mlp --devices 8 --repeats 8 \\
-      --compressors all --out step_time.json        # or BENCHMARKS.md once written with --write
   python -m jaxcomp.train --compressors all --out job_out
-  python -m jaxcomp.train.measured --step-time step_time.json --job job_out/results.json
+  python -m jaxcomp.train.measured --job job_out/results.json
+  python -m jaxcomp.train.measured --scaling benchmarks/scaling_quality.jsonl
 
 ``--job`` puts the run first among the ``steps_to_target`` runs (older runs stay behind it, for the
-entries it did not train); ``--out`` writes elsewhere than the packaged file.
+entries it did not train); ``--scaling`` replaces the ``scaling`` records; ``--out`` writes
+elsewhere than the packaged file.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from typing import Optional, Sequence
 
 from jaxcomp.train.runs import Run, target_of
 
+CHARS_CONTEXT = 64
+"""Characters per sequence of the main job's chars task (``tasks.CHARS_SIZES["small"]``)."""
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
 """The packaged measurements."""
 
@@ -50,11 +60,6 @@ def load(path: Optional[str] = None) -> dict:
     return json.load(f)
 
 
-def step_ratio(data: dict, name: str) -> Optional[float]:
-  """Entry ``name``'s measured step time over allreduce's, or None where it was not measured."""
-  return data["step_time"]["ratios"].get(name)
-
-
 def steps_to_target(data: dict, name: str) -> tuple:
   """``(run, outcome)`` of the newest run of the job that trained entry ``name``: ``outcome`` is
   ``{"steps": s}``, ``{"not_in": s}`` or ``{"diverged": True}``; ``(None, None)`` if none did."""
@@ -66,31 +71,6 @@ def steps_to_target(data: dict, name: str) -> tuple:
 
 def _date_of(path: str) -> str:
   return datetime.date.fromtimestamp(os.path.getmtime(path)).isoformat()
-
-
-def from_step_time(path: str) -> dict:
-  """The ``step_time`` section from ``benchmarks/step_time.py``'s ``--out`` JSON (its first model
-  and device count), or from BENCHMARKS.md's step-time section."""
-  if path.endswith(".md"):
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
-    section = text.split("<!-- BEGIN step_time -->")[1].split("<!-- END step_time -->")[0]
-    command = re.search(r"^`(PYTHONPATH=\. python benchmarks/step_time\.py[^`]*)`", section,
-                        re.M).group(1)
-    machine, date = re.search(r"^(.+); (\d{4}-\d\d-\d\d)\.$", section, re.M).groups()
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in section.splitlines() if line.startswith("| ")][1:]
-    source = f"{os.path.basename(path)}, its step-time section"
-  else:
-    with open(path, encoding="utf-8") as f:
-      out = json.load(f)
-    command, machine, rows, date = out["command"], out["machine"], out["rows"], _date_of(path)
-    source = f"{os.path.basename(path)} (step_time.py --out)"
-  first = [r for r in rows if (r[0], r[5]) == (rows[0][0], rows[0][5])]
-  return {"command": command, "date": date, "source": source, "model": first[0][0],
-          "devices": f"{first[0][5]} simulated CPU devices" if "CPU" in machine and "×" not in
-          machine else f"{first[0][5]} devices", "world": int(first[0][5]), "machine": machine,
-          "global_batch": int(first[0][6]), "ratios": {r[1]: float(r[4]) for r in first}}
 
 
 def from_job(path: str) -> dict:
@@ -114,28 +94,41 @@ def from_job(path: str) -> dict:
     if found:
       model = f"{found.group(1)} transformer ({found.group(2)} parameters)" if found.group(
           1) == "chars" else f"{found.group(1)} ({found.group(2)} parameters)"
+  base_steps = base.steps_to(target) or base.steps
+  per_step = out["batch_size"] * (CHARS_CONTEXT if out["task"] == "chars" else 1)
+  params = re.search(r"\(([\d,]+) parameters\)", model)
   return {"command": out["command"], "date": _date_of(path), "source": path, "model": model,
           "devices": f"{out['devices']} devices", "steps": out["steps"],
-          "base_steps": base.steps_to(target) or base.steps, "target": round(target, 4),
-          "step_ratios": {r.name: round(r.median_step_seconds / base.median_step_seconds, 3)
-                          for r in runs},
+          "base_steps": base_steps, "target": round(target, 4),
+          "params": int(params.group(1).replace(",", "")) if params else None,
+          "tokens": base_steps * per_step,
+          "losses": {r.name: round(r.final[0], 4) for r in runs},
           "outcomes": outcomes}
+
+
+def from_scaling(path: str) -> list:
+  """The ``scaling`` records from a scaling study's results file (one JSON object a line)."""
+  keep = ("entry", "size", "seed", "params", "tokens", "steps", "heldout_loss", "allreduce_loss",
+          "steps_to_allreduce_loss", "baseline", "date", "command", "machine")
+  with open(path, encoding="utf-8") as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return [{k: r[k] for k in keep if k in r} for r in records]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m jaxcomp.train.measured",
       description="Rewrites the planner's measurements (jaxcomp/train/measured.json) from a run of "
-                  "benchmarks/step_time.py and/or of the main job.")
-  parser.add_argument("--step-time", help="step_time.py's --out JSON, or BENCHMARKS.md")
+                  "the main job and/or a scaling study's results.")
   parser.add_argument("--job", help="the main job's OUT/results.json")
+  parser.add_argument("--scaling", help="a scaling study's results file (JSON lines)")
   parser.add_argument("--out", default=PATH, help="where to write (default: the packaged file)")
   args = parser.parse_args(argv)
-  if not (args.step_time or args.job):
-    parser.error("give --step-time, --job or both")
+  if not (args.job or args.scaling):
+    parser.error("give --job, --scaling or both")
   data = load(args.out if os.path.exists(args.out) else PATH)
-  if args.step_time:
-    data["step_time"] = from_step_time(args.step_time)
+  if args.scaling:
+    data["scaling"] = from_scaling(args.scaling)
   if args.job:
     data["steps_to_target"] = [from_job(args.job)] + data["steps_to_target"]
   with open(args.out, "w", encoding="utf-8") as f:
