@@ -150,7 +150,8 @@ def test_streaming_diloco_keeps_allreduce_accuracy_on_digits_for_2000x_fewer_byt
     print(f"{name}: accuracy {accuracy:.4f} ({accuracy - base:+.2%}), {report.ring_bytes:,.1f} "
           f"B/step/device ({base_report.ring_bytes / report.ring_bytes:,.0f}x fewer), peak "
           f"{peak(report):,.0f} B")
-  # Measured (allreduce, DiLoCo, Streaming DiLoCo, with the float16 PowerSGD rank-4 pseudo-gradient):
+  # Measured (allreduce, DiLoCo, Streaming DiLoCo, with the float16 PowerSGD rank-4
+  # pseudo-gradient):
   # 0.9889, 0.9556, 0.9861, 0.9806 on one x86 CPU (0.9778 on another, the same code: XLA:CPU's code,
   # and so the last bits of every step, differ by CPU); 0.9889, 0.9833, 0.9889, 0.9639 on an AMD
   # EPYC (2026-12-07, the code of 2026-11-28 gave the same). On 360 held-out digits one digit is

@@ -16,7 +16,8 @@ import optax
 import pytest
 
 from jaxcomp import comm_report
-from jaxcomp.train import cli, devices, measured, network, planner, registry, shapes, tasks, wire
+from jaxcomp.train import (cli, devices, measured, network, planner, registry, shapes, step_cost,
+                           tasks, wire)
 from jaxcomp.train.runs import Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,23 +120,23 @@ def test_crossover_on_a_hand_computed_case():
   # 10 + 4e10/β = 18 + 4.8e8/β at β = 4.94e9 B/s = 39.52 Gbit/s; below it the compressor wins.
   base = [(100, 0.1, [("all-reduce", 4e8, 1.0)], None)]
   mine = [(120, 0.15, [("all-reduce", 4e6, 1.0)], None)]
-  kind, gbits = planner.crossover(mine, base, world=2, alpha=0.0)
+  kind, gbits = step_cost.crossover(mine, base, world=2, alpha=0.0)
   assert kind == "below" and gbits == pytest.approx(39.52, rel=1e-9)
-  assert planner.seconds(mine, 2, 0.0, 39.52, 0.0) == pytest.approx(
-      planner.seconds(base, 2, 0.0, 39.52, 0.0), rel=1e-9)
+  assert step_cost.seconds(mine, 2, 0.0, 39.52, 0.0) == pytest.approx(
+      step_cost.seconds(base, 2, 0.0, 39.52, 0.0), rel=1e-9)
   # Slower compute and no fewer bytes: never; fewer bytes and no slower: always.
-  assert planner.crossover([(100, 0.15, base[0][2], None)], base, 2, 0.0) == ("never", None)
-  assert planner.crossover([(100, 0.1, mine[0][2], None)], base, 2, 0.0) == ("always", None)
+  assert step_cost.crossover([(100, 0.15, base[0][2], None)], base, 2, 0.0) == ("never", None)
+  assert step_cost.crossover([(100, 0.1, mine[0][2], None)], base, 2, 0.0) == ("always", None)
   # The overlap credit: a dense mean hides behind the backward pass up to its length.
   ops = [("all-reduce", 4e8, 1.0)]
   beta = network.gbits_to_beta(39.52)
-  assert planner.hidden(0.1, ops, 2, 0.0, beta, "backward", 0.05) == pytest.approx(0.05)
-  assert planner.hidden(0.1, ops, 2, 0.0, beta * 100, "backward", 0.05) == pytest.approx(
+  assert step_cost.hidden(0.1, ops, 2, 0.0, beta, "backward", 0.05) == pytest.approx(0.05)
+  assert step_cost.hidden(0.1, ops, 2, 0.0, beta * 100, "backward", 0.05) == pytest.approx(
       4e8 / (beta * 100))
-  assert planner.hidden(0.1, ops, 2, 0.0, beta, None, 0.05) == 0.0
+  assert step_cost.hidden(0.1, ops, 2, 0.0, beta, None, 0.05) == 0.0
   # Streaming DiLoCo: each piece (share 1/H) hides behind one inner step.
   pieces = [("all-reduce", 4e8, 0.05), ("all-reduce", 4e6, 0.05)]
-  assert planner.hidden(0.01, pieces, 2, 0.0, beta, "inner step", 0.0) == pytest.approx(
+  assert step_cost.hidden(0.01, pieces, 2, 0.0, beta, "inner step", 0.0) == pytest.approx(
       0.05 * 0.01 + 0.05 * 4e6 / beta)
 
 
@@ -159,7 +160,7 @@ def test_the_projection_is_compute_plus_the_alpha_beta_model_less_the_overlap():
   assert int8.step_ms[25] == pytest.approx(1e3 * step, rel=1e-12)
   assert int8.step_credit_ms[25] == int8.step_ms[25]  # the 8-bit exchange hides nothing
   base_step = 0.5e-3 + base.update_ms / 1e3 + comm("allreduce")
-  hidden = min(comm("allreduce"), planner.BACKWARD * 0.5e-3)
+  hidden = min(comm("allreduce"), step_cost.BACKWARD * 0.5e-3)
   assert base.step_credit_ms[25] == pytest.approx(1e3 * (base_step - hidden), rel=1e-12)
   ratio = outcome["steps"] / run["base_steps"]
   assert int8.to_target[25] == pytest.approx(ratio * step / base_step, rel=1e-12)

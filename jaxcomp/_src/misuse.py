@@ -336,7 +336,8 @@ class _Body:
 
 def _mapped_bodies(jaxpr, origin: dict, destination: dict) -> list:
   """The ``shard_map`` equations of ``jaxpr``, also inside the jits that call them."""
-  look = lambda table, v: None if isinstance(v, jax.extend.core.Literal) else table.get(v)  # noqa: E731
+  def look(table, v):  # a literal operand or result comes from no argument and goes to no result
+    return None if isinstance(v, jax.extend.core.Literal) else table.get(v)
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "shard_map":

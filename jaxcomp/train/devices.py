@@ -20,8 +20,9 @@ is a lower bound of a program's time, and the planner says so.
 ``PRESETS`` are the accelerators users train on, each dated, with its sources; ``this-cpu`` is the
 machine the planner runs on, whose figures ``measure_this_cpu`` takes in a few seconds (a float32
 matrix product, a streaming loop over 16 MB — larger buffers are fresh pages on every call, which
-XLA:CPU's allocator does not keep, and measure the page faults — a chain of small kernels), so that the planner's predictions can
-be checked against steps measured on the same machine (``benchmarks/plan_check.py``).
+XLA:CPU's allocator does not keep, and measure the page faults — a chain of small kernels), so
+that the planner's predictions can be checked against steps measured on the same machine
+(``benchmarks/plan_check.py``).
 
 ``sustained`` is the share of the bfloat16 peak a training step's matrix products sustain, which
 the planner's estimate of a model's step uses (``compute.model_step``): 0.40 on the accelerators —
@@ -177,7 +178,6 @@ NAMES = tuple(PRESETS) + ("this-cpu",)
 
 def _best(fn, *args, repeats: int = 5) -> float:
   """The shortest of ``repeats`` blocked runs of compiled ``fn`` (after one to warm up)."""
-  import jax
   fn(*args).block_until_ready()
   times = []
   for _ in range(repeats):

@@ -19,10 +19,10 @@ fusion as one kernel), with:
   trip count (XLA's ``known_trip_count``; once where XLA does not know it, and ``unknown_trips``
   says so); jaxcomp's loop that runs a branch once or never (``phases.when``) runs it once when
   the branch is a labelled phase (its share decides), never when it is not (jaxcomp's only such
-  branch restores the state after a non-finite step); a branch labelled as a phase by jaxcomp (``jaxcomp_phase[name|share]`` in its
-  ``op_name``: a warm-up 0, a synchronization every H steps 1/H, each half of alternating
-  PowerSGD ½) runs its share; of a conditional whose branches carry no label, the costliest branch
-  counts;
+  branch restores the state after a non-finite step); a branch labelled as a phase by jaxcomp
+  (``jaxcomp_phase[name|share]`` in its ``op_name``: a warm-up 0, a synchronization every H steps
+  1/H, each half of alternating PowerSGD ½) runs its share; of a conditional whose branches carry
+  no label, the costliest branch counts;
 * **collective**: an all-reduce, all-gather, all-to-all, reduce-scatter or collective-permute:
   the planner costs these with the α-β model, not as a kernel;
 * **fusable**: for an elementwise kernel that reads a matrix product's output element for element

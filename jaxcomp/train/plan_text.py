@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxcomp.train import evidence, fsdp_plan, network, units
+from jaxcomp.train import evidence, fsdp_plan, network, step_cost, units
 from jaxcomp.train.plots import draw_payoff, line_styles
 
 GIB = 2**30
@@ -17,14 +17,13 @@ def _gbit(g: float) -> str:
 
 
 def _speed(kind_g, bound: bool = False) -> str:
-  from jaxcomp.train.planner import SPEEDS
   if kind_g is None:
     return "-"
   kind, g = kind_g
   if kind == "always":
-    return f"wins at {SPEEDS[0]:g}–{SPEEDS[1]:,.0f} Gbit/s"
+    return f"wins at {step_cost.SPEEDS[0]:g}–{step_cost.SPEEDS[1]:,.0f} Gbit/s"
   if kind == "never":
-    return f"never in {SPEEDS[0]:g}–{SPEEDS[1]:,.0f} Gbit/s"
+    return f"never in {step_cost.SPEEDS[0]:g}–{step_cost.SPEEDS[1]:,.0f} Gbit/s"
   if bound:  # the entry needs at least its steps ratio: it wins below at most this speed
     return f"below at most {_gbit(g)}" if kind == "below" else f"above at least {_gbit(g)}"
   return f"{kind} {_gbit(g)}"

@@ -41,14 +41,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxcomp.train import (compute, evidence, fsdp_plan, measured, network, plan_text, recommend,
-                           registry, shapes, wire)
+                           registry, shapes, step_cost, wire)
 from jaxcomp.train import devices as accelerators
-
-SPEEDS = (1e-3, 1e5)
-"""The link speeds (Gbit/s) a crossover is looked for in."""
-BACKWARD = 2 / 3
-"""The backward pass's share of the model's step: 2 of its 3 × forward FLOPs."""
-
 
 def overlap(name: str) -> Optional[str]:
   """What entry ``name``'s communication overlaps (module docstring): ``"backward"``,
@@ -154,60 +148,6 @@ class Plan:
     """The "where compression pays off" plot: projected time per step and to the target over
     allreduce's (overlap credited), against the link speed."""
     return plan_text.figure(self)
-
-
-def step_seconds(compute_s: float, ops: Sequence, world: int, alpha: float, gbits: float,
-                 kind: Optional[str], backward_s: float, credit: bool = True) -> float:
-  """One step: ``compute_s`` and the communication of ``ops`` (``[(op, bytes, share)]``) at
-  ``gbits``, less what the overlap ``kind`` hides when ``credit``."""
-  beta = network.gbits_to_beta(gbits)
-  comm = network.step_time(ops, world, alpha, beta)
-  return compute_s + comm - (hidden(compute_s, ops, world, alpha, beta, kind, backward_s)
-                             if credit else 0.0)
-
-
-def hidden(compute_s: float, ops: Sequence, world: int, alpha: float, beta: float,
-           kind: Optional[str], backward_s: float) -> float:
-  """Seconds of communication per step the overlap ``kind`` hides (module docstring)."""
-  if kind == "backward":
-    return min(network.step_time(ops, world, alpha, beta), backward_s)
-  if kind == "inner step":
-    return sum(share * min(network.comm_time([(op, b)], world, alpha, beta), compute_s)
-               for op, b, share in ops)
-  return 0.0
-
-
-def seconds(programs: Sequence, world: int, alpha: float, gbits: float, backward_s: float,
-            credit: bool = True) -> float:
-  """Seconds of ``programs`` (``[(steps, compute seconds, operands, overlap kind)]``), summed."""
-  return sum(n * step_seconds(c, ops, world, alpha, gbits, kind, backward_s, credit)
-             for n, c, ops, kind in programs)
-
-
-def crossover(programs: Sequence, base: Sequence, world: int, alpha: float = network.ALPHA,
-              backward_s: float = 0.0, credit: bool = True) -> tuple:
-  """Where ``programs`` take as long as ``base``: ``("below", g)`` when they are faster below
-  ``g`` Gbit/s and slower above, ``("above", g)`` the other way, ``("always", None)`` /
-  ``("never", None)`` when faster / not faster throughout ``SPEEDS``."""
-  def gap(log_g):
-    g = 10.0**log_g
-    return (seconds(programs, world, alpha, g, backward_s, credit)
-            - seconds(base, world, alpha, g, backward_s, credit))
-  grid = np.linspace(math.log10(SPEEDS[0]), math.log10(SPEEDS[1]), 161)
-  signs = [gap(x) < 0 for x in grid]
-  if all(signs):
-    return ("always", None)
-  if not any(signs):
-    return ("never", None)
-  i = next(i for i in range(len(grid) - 1) if signs[i] != signs[i + 1])
-  low, high = grid[i], grid[i + 1]
-  for _ in range(60):  # bisection in log speed
-    mid = (low + high) / 2
-    if (gap(mid) < 0) == signs[i]:
-      low = mid
-    else:
-      high = mid
-  return ("below" if signs[i] else "above", 10.0 ** ((low + high) / 2))
 
 
 @dataclasses.dataclass
@@ -326,7 +266,7 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
   rows = {name: _row(name, context, costs[name], data, sources, gbits, alpha) for name in names}
   base, speeds = rows["allreduce"], np.geomspace(min(gbits) / 100, max(gbits) * 100, 41)
   curves = {}
-  backward_s = BACKWARD * model_s
+  backward_s = step_cost.BACKWARD * model_s
   theirs_step = context.programs("allreduce", None, 1)
   for row in rows.values():
     if row.sent is not None and base.sent:
@@ -336,9 +276,10 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
     mine_step = context.programs(row.name, None, 1)
     if mine_step is None or theirs_step is None:
       continue
-    row.crossover_step = crossover(mine_step, theirs_step, context.world, alpha, backward_s)
-    curves[row.name] = {"step": [seconds(mine_step, context.world, alpha, g, backward_s)
-                                 / seconds(theirs_step, context.world, alpha, g, backward_s)
+    world = context.world
+    row.crossover_step = step_cost.crossover(mine_step, theirs_step, world, alpha, backward_s)
+    curves[row.name] = {"step": [step_cost.seconds(mine_step, world, alpha, g, backward_s)
+                                 / step_cost.seconds(theirs_step, world, alpha, g, backward_s)
                                  for g in speeds]}
     run = sources.get(row.steps_source) if row.steps_source else None
     if row.steps_ratio is None:
@@ -348,14 +289,14 @@ def plan(params_or_shapes=None, *, devices: int = 64, gbits: Sequence[float] = (
     theirs = context.programs("allreduce", run, base_steps)
     if mine is None or theirs is None:
       continue
-    row.crossover_target = crossover(mine, theirs, context.world, alpha, backward_s)
+    row.crossover_target = step_cost.crossover(mine, theirs, world, alpha, backward_s)
     for g in gbits:
       for credit, out in ((False, row.to_target), (True, row.to_target_credit)):
-        out[g] = (seconds(mine, context.world, alpha, g, backward_s, credit)
-                  / seconds(theirs, context.world, alpha, g, backward_s, credit))
+        out[g] = (step_cost.seconds(mine, world, alpha, g, backward_s, credit)
+                  / step_cost.seconds(theirs, world, alpha, g, backward_s, credit))
     if not row.steps_bound:
-      curves[row.name]["target"] = [seconds(mine, context.world, alpha, g, backward_s)
-                                    / seconds(theirs, context.world, alpha, g, backward_s)
+      curves[row.name]["target"] = [step_cost.seconds(mine, world, alpha, g, backward_s)
+                                    / step_cost.seconds(theirs, world, alpha, g, backward_s)
                                     for g in speeds]
   bf16 = rows["bf16"]
   for row in rows.values():
@@ -388,14 +329,14 @@ def _row(name: str, context: Context, cost, data: dict, sources: dict, gbits: tu
   if sent is not None:
     row.sent = wire.ring_bytes(sent, context.world)
     ops = wire.operands(sent, context.world)
-    backward_s = BACKWARD * context.model_s
+    backward_s = step_cost.BACKWARD * context.model_s
     for g in gbits:
       beta = network.gbits_to_beta(g)
       row.comm_ms[g] = {a: 1e3 * network.step_time(ops, context.world, alpha, beta, a)
                         for a in network.ALGORITHMS}
       if row.update_ms is not None:
         compute_s = context.model_s + context.update_s[name]
-        row.hidden_ms[g] = 1e3 * hidden(compute_s, ops, context.world, alpha, beta,
+        row.hidden_ms[g] = 1e3 * step_cost.hidden(compute_s, ops, context.world, alpha, beta,
                                         row.overlap, backward_s)
         row.step_ms[g] = 1e3 * compute_s + row.comm_ms[g]["best"]
         row.step_credit_ms[g] = row.step_ms[g] - row.hidden_ms[g]

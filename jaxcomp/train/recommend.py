@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxcomp.train import wire
+from jaxcomp.train import network, step_cost, wire
 
 GIB = 2**30
 EXACT_SHARDED = ("ZeRO-1/2 exact", "FSDP exact")
@@ -85,8 +85,7 @@ class Recommendation:
 
 def _entries(result, context) -> tuple:
   """``(candidates, thin, not ranked)`` among the registry entries."""
-  from jaxcomp.train import planner
-  backward_s = planner.BACKWARD * context.model_s
+  backward_s = step_cost.BACKWARD * context.model_s
   out, thin, skipped = [], [], []
   for row in result.rows:
     run = result.sources.get(row.steps_source) if row.steps_source else None
@@ -105,8 +104,8 @@ def _entries(result, context) -> tuple:
     theirs = context.programs("allreduce", run, base_steps)
 
     def ratio(g, credit=True, mine=mine, theirs=theirs):
-      return (planner.seconds(mine, context.world, result.alpha, g, backward_s, credit)
-              / planner.seconds(theirs, context.world, result.alpha, g, backward_s, credit))
+      return (step_cost.seconds(mine, context.world, result.alpha, g, backward_s, credit)
+              / step_cost.seconds(theirs, context.world, result.alpha, g, backward_s, credit))
     candidate = Candidate(row.name, ratio, row.memory, row.steps_ratio, row.steps_source)
     (thin if row.steps_bound else out).append(candidate)
   return out, thin, skipped
@@ -114,10 +113,9 @@ def _entries(result, context) -> tuple:
 
 def _sharded(result, context) -> list:
   """The exact sharded ways to train as candidates (module docstring)."""
-  from jaxcomp.train import network, planner
   allreduce = context.update_s["allreduce"]
   theirs = context.programs("allreduce", None, 1)
-  backward_s = planner.BACKWARD * context.model_s
+  backward_s = step_cost.BACKWARD * context.model_s
   out = []
   for row in result.fsdp:
     if row.label not in EXACT_SHARDED:
@@ -130,7 +128,7 @@ def _sharded(result, context) -> list:
     def ratio(g, credit=True, ops=ops, compute_s=compute_s):
       comm = network.step_time(ops, context.world, result.alpha, network.gbits_to_beta(g))
       mine = compute_s + comm - (min(comm, context.model_s) if credit else 0.0)
-      return mine / planner.seconds(theirs, context.world, result.alpha, g, backward_s, credit)
+      return mine / step_cost.seconds(theirs, context.world, result.alpha, g, backward_s, credit)
     out.append(Candidate(row.label, ratio, row.total, 1.0,
                          "exact: allreduce's steps by construction"))
   return out
