@@ -170,3 +170,18 @@ def test_plan_check_quick():
   assert [r.split(" | ")[1] for r in rows] == ["allreduce", "powersgd_r1"]
   assert rows[0].split(" | ")[2:4] == ["1.00", "1.00"]  # the baseline, predicted and measured
   assert "within ±30%" in proc.stdout
+
+
+def test_muons_overhead_on_gpt2_small_is_its_newton_schulz_products_at_the_devices_peak():
+  # Newton–Schulz, 5 iterations per matrix X (m x n, m <= n): X·Xᵀ (2m²n), A·A (2m³), B·X (2m²n),
+  # on GPT-2 small's four matrices per block (the embeddings take Muon's Adam), float32 dots.
+  from jaxcomp.train import planner
+  matrices = [(768, 2304), (768, 768), (768, 3072), (768, 3072)]
+  flops = 12 * 5 * sum(4 * m * m * n + 2 * m**3 for m, n in matrices)
+  assert flops == 1_522_029_035_520
+  h100 = devices.get("h100")
+  floor_ms = 1e3 * flops / h100.peak("f32")
+  result = planner.plan(model="gpt2-small", devices=64, gbits=[25], device="h100",
+                        names=["allreduce_muon"])
+  overhead_ms = result.row("allreduce_muon").overhead_ms
+  assert floor_ms <= overhead_ms <= 3 * floor_ms, (overhead_ms, floor_ms)
