@@ -32,7 +32,8 @@ Adam steps is not one Adam step on the mean gradient.
 
 The moments are found in the inner optimizer's state as ``optax.ScaleByAdamState`` (optax's
 ``adam``, ``adamw``, and chains that hold them); the moments' step count is left per device, as it
-is the same on every device that never skipped a step.
+is the same on every device that never skipped a step. The inner optimizer keeps state for the
+trained leaves only (floating point, non-empty: ``optax.masked``), which are the ones averaged.
 
 References:
   Iacob, Sani, Safaryan, Giampouras, Horváth, Jovanovic, Kurmanji, Aleksandrov, Shen, Qiu, Lane,
@@ -222,7 +223,8 @@ def desloc(inner: optax.GradientTransformation, *, param_sync_every: int,
     Iacob et al., "DES-LOC: Desynced Low Communication Adaptive Optimizers for Training
     Foundation Models", ICLR 2026, Algorithm 1.
   """
-  config = DesLocConfig(inner=inner, param_sync_every=param_sync_every,
+  trained = lambda params: jax.tree.map(tree_lib.is_reduced, params)  # noqa: E731
+  config = DesLocConfig(inner=optax.masked(inner, trained), param_sync_every=param_sync_every,
                         first_moment_sync_every=first_moment_sync_every,
                         second_moment_sync_every=second_moment_sync_every)
   return local_steps.transformation(config, init, step, axis_name)

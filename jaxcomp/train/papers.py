@@ -85,7 +85,8 @@ def streaming_diloco_fp4(inner: optax.GradientTransformation, *, axis_name="batc
 
 
 def sparseloco_covenant(inner: optax.GradientTransformation, *, axis_name="batch",
-                        sync_every: int = 30) -> optax.GradientTransformation:
+                        sync_every: int = 30, k: int = 64, chunk: int = 4096, bits: int = 2,
+                        error_decay: float = 0.95) -> optax.GradientTransformation:
   """SparseLoCo as Covenant-72B trained it: H = 30, the top 64 of every 4,096 coordinates of the
   error feedback (decay 0.95) in 2 bits, outer learning rate 1 without momentum.
 
@@ -94,8 +95,8 @@ def sparseloco_covenant(inner: optax.GradientTransformation, *, axis_name="batch
     2026 (https://arxiv.org/abs/2603.08163): its table of SparseLoCo settings. Sarfi et al.,
     "Communication Efficient LLM Pre-training with SparseLoCo", 2025, Algorithm 1.
   """
-  return jaxcomp.sparseloco(inner, sync_every=sync_every, k=64, chunk=4096, bits=2,
-                            error_decay=0.95, outer_learning_rate=1.0, axis_name=axis_name)
+  return jaxcomp.sparseloco(inner, sync_every=sync_every, k=k, chunk=chunk, bits=bits,
+                            error_decay=error_decay, outer_learning_rate=1.0, axis_name=axis_name)
 
 
 def muloco(inner: optax.GradientTransformation, *, axis_name="batch", sync_every: int = 30,

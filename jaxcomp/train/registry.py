@@ -158,9 +158,6 @@ _ENTRIES = (
     Compressor("quantized_int2", "2-bit ternary codes (-1, 0, 1), a scale per 256, 4 a byte, "
                "all-to-all + all-gather, error feedback", jaxcomp.quantized, {"bits": 2},
                wire_dtype="uint8"),
-    Compressor("quantized_fp4", "float4 E2M1 codes, a scale per 256, 2 a byte, all-to-all + "
-               "all-gather, error feedback", jaxcomp.quantized, {"bits": "e2m1"},
-               wire_dtype="uint8"),
     Compressor("sign", "EF-SignSGD: sign bits 8 per byte and a scale per leaf, all-gathered",
                jaxcomp.sign_compress, wire_dtype="uint8", momentum_free=True),
     Compressor("chunked_topk", "top 64 of every 4,096 of the error feedback in 2 bits, Elias-Fano "

@@ -41,13 +41,21 @@ STDLIB_FILES = ("argparse.py", "dataclasses.py", "functools.py", "fractions.py",
 
 CHARS_SIZES = {
     "small": dict(context=64, width=64, depth=2, heads=4),
+    "16x1": dict(context=64, width=16, depth=1, heads=4),
+    "32x2": dict(context=64, width=32, depth=2, heads=4),
+    "64x2": dict(context=64, width=64, depth=2, heads=4),
+    "128x2": dict(context=64, width=128, depth=2, heads=4),
+    "256x2": dict(context=64, width=256, depth=2, heads=4),
     "768x2": dict(context=128, width=768, depth=2, heads=12),
     "768x4": dict(context=128, width=768, depth=4, heads=12),
 }
-"""The chars transformer's sizes (``chars(size=...)``): the main job's (120,704 parameters); and
-GPT-2 small's width and heads with 2 or 4 of its 12 blocks and a context of 128 characters (14.5M
-and 28.6M parameters), which read the whole standard library's source (``stdlib_text(every=True)``,
-about 11 MB) so that they do not learn 250 kB by heart."""
+"""The chars transformer's sizes (``chars(size=...)``): the main job's (120,704 parameters); the
+scaling study's (``benchmarks/scaling_quality.py``), each about 4× the last: 16 wide with one block
+(8,560 parameters, its ``--quick`` runs), 32, 64 (the main job's shape), 128 and 256 wide with two
+(35,840, 120,704, 437,888 and 1,662,080); and GPT-2 small's width and heads with 2 or 4 of its 12
+blocks and a context of 128 characters (14.5M and 28.6M parameters). All but the main job's read the
+whole standard library's source (``stdlib_text(every=True)``, about 11 MB) so that they do not learn
+250 kB by heart."""
 
 
 class CharTransformer(nn.Module):
