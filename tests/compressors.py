@@ -59,7 +59,7 @@ SMALL = {
 # with an ε above the tests' gradients, so that its step follows the gradient (about 0.01·g) as
 # theirs does: Adam's first step is the gradient's sign alone, the same on devices whose gradients
 # share it, and a float16 parameter of 100 does not move by a step of 0.01.
-ADAM_INSIDE = ("desloc",)
+ADAM_INSIDE = tuple(name for name, entry in REGISTRY.items() if entry.adam_inside)
 
 # The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient
 # compressor.

@@ -44,6 +44,9 @@ class Compressor:
       updates that set them; it communicates only after every ``settings["sync_every"]``-th step
       (``bytes_per_step`` amortises that), and the replicas are identical only right after such a
       step (``state.config.syncs_after(step)``), not in between.
+    adam_inside: its algorithm averages the inner optimizer's Adam moments (DES-LOC), so it needs
+      an Adam inside: ``plainest_inner`` gives it one where loops over every entry give the others
+      SGD.
   """
   name: str
   about: str
@@ -59,6 +62,14 @@ class Compressor:
   baseline: bool = False
   inner: str = "sgd"
   wraps_optimizer: bool = False
+  adam_inside: bool = False
+
+  def plainest_inner(self, learning_rate, momentum=None) -> optax.GradientTransformation:
+    """The plainest inner optimizer it runs with, for the loops over every entry (the benchmarks'
+    bytes, memory and step times): ``optax.sgd``, or ``optax.adam`` where ``adam_inside``."""
+    if self.adam_inside:
+      return optax.adam(learning_rate)
+    return optax.sgd(learning_rate, momentum=momentum)
 
   @property
   def sgd_momentum(self) -> Optional[float]:

@@ -157,6 +157,7 @@ ENTRIES = (
     Compressor("desloc", "DES-LOC: local AdamW; parameters averaged every 256 steps, first moment "
                "every 768, second every 1,536", desloc,
                {"param_sync_every": 256, "first_moment_sync_every": 768,
-                "second_moment_sync_every": 1536}, inner="adamw", wraps_optimizer=True),
+                "second_moment_sync_every": 1536}, inner="adamw", wraps_optimizer=True,
+               adam_inside=True),
 )
 """The papers' presets, in the registry after the entries of jaxcomp's own settings."""
