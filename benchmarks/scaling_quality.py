@@ -70,10 +70,14 @@ VARIANTS = {"desloc_kx32": ("desloc", {"param_sync_every": 32, "first_moment_syn
 QUICK_ENTRIES = ("allreduce_adamw", "muloco", "desloc_kx32")
 SEEDS = 3
 """Seeds at the smallest size, to say what a gap of 1% means there."""
-SEED_ENTRIES = ("allreduce_adamw", "diloco_maxtext", "muloco", "sparseloco_covenant",
-                "desloc_kx32")
-"""The entries the further seeds run: the baseline and the methods whose gap the papers follow
-with size (the rest once, to keep the study within 4 hours of a shared 2-core machine)."""
+SEED_ENTRIES = ("allreduce_adamw", "diloco_maxtext", "muloco", "sparseloco_covenant")
+"""The entries the further seeds run, and each size runs first: the baseline and the methods whose
+gap the papers follow with size (the rest once, after them, to keep the study within ``HOURS`` of
+a shared 2-core machine)."""
+PRIORITY = SEED_ENTRIES + ("streaming_diloco_fp4",)
+"""The entries each larger size runs first: ``SEED_ENTRIES`` and the other at ≥ 100× fewer bytes."""
+HOURS = 4.0
+"""No run starts later than this many hours after the study's first record (``--hours``)."""
 EVALUATIONS = 20
 ADAMW = dict(learning_rate=3e-3, b2=0.95, weight_decay=0.1)
 MUON = 0.02
@@ -177,13 +181,27 @@ def with_baseline(record: dict, baseline: dict) -> dict:
               steps_to_allreduce_loss=reached[0] if reached else None)
 
 
+def schedule(sizes: dict, names: tuple, seeds: int) -> list:
+  """The runs ``[(size, seed, entry)]`` in the order the study takes them: every entry at the
+  smallest size, the further seeds there (``SEED_ENTRIES``), then the larger sizes, smallest first,
+  each with ``PRIORITY`` first; the baseline first wherever it is."""
+  first = [n for n in names if n in PRIORITY] + [n for n in names if n not in PRIORITY]
+  shapes = tasks.CHARS_SIZES
+  ordered = sorted(sizes, key=lambda s: (shapes[s]["width"], shapes[s]["depth"]))
+  runs = [(ordered[0], 0, n) for n in names]
+  runs += [(ordered[0], seed, n) for seed in range(1, seeds) for n in first if n in SEED_ENTRIES]
+  return runs + [(size, 0, n) for size in ordered[1:] for n in first]
+
+
 def study(args, sizes: dict, names: tuple) -> list:
-  """Runs every (size, seed, entry) missing from ``args.results``, appending each record as it
-  finishes; returns them all."""
+  """Runs every (size, seed, entry) of ``schedule`` missing from ``args.results``, appending each
+  record as it finishes, until ``args.hours`` after the first record; returns them all."""
   from jaxcomp.train import registry
 
   done = read(args.results)
   have = {(r["size"], r["seed"], r["entry"]) for r in done}
+  began = (time.mktime(time.strptime(done[0]["date"], "%Y-%m-%d %H:%M")) - done[0]["seconds"]
+           if done else time.time())
   devices = device_setup.setup_devices(8)
   import jax
   # The seeds of a size run the same programs: compiled once (minutes each on a busy machine),
@@ -192,26 +210,28 @@ def study(args, sizes: dict, names: tuple) -> list:
                     os.path.join(tempfile.gettempdir(), "jaxcomp_scaling_quality_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   variants = [registry.variant(n, *VARIANTS[n]) for n in names if n in VARIANTS]
-  smallest = min(sizes, key=lambda s: tasks.CHARS_SIZES[s]["width"])
+  task_of = {}
   with registry.registered(variants):
-    for size, batch in sizes.items():
-      task = tasks.chars(size=size)
-      for seed in range(args.seeds if size == smallest else 1):
-        for name in names:
-          if (size, seed, name) in have or (seed and name not in SEED_ENTRIES):
-            continue
-          record = run_one(task, name, size, batch, seed, args.tokens_per_param, devices)
-          base = next((r for r in done + [record] if (r["size"], r["seed"], r["entry"])
-                       == (size, seed, BASELINE)), None)
-          record = dict(with_baseline(record, base), command=common.command(
-              "scaling_quality.py", args.argv))
-          with open(args.results, "a") as f:
-            f.write(json.dumps(record) + "\n")
-          done.append(record)
-          print(f"{size} seed {seed} {name}: held-out {record['heldout_loss']:.4f} "
-                f"({record['heldout_loss'] / record['allreduce_loss'] - 1:+.2%}), "
-                f"{record['bits_per_device'] / 8e6:.1f} MB sent, {record['seconds']:.0f} s",
-                flush=True)
+    for size, seed, name in schedule(sizes, names, args.seeds):
+      if (size, seed, name) in have:
+        continue
+      if time.time() > began + 3600 * args.hours:
+        print(f"{args.hours:g} hours since the study began: {size} seed {seed} {name} and the "
+              "runs after it left out (--hours)", flush=True)
+        break
+      task = task_of.setdefault(size, tasks.chars(size=size))
+      record = run_one(task, name, size, sizes[size], seed, args.tokens_per_param, devices)
+      base = next((r for r in done + [record] if (r["size"], r["seed"], r["entry"])
+                   == (size, seed, BASELINE)), None)
+      record = dict(with_baseline(record, base), command=common.command(
+          "scaling_quality.py", args.argv))
+      with open(args.results, "a") as f:
+        f.write(json.dumps(record) + "\n")
+      done.append(record)
+      print(f"{size} seed {seed} {name}: held-out {record['heldout_loss']:.4f} "
+            f"({record['heldout_loss'] / record['allreduce_loss'] - 1:+.2%}), "
+            f"{record['bits_per_device'] / 8e6:.1f} MB sent, {record['seconds']:.0f} s",
+            flush=True)
   return done
 
 
@@ -228,6 +248,9 @@ def main(argv=None) -> int:
   p.add_argument("--sizes", default=None, metavar="SIZE:BATCH,...",
                  help="the sizes (tasks.CHARS_SIZES) and their global batches (default "
                       + ",".join(f"{s}:{b}" for s, b in SIZES.items()) + ")")
+  p.add_argument("--hours", type=float, default=HOURS,
+                 help=f"start no run later than this many hours after the study's first record "
+                      f"(default {HOURS:g})")
   p.add_argument("--report", action="store_true",
                  help="train nothing: the table and plots of the results so far")
   args = common.parse(p, argv)

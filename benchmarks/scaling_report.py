@@ -105,8 +105,8 @@ def findings(records: list, names: tuple) -> str:
     shrinks = all(b[1] < a[1] for a, b in zip(measured, measured[1:]))
     numbers = " → ".join(f"{v:+.2%}" for _, v in measured)
     lines.append(f"{name}: {numbers} from {measured[0][0]:,} to {measured[-1][0]:,} parameters; "
-                 + ("it shrinks with size at every step, as its paper reports." if shrinks else
-                    "it does not shrink at every step, as its paper reports it would. ")
+                 + ("it shrinks with size at every step, as its paper reports; " if shrinks else
+                    "it does not shrink at every step, where its paper reports that it does; ")
                  + _trend(records, name, sizes, g, short=True))
   return "\n\n".join(lines)
 
