@@ -361,34 +361,41 @@ def test_gpu_sh_dry_run(tmp_path):
 
 def test_gpu_schedule_reads_async_collectives():
   from benchmarks import gpu_schedule
-  hlo = """HloModule m, is_scheduled=true
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(%a, %b)
-}
-
-%async_computation (p: f32[8]) -> f32[8] {
-  %p = f32[8]{0} parameter(0)
-  ROOT %all-to-all.1 = f32[8]{0} all-to-all(%p), channel_id=2, replica_groups={{0,1}},
-  dimensions={0}
-}
-
-ENTRY %main (x: f32[8]) -> f32[8] {
-  %x = f32[8]{0} parameter(0)
-  %f1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add,
-  metadata={op_name="jit(s)/transpose(jvp())/mul"} %ars = f32[8]{0} all-reduce-start(%f1),
-  channel_id=1, replica_groups={{0,1}}, to_apply=%add %f2 = f32[8]{0} fusion(%x), kind=kLoop,
-  calls=%add, metadata={op_name="jit(s)/transpose(jvp())/dot"} %f3 = f32[8]{0} fusion(%x),
-  kind=kLoop, calls=%add, metadata={op_name="jit(s)/jaxcomp.update/mul"} %ard = f32[8]{0}
-  all-reduce-done(%ars) %as = ((f32[8]{0}), f32[8]{0}) async-start(%ard), calls=%async_computation,
-  backend_config={"is_sync":true} %ad = f32[8]{0} async-done(%as)
-  %ag = f32[16]{0} all-gather(%ad), channel_id=3, replica_groups={{0,1}}, dimensions={0}
-  %f4 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add,
-  metadata={op_name="jit(s)/transpose(jvp())/mul"} ROOT %r = f32[8]{0} add(%f4, %f2)
-}
-"""
+  hlo = "\n".join([  # the lines of a scheduled module; a long one in two pieces
+      "HloModule m, is_scheduled=true",
+      "",
+      "%add (a: f32[], b: f32[]) -> f32[] {",
+      "  %a = f32[] parameter(0)",
+      "  %b = f32[] parameter(1)",
+      "  ROOT %s = f32[] add(%a, %b)",
+      "}",
+      "",
+      "%async_computation (p: f32[8]) -> f32[8] {",
+      "  %p = f32[8]{0} parameter(0)",
+      "  ROOT %all-to-all.1 = f32[8]{0} all-to-all(%p), channel_id=2, replica_groups={{0,1}}, "
+      "dimensions={0}",
+      "}",
+      "",
+      "ENTRY %main (x: f32[8]) -> f32[8] {",
+      "  %x = f32[8]{0} parameter(0)",
+      "  %f1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, "
+      'metadata={op_name="jit(s)/transpose(jvp())/mul"}',
+      "  %ars = f32[8]{0} all-reduce-start(%f1), channel_id=1, replica_groups={{0,1}}, "
+      "to_apply=%add",
+      "  %f2 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, "
+      'metadata={op_name="jit(s)/transpose(jvp())/dot"}',
+      "  %f3 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, "
+      'metadata={op_name="jit(s)/jaxcomp.update/mul"}',
+      "  %ard = f32[8]{0} all-reduce-done(%ars)",
+      "  %as = ((f32[8]{0}), f32[8]{0}) async-start(%ard), calls=%async_computation, "
+      'backend_config={"is_sync":true}',
+      "  %ad = f32[8]{0} async-done(%as)",
+      "  %ag = f32[16]{0} all-gather(%ad), channel_id=3, replica_groups={{0,1}}, dimensions={0}",
+      "  %f4 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, "
+      'metadata={op_name="jit(s)/transpose(jvp())/mul"}',
+      "  ROOT %r = f32[8]{0} add(%f4, %f2)",
+      "}",
+      ""])
   result = gpu_schedule.analyse(hlo, 2)
   by_name = {c["name"]: c for c in result["collectives"]}
   assert result["count"] == {"all-reduce": 1, "all-to-all": 1, "all-gather": 1}

@@ -56,7 +56,6 @@ from jaxcomp._src import axis, buckets, finite, interface, kernels, phases, shar
 from jaxcomp._src import tree as tree_lib
 
 STEADY = phases.Phase("steady", 1.0)  # the one phase of a step without phases: unlabelled
-NONFINITE = ("skip", "select", "own")
 
 
 class MeanConfig(validate.Config):
@@ -164,7 +163,7 @@ def transformation(config: MeanConfig, init: Init, step: Step, axis_name: axis.A
     step: the step on the reduced leaves.
     axis_name: the mapped axis to average over.
     bucket_cap_mb: None, or DDP's bucket cap in MiB: one state and one set of collectives per
-    bucket.
+      bucket.
     scatter: the step as a reduce-scatter (``shards.own`` of each leaf's mean), or None: the
       step's mean, of which each device keeps its shard.
     scatter_unused: the state's fields ``scatter`` neither reads nor writes, held as

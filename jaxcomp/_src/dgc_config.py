@@ -34,8 +34,7 @@ class TopKExchange(validate.Config):
     sample_ratio: fraction of each leaf sampled for the threshold (at least 2/density samples).
     upper_bound: with more than ``upper_bound·k`` candidates, the exact top k among them are sent.
     lower_bound: with fewer than ``lower_bound·k`` candidates, the threshold is lowered by this
-    factor,
-      at most ``max_adaptation_iters`` times.
+      factor, at most ``max_adaptation_iters`` times.
     seed: seeds the sampling offsets, drawn per step and per leaf path.
   """
   name = "dgc"

@@ -110,8 +110,7 @@ class DiLoCoState(NamedTuple):
       (``optax.MaskedNode()`` for leaves that are not reduced); the same on every device.
     outer_state: the outer SGD's state (its momentum m); the same on every device.
     compressor_state: the compressor's state (``optax.EmptyState()`` without one); it declares its
-    own
-      per-device fields (PowerSGD's error feedback).
+      own per-device fields (PowerSGD's error feedback).
     inner_state: the inner optimizer's state, with a leading axis of length 1 on every leaf. PER
       DEVICE: each device's optimizer steps on its own gradients.
     config: the static settings.

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import optax
 
-from jaxcomp._src import axis, shards
+from jaxcomp._src import axis, shards, validate
 from jaxcomp._src import tree as tree_lib
 
 
@@ -46,6 +46,7 @@ class Transformation(optax.GradientTransformation):
   def __new__(cls, init: Callable, update: Callable, *, name: str, axis_name: axis.AxisName,
               output: str = "gradient", scatter: Optional[Callable] = None,
               scatter_init: Optional[Callable] = None):
+    validate.choice(output, "output", OUTPUTS)
     self = super().__new__(cls, init, update)
     self.__dict__.update(name=name, axis_name=axis_name, output=output, scatter=scatter,
                          scatter_init=scatter_init or init)

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxcomp._src import axis, jaxprs, sharding
+from jaxcomp._src import axis, buckets, jaxprs, sharding
 
 _HANG_FIX = (
     "Decide from every device: jaxcomp.skip_if_nonfinite(inner, n) in place of "
@@ -133,7 +133,7 @@ def _communicating(node) -> list:
   config = _config(node)
   if config is not None:
     return [config.name]
-  if type(node).__name__ == "CommHookState":
+  if isinstance(node, buckets.CommHookState):
     return ["comm_hook"]
   return [name for child in _children(node) for name in _communicating(child)]
 

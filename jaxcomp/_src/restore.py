@@ -271,7 +271,8 @@ def check_layout(state_marker, world: int, by_leaf: bool, axis_name) -> None:
   Raises:
     ValueError: the state is laid out for another mesh (naming it and the fix).
   """
-  if getattr(type(state_marker), "addressable_shards", None) is None:  # abstract, or traced
+  if isinstance(state_marker, jax.core.Tracer) or getattr(
+      type(state_marker), "addressable_shards", None) is None:  # traced, or abstract
     return
   rows = (np.concatenate([np.asarray(s.data).reshape(-1, 2)
                           for s in state_marker.addressable_shards])
@@ -291,7 +292,9 @@ def check_layout(state_marker, world: int, by_leaf: bool, axis_name) -> None:
 
 class CheckedStep:
   """A ``fully_sharded`` step that refuses a state laid out for another mesh before it runs
-  (``check_layout``): the layout of a state it did not make is read once."""
+  (``check_layout``): the layout of a state it did not make is read once. The step it wraps checks
+  its program as it traces it (``spmd.OnMesh``)."""
+  checks_itself = True
 
   def __init__(self, step, world: int, by_leaf: bool, axis_name):
     self._step, self._layout = step, (world, by_leaf, axis_name)

@@ -196,7 +196,11 @@ def global_step(local, mesh: Mesh, axes: tuple, names: tuple, mask_of: Callable,
 
 
 class OnMesh:
-  """A jitted function called (and lowered) with its mesh set, as Explicit mesh axes require."""
+  """A jitted function called (and lowered) with its mesh set, as Explicit mesh axes require.
+
+  jaxcomp's own steps are these: they check their program as they trace it (``misuse``), so
+  ``comm_report`` does not check them again (``checks_itself``)."""
+  checks_itself = True
 
   def __init__(self, jitted, mesh: Mesh):
     self._jitted, self._mesh = jitted, mesh
