@@ -181,7 +181,7 @@ def with_baseline(record: dict, baseline: dict) -> dict:
               steps_to_allreduce_loss=reached[0] if reached else None)
 
 
-def schedule(sizes: dict, names: tuple, seeds: int) -> list:
+def run_order(sizes: dict, names: tuple, seeds: int) -> list:
   """The runs ``[(size, seed, entry)]`` in the order the study takes them: every entry at the
   smallest size, the further seeds there (``SEED_ENTRIES``), then the larger sizes, smallest first,
   each with ``PRIORITY`` first; the baseline first wherever it is."""
@@ -194,7 +194,7 @@ def schedule(sizes: dict, names: tuple, seeds: int) -> list:
 
 
 def study(args, sizes: dict, names: tuple) -> list:
-  """Runs every (size, seed, entry) of ``schedule`` missing from ``args.results``, appending each
+  """Runs every (size, seed, entry) of ``run_order`` missing from ``args.results``, appending each
   record as it finishes, until ``args.hours`` after the first record; returns them all."""
   from jaxcomp.train import registry
 
@@ -212,7 +212,7 @@ def study(args, sizes: dict, names: tuple) -> list:
   variants = [registry.variant(n, *VARIANTS[n]) for n in names if n in VARIANTS]
   task_of = {}
   with registry.registered(variants):
-    for size, seed, name in schedule(sizes, names, args.seeds):
+    for size, seed, name in run_order(sizes, names, args.seeds):
       if (size, seed, name) in have:
         continue
       if time.time() > began + 3600 * args.hours:
