@@ -36,7 +36,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 
 from jaxcomp.train import device_setup  # noqa: E402
 
@@ -59,7 +58,7 @@ def minimum(name: str, tree, world: int = W) -> float:
 
 def measure(compressor, tree):
   """``(compiled CommReport, lowered CommReport)`` of one update step on W devices."""
-  inner = {"inner": optax.sgd(0.1)} if compressor.wraps_optimizer else {}
+  inner = {"inner": compressor.plainest_inner(0.1)} if compressor.wraps_optimizer else {}
   tx = compressor.make(common.AXIS, **inner)
   state = common.stacked(jax.eval_shape(tx.init, tree), W)
   step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=common.AXIS,

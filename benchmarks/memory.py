@@ -67,10 +67,9 @@ def nbytes(tree) -> int:
 
 def transformation(compressor):
   """What ``measure`` compiles: the entry's transformation; local SGD and DiLoCo (which wrap the
-  optimizer) around plain SGD, whose state is empty."""
+  optimizer) around plain SGD, whose state is empty (DES-LOC around Adam: ``plainest_inner``)."""
   if compressor.wraps_optimizer:
-    import optax  # noqa: PLC0415
-    return compressor.optimizer(optax.sgd(0.01), common.AXIS)
+    return compressor.optimizer(compressor.plainest_inner(0.01), common.AXIS)
   return compressor.make(common.AXIS)
 
 

@@ -113,7 +113,7 @@ def make_steps(task, compressor_list, devices, wrap_inner=lambda inner: inner) -
   mesh = training_step.make_mesh(devices)
   steps = {}
   for c in compressor_list:
-    inner = optax.sgd(getattr(task, "learning_rate", 0.01), momentum=c.sgd_momentum)
+    inner = c.plainest_inner(getattr(task, "learning_rate", 0.01), momentum=c.sgd_momentum)
     steps[c.name] = training_step.make_step(task, c.optimizer(wrap_inner(inner), common.AXIS),
                                             mesh)
   return steps

@@ -25,6 +25,9 @@ from jaxcomp._src.dense import fp16_compress
 from jaxcomp._src.demo import DeMoConfig
 from jaxcomp._src.demo import DeMoState
 from jaxcomp._src.demo import demo
+from jaxcomp._src.desloc import DesLocConfig
+from jaxcomp._src.desloc import DesLocState
+from jaxcomp._src.desloc import desloc
 from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import coarse_dgc
 from jaxcomp._src.dgc import dgc
@@ -107,6 +110,8 @@ __all__ = (
     "DeMoConfig",
     "DeMoState",
     "DenseState",
+    "DesLocConfig",
+    "DesLocState",
     "DiLoCoConfig",
     "DiLoCoState",
     "DionConfig",
@@ -152,6 +157,7 @@ __all__ = (
     "comm_report",
     "data_parallel",
     "demo",
+    "desloc",
     "dgc",
     "diloco",
     "dion",

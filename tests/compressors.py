@@ -45,7 +45,21 @@ SMALL = {
     "sparseloco_h30": {"sync_every": 4, "k": 4, "chunk": 64},
     "streaming_diloco_h20_p2": {"sync_every": 6, "fragments": 2, "delay": 1, "mix": 1.0},
     "streaming_diloco_h100_p4_int8": {"sync_every": 6, "fragments": 2, "delay": 1, "mix": 1.0},
+    # The papers' presets, their periods shortened as DiLoCo's above
+    "diloco_paper": {"sync_every": 4},
+    "diloco_maxtext": {"sync_every": 4},
+    "intellect1": {"sync_every": 4},
+    "muloco": {"sync_every": 4},
+    "sparseloco_covenant": {"sync_every": 4, "k": 4, "chunk": 64},
+    "streaming_diloco_fp4": {"sync_every": 6, "fragments": 2, "delay": 1, "mix": 1.0},
+    "desloc": {"param_sync_every": 4, "first_moment_sync_every": 4, "second_moment_sync_every": 8},
 }
+
+# DES-LOC averages Adam's moments: the tests run it around Adam where the other wrappers run SGD,
+# with an ε above the tests' gradients, so that its step follows the gradient (about 0.01·g) as
+# theirs does: Adam's first step is the gradient's sign alone, the same on devices whose gradients
+# share it, and a float16 parameter of 100 does not move by a step of 0.01.
+ADAM_INSIDE = tuple(name for name, entry in REGISTRY.items() if entry.adam_inside)
 
 # The wrappers of the whole optimizer (local SGD, DiLoCo); every other entry is a gradient
 # compressor.
@@ -56,7 +70,9 @@ INNER_LEARNING_RATE = 0.1
 
 def optimizer(name, inner, **overrides):
   """The whole optimizer around ``inner`` at the scale of the tests: the compressor chained before
-  it, or the wrapper around it."""
+  it, or the wrapper around it (around Adam for ``ADAM_INSIDE``)."""
+  if name in ADAM_INSIDE:
+    inner = optax.adam(1.0, eps=100.0)
   return REGISTRY[name].optimizer(inner, steps=30, **{**SMALL.get(name, {}), **overrides})
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import jaxcomp
 from helpers import assert_identical_across_devices, pmapped, replicate
+from quantized_reference import ref_step
 from jaxcomp.train.registry import REGISTRY
 from test_local_sgd import batch, init_params, loss_fn, numpy_grad, pmap_run
 from training import pmap_step, run
@@ -20,10 +21,10 @@ pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a r
 LR, MOMENTUM = 0.05, 0.9
 
 
-def reference(steps, n, sync_every, outer_lr, outer_momentum, nesterov):
+def reference(steps, n, sync_every, outer_lr, outer_momentum, nesterov, average=None):
   """DiLoCo in float64 from the paper's Algorithm 1: SGD with momentum as InnerOpt on each device's
-  own gradient; after every H inner steps Δ = mean_i(θ − θ_i), OuterOpt = SGD with (Nesterov)
-  momentum on θ, and every θ_i ← θ."""
+  own gradient; after every H inner steps Δ = mean_i(θ − θ_i) (or ``average([Δ_i])``, a compressed
+  exchange), OuterOpt = SGD with (Nesterov) momentum on θ, and every θ_i ← θ."""
   theta = jax.tree.map(np.float64, init_params())
   params = [theta] * n
   momenta = [jax.tree.map(np.zeros_like, theta) for _ in range(n)]
@@ -36,7 +37,8 @@ def reference(steps, n, sync_every, outer_lr, outer_momentum, nesterov):
       momenta[i] = jax.tree.map(lambda m, g: g + MOMENTUM * m, momenta[i], g)
       params[i] = jax.tree.map(lambda p, m: p - LR * m, params[i], momenta[i])
     if (t + 1) % sync_every == 0:
-      delta = jax.tree.map(lambda th, *p: np.mean([th - q for q in p], 0), theta, *params)
+      deltas = [jax.tree.map(lambda th, q: th - q, theta, q) for q in params]
+      delta = (average or (lambda d: jax.tree.map(lambda *x: np.mean(x, 0), *d)))(deltas)
       outer_momentum_buffer = jax.tree.map(lambda m, d: outer_momentum * m + d,
                                            outer_momentum_buffer, delta)
       step = (jax.tree.map(lambda d, m: d + outer_momentum * m, delta, outer_momentum_buffer)
@@ -155,3 +157,28 @@ def test_full_rank_powersgd_on_the_pseudo_gradient_is_the_exact_mean():
   full_rank = jaxcomp.powersgd(8, start_iter=0, min_compression_rate=0.0)
   compressed, _ = run_with_state(jaxcomp.diloco(inner, sync_every=4, compressor=full_rank), 12)
   chex.assert_trees_all_close(compressed, exact, rtol=0, atol=1e-5)
+
+
+def test_muloco_is_diloco_with_a_2_bit_decaying_error_exchange_step_for_step():
+  """The registry's ``muloco`` (MuLoCo's recipe, its inner optimizer whatever is passed: SGD with
+  momentum here, where the paper's is Muon) against the paper's pseudo-code in NumPy: after every H
+  inner steps, per device e ← β·e + Δ_i, Δ̂_i = Q(e), e ← e − Δ̂_i (β = 0.9, Q: ``quantized(2)``'s
+  ternary codes, the reference's two-phase exchange with its server error), then the outer
+  Nesterov step (0.8, 0.9) on the mean."""
+  steps, n, sync_every = 30, 4, 5
+  size = 6 + 8 * 6  # the bias, then the kernel (IN, OUT = 8, 6)
+  errors = {"worker": np.zeros((n, size), np.float32), "server": np.zeros((n, size), np.float32)}
+
+  def average(deltas):  # the leaves of each device's Δ_i as one flat vector (leaf order: b, w)
+    flat = np.stack([np.concatenate([d["b"].ravel(), d["w"].ravel()]) for d in deltas])
+    mean, errors["worker"], errors["server"], _, _ = ref_step(
+        flat.astype(np.float32), errors["worker"], errors["server"], 256, 2, decay=0.9)
+    return {"b": mean[:6].astype(np.float64), "w": mean[6:].reshape(8, 6).astype(np.float64)}
+
+  tx = REGISTRY["muloco"].make(inner=optax.sgd(LR, momentum=MOMENTUM), sync_every=sync_every)
+  expected = reference(steps, n, sync_every, 0.8, 0.9, True, average)
+  got = run_with_state(tx, steps, n)[0]
+  chex.assert_trees_all_close(got, expected[-1], rtol=0, atol=5e-5)
+  assert_identical_across_devices(got)
+  exact = reference(steps, n, sync_every, 0.8, 0.9, True)[-1]
+  assert max(float(np.abs(exact[k] - np.asarray(got[k])).max()) for k in got) > 1e-3  # 2 bits

@@ -1,4 +1,4 @@
-"""What local SGD and DiLoCo share: ``Assign`` updates, the local non-finite policy, and the places
+"""What local SGD, DiLoCo and DES-LOC share: ``Assign`` updates, the local non-finite policy, and the places
 they run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``,
 ``nnx.Optimizer``, ``jaxcomp.data_parallel`` (parameters per device, both forms)."""
 
@@ -41,6 +41,8 @@ WRAPPERS = {
                                            start_iter=2),
     "diloco": lambda: jaxcomp.diloco(optax.adam(0.05), sync_every=3,
                                      compressor=jaxcomp.powersgd(1, start_iter=0)),
+    "desloc": lambda: jaxcomp.desloc(optax.adam(0.05), param_sync_every=3,
+                                     first_moment_sync_every=3, second_moment_sync_every=6),
 }
 
 
@@ -108,7 +110,7 @@ def test_update_without_params_is_refused():
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
 def test_a_nan_on_one_device_stays_there_and_the_next_sync_brings_it_back(name):
-  # Step 3 is local for both (local SGD averages after 2 and 5, DiLoCo after 2 and 5).
+  # Step 3 is local for all (each averages the parameters after 2 and 5).
   clean = pmap_run(WRAPPERS[name](), 6)
   hit = pmap_run(WRAPPERS[name](), 6, [(3, 1, np.nan)])  # device 1's gradient at step 3
   for leaf_hit, leaf_before, leaf_clean in zip(*(map(np.asarray, jax.tree.leaves(h))

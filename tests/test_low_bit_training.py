@@ -86,6 +86,9 @@ SHARDED = {"w1": ((16, 64), P(None, "model")), "b1": ((64,), P("model")),
 ON_MESH = {  # each with a momentum-free SGD of rate 1: the update is minus the compressor's output
     "quantized": (lambda: optax.chain(jaxcomp.quantized(8, axis_name="data"), optax.sgd(1.0)),
                   "s8"),
+    # 2 bits: 4 codes a byte; w2's rows of 2 values an owner are padded to a byte each
+    "quantized_int2": (lambda: optax.chain(jaxcomp.quantized(2, axis_name="data"),
+                                           optax.sgd(1.0)), "u8"),
     "sign": (lambda: optax.chain(jaxcomp.sign_compress(axis_name="data"), optax.sgd(1.0)), "u8"),
     "onebit_adam": (lambda: jaxcomp.onebit_adam(1.0, freeze_steps=0, axis_name="data",
                                                 bias_correction=False), "u8"),

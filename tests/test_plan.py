@@ -12,7 +12,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
 from jaxcomp import comm_report
@@ -43,7 +42,7 @@ def _compiled_bytes_by_op(name, tree, world, **settings):
   """``{op: payload bytes per steady step}`` of entry ``name``'s update compiled under pmap over
   ``world`` devices (bf16 read before optimisation: XLA:CPU widens it), as benchmarks/bytes.py."""
   entry = registry.REGISTRY[name]
-  inner = {"inner": optax.sgd(0.1)} if entry.wraps_optimizer else {}
+  inner = {"inner": entry.plainest_inner(0.1)} if entry.wraps_optimizer else {}
   tx = entry.make(AXIS, **inner, **settings)
   state = _stacked(jax.eval_shape(tx.init, tree), world)
   step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=AXIS,
@@ -67,8 +66,8 @@ def _check_bytes(name, tree, world, **settings):
 # the job's class; the slow tier checks every entry on the job's own transformer, and
 # benchmarks/bytes.py the same formulas at ResNet-18, ResNet-50 and GPT-2 small shapes.
 @pytest.mark.parametrize("name", ["allreduce", "bf16", "powersgd_r4", "dgc_exact_fp16",
-                                  "quantized_int8", "onebit_adam", "streaming_diloco_h20_p2",
-                                  "dion_r4"])
+                                  "quantized_int8", "quantized_int2", "onebit_adam",
+                                  "streaming_diloco_h20_p2", "muloco", "desloc", "dion_r4"])
 def test_planner_bytes_equal_the_compiled_steps(name):
   _check_bytes(name, TINY, 8)
 

@@ -1,10 +1,6 @@
-"""quantized: int8 / float8 averaging through all-to-all and all-gather, against a NumPy reference.
-
-The reference is written from the definition (module docstring of ``jaxcomp._src.quantized``):
-blocks of ``block_size`` values, ``scale = max|x| · (1/Q)``, codes rounded to the nearest (half to
-even for int8, float8's own rounding for fp8), the owner's mean of the W dequantized copies (each
-÷W, summed in device order) plus its server error, re-quantized and gathered. Its codes and scales
-must equal the ones jaxcomp sends bit for bit.
+"""quantized: int8 / float8 averaging through all-to-all and all-gather, against a NumPy reference
+(``quantized_reference``, written from the definition), whose codes and scales must equal the ones
+jaxcomp sends bit for bit. The 4- and 2-bit codes: ``test_quantized_low_bit.py``.
 """
 
 import jax
@@ -19,77 +15,13 @@ from jaxcomp import hooks
 from jaxcomp._src import exchange
 from jaxcomp._src import quantized as quantized_lib
 from helpers import replicate, run_updates
+from quantized_reference import LEVELS, gradients, recorded_exchange, ref_step
 
 pytestmark = pytest.mark.numeric  # compares numbers: CI runs it again under a reduced ISA
 
 W = 4
-LEVELS = {8: 127, "fp8": 448}
 CODE_DTYPES = {8: np.int8, "fp8": np.uint8}  # float8_e4m3fn codes are sent as their bits
 EPS = float(np.finfo(np.float32).eps)
-
-
-def ref_quantize(x, block, bits):
-  """Codes, scales and dequantized values of each row of ``x`` (float32), block by block."""
-  rows, length = x.shape
-  blocks = x.reshape(rows, length // block, block)
-  levels = np.float32(LEVELS[bits])
-  scales = np.abs(blocks).max(-1) * np.float32(1 / LEVELS[bits])
-  safe = np.where(scales > 0, scales, np.float32(1))[..., None]
-  y = np.where(scales[..., None] > 0, np.clip(blocks / safe, -levels, levels), np.float32(0))
-  codes = np.round(y).astype(np.int8) if bits == 8 else y.astype(np.float32).astype(
-      ml_dtypes.float8_e4m3fn)
-  decoded = codes.astype(np.float32) * scales[..., None]
-  return codes.reshape(rows, length), scales, decoded.reshape(rows, length)
-
-
-def ref_step(xs, worker, server, block, bits):
-  """One two-phase average of the rows of ``xs`` (one per device) with both errors.
-
-  Returns ``(mean, new worker errors, new server errors, phase-1 encodings, phase-2 encodings)``;
-  server errors are in the vector's coordinates, each device's non-zero on its own shard only.
-  """
-  world, length = xs.shape
-  shard = max(-(-length // (world * block)), 1) * block
-  p = (xs + worker).astype(np.float32)
-  padded = np.zeros((world, world * shard), np.float32)
-  padded[:, :length] = p
-  phase1 = [ref_quantize(padded[d].reshape(world, shard), block, bits) for d in range(world)]
-  new_worker = p - np.stack([decoded.reshape(-1)[:length] for _, _, decoded in phase1])
-  mean_out = np.zeros(world * shard, np.float32)
-  new_server = np.zeros_like(server)
-  phase2 = []
-  for owner in range(world):
-    mean = np.zeros(shard, np.float32)
-    for d in range(world):
-      mean = mean + phase1[d][2][owner] / np.float32(world)
-    lo, hi = owner * shard, min((owner + 1) * shard, length)
-    valid = max(hi - lo, 0)
-    mean[:valid] += server[owner, lo:hi]
-    mean[valid:] = 0
-    codes, scales, decoded = ref_quantize(mean[None], block, bits)
-    phase2.append((codes, scales))
-    new_server[owner, lo:hi] = (mean - decoded[0])[:valid]
-    mean_out[owner * shard:(owner + 1) * shard] = decoded[0]
-  return mean_out[:length], new_worker, new_server, phase1, phase2
-
-
-def recorded_exchange(config):
-  """The exchange under pmap, also returning every encoding it sends (phase 1, phase 2)."""
-  codec = quantized_lib.block_codec(config)
-
-  def run(x, worker, server):
-    sent = []
-
-    def encode(rows, count, key):
-      payload, decoded = codec.encode(rows, count, key)
-      sent.append(payload)
-      return payload, decoded
-
-    (mean,), (worker,), (server,), _ = exchange.compressed_mean(
-        codec._replace(encode=encode), [x], [worker], [server], "batch")
-    return mean, worker, server, sent
-
-  return jax.pmap(run, axis_name="batch", devices=jax.devices()[:W])
 
 
 def values_of(codes):
@@ -98,12 +30,6 @@ def values_of(codes):
   if codes.dtype == np.uint8:  # float8_e4m3fn bits
     codes = codes.view(ml_dtypes.float8_e4m3fn)
   return np.asarray(codes).astype(np.float32)
-
-
-def gradients(rng, steps, length):
-  """Per step and device, values whose magnitude changes by orders from block to block."""
-  magnitude = 10.0 ** rng.uniform(-3, 3, size=(1, 1, length))
-  return (rng.standard_normal((steps, W, length)) * magnitude).astype(np.float32)
 
 
 @pytest.mark.parametrize("bits", [8, "fp8"])
@@ -116,8 +42,8 @@ def test_codes_and_scales_equal_the_reference_two_phase_average_exactly(bits):
   """
   block, length, steps = 32, 300, 6  # 300 = 2 full shards of 128, a partial one and an empty one
   config = quantized_lib.QuantizedConfig(bits=bits, block_size=block)
-  run = recorded_exchange(config)
-  grads = gradients(np.random.default_rng(0), steps, length)
+  run = recorded_exchange(config, W)
+  grads = gradients(W, np.random.default_rng(0), steps, length)
   worker = np.zeros((W, length), np.float32)
   server = np.zeros((W, length), np.float32)
   for t in range(steps):
@@ -143,7 +69,7 @@ def test_codes_and_scales_equal_the_reference_two_phase_average_exactly(bits):
 @pytest.mark.parametrize("bits", [8, "fp8"])
 def test_the_transformation_and_the_hook_give_the_reference_mean(bits):
   rng = np.random.default_rng(1)
-  grads = gradients(rng, 3, 5 * 61)
+  grads = gradients(W, rng, 3, 5 * 61)
   tx = jaxcomp.quantized(bits, block_size=64)
   hook_tx = jaxcomp.comm_hook(hooks.quantized_hook, hooks.quantized_state(bits, block_size=64))
   trees = [{"w": g.reshape(W, 5, 61)} for g in grads]  # one leaf: the hook's bucket is the same
@@ -162,7 +88,7 @@ def test_the_transformation_and_the_hook_give_the_reference_mean(bits):
 
 def test_vmap_with_an_axis_name_gives_the_reference_mean():
   """``jax.vmap(tx.update, axis_name=...)`` runs the devices on one (its all-gather: no pvary)."""
-  grads = gradients(np.random.default_rng(8), 2, 3 * 50)
+  grads = gradients(W, np.random.default_rng(8), 2, 3 * 50)
   tx = jaxcomp.quantized(8, block_size=32)
   update = jax.jit(jax.vmap(tx.update, axis_name="batch"))
   state = replicate(tx.init({"w": grads[0, 0].reshape(3, 50)}), W)
@@ -178,7 +104,7 @@ def test_bucket_cap_mb_runs_one_exchange_and_one_state_per_bucket():
   """Leaves of 4,000 and 4,400 bytes with a 4,000-byte cap: two buckets, each its own two-phase
   average (one flat vector of both would put blocks across the leaves' boundary)."""
   rng = np.random.default_rng(9)
-  grads = gradients(rng, 2, 2100)
+  grads = gradients(W, rng, 2, 2100)
   tx = jaxcomp.quantized(8, block_size=64, bucket_cap_mb=4000 / 2**20)
   trees = [{"a": g[:, :1000], "b": g[:, 1000:]} for g in grads]
   outs, states = run_updates(tx, trees, W)

@@ -150,16 +150,17 @@ def test_comm_report_shows_a_reduce_scatter_and_an_all_gather_in_the_wire_dtypes
   assert bf16.ring_bytes == pytest.approx(chain.ring_bytes * padded / n / 2)
 
 
-def test_the_int8_reduce_scatter_loses_nothing_but_the_last_errors_of_the_senders():
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_the_quantized_reduce_scatter_loses_nothing_but_the_last_errors_of_the_senders(bits):
   # qgZ with error feedback: each device quantizes every shard it sends and keeps the error; the
-  # owner averages the W int8 copies in float32. Summed over steps, the shards received are the
-  # shards of the summed mean gradient less the mean of the devices' final errors.
+  # owner averages the W copies (int8, 4- or 2-bit codes) in float32. Summed over steps, the shards
+  # received are the shards of the summed mean gradient less the mean of the devices' final errors.
   world, steps = 4, 3
   rng = np.random.default_rng(3)
   params = init_params()
   grads = [jax.tree.map(lambda x: rng.normal(size=(world,) + np.shape(x)).astype(np.float32),
                         params) for _ in range(steps)]
-  tx = jaxcomp.quantized(8)
+  tx = jaxcomp.quantized(bits)
   scatter = jax.pmap(tx.scatter, axis_name="batch", devices=jax.devices()[:world])
   state = jax.tree.map(lambda x: np.stack([x] * world), tx.scatter_init(params))
   received = jax.tree.map(np.zeros_like, jax.tree.map(

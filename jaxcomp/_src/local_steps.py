@@ -128,6 +128,10 @@ def local_update(config, grads, inner_state, params, axis_name: axis.AxisName) -
   # so they stay the same on every device.
   new_params = jax.tree.map(lambda p, new: new if tree_lib.is_reduced(p) else p, params,
                             optax.apply_updates(params, updates))
+  # The inner state keeps its dtypes (optax's Adam makes an integer parameter's first moment a
+  # float): the state's type must not change from one step to the next.
+  new_state = jax.tree.map(lambda new, old: new.astype(jnp.result_type(old)), new_state,
+                           inner_state)
   return finite.kept_locally((new_params, new_state), (params, inner_state))
 
 

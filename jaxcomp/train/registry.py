@@ -24,6 +24,10 @@ Not every entry is a gradient compressor: ``onebit_adam``, ``dion_r8``, ``dion_r
 optimizer (``wraps_optimizer``). ``allreduce_muon`` and ``allreduce_adamw`` are the baselines of
 Dion and DeMo (``baseline``): optax's Muon and AdamW after ``jaxcomp.allreduce``, whole optimizers
 too.
+The papers' own recipes (``diloco_paper``, ``diloco_maxtext``, ``intellect1``,
+``streaming_diloco_fp4``, ``sparseloco_covenant``, ``muloco`` with Muon inside, ``desloc``) are
+entries too, named by their source (``jaxcomp.train.papers``: each factory cites its table); the
+records themselves (``Compressor``, ``Recipe``, ``Phase``) are ``jaxcomp.train.entries``'.
 ``entry.optimizer(inner)`` builds any of the three kinds around an inner optimizer: the compressor
 chained before it, the wrapper around it, or the optimizer alone. ``variant(name, base, settings)``
 is an entry with other settings, in ``REGISTRY`` while ``registered`` (the main job's
@@ -42,140 +46,17 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Sequence
 
-import jax
 import optax
 
 import jaxcomp
 from jaxcomp import hooks
+from jaxcomp.train import entries, papers
+from jaxcomp.train.entries import Compressor, Phase, Recipe  # the registry's records, by its name
 
 _WARMUP_FRACTION = 0.1  # of a run's steps: PowerSGD's start_iter, DGC's warm-up
 _FREEZE_FRACTION = 0.2  # of a run's steps: 1-bit Adam's dense warm-up (DeepSpeed advises 15–25%)
-
-
-@dataclasses.dataclass(frozen=True)
-class Compressor:
-  """One named compressor.
-
-  Attributes:
-    name: the registry key.
-    about: one line: what it sends, for tables and ``--help``.
-    factory: ``factory(axis_name=..., **settings) -> GradientTransformation``.
-    settings: the factory's settings in the steady state (compressing from the first step).
-    recipe: the ``Recipe``: settings that replace the steady-state ones for a run of ``steps`` steps
-      (warm-up phases), and those phases; or None.
-    has_momentum: the compressor applies momentum itself (DGC's momentum correction), so the
-      optimizer after it has none.
-    momentum_free: its paper trains it with SGD without momentum (EF-SignSGD: error feedback
-      already delays part of each step, and momentum on top of the delayed error overshoots).
-    wire_dtype: the dtype it sends float32 gradients in, where it is not the gradient's own.
-    is_mean: its output is the plain mean (up to the wire dtype's rounding).
-    error_feedback: torch-style error feedback: output + new error = gradient + old error.
-    is_optimizer: the entry is a whole optimizer that averages the gradient itself (1-bit Adam):
-      its output is the parameter update, so nothing is chained after it.
-    baseline: the entry is not a jaxcomp algorithm but the baseline a whole optimizer is measured
-      against beside it: an optax optimizer after ``jaxcomp.allreduce`` (Muon for Dion, AdamW for
-      DeMo). The registry-wide tests leave it out: their properties are jaxcomp's, not optax's.
-    inner: the optimizer that follows it in the main job (``tasks.Task.optimizer``): ``"sgd"``,
-      with ``sgd_momentum``, or ``"adamw"`` (the inner optimizer of DiLoCo's paper).
-    wraps_optimizer: the factory wraps the whole optimizer, ``factory(inner, axis_name=...,
-      **settings)`` (local SGD, DiLoCo): its update needs ``params`` and returns ``jaxcomp.Assign``
-      updates that set them; it communicates only after every ``settings["sync_every"]``-th step
-      (``bytes_per_step`` amortises that), and the replicas are identical only right after such a
-      step (``state.config.syncs_after(step)``), not in between.
-  """
-  name: str
-  about: str
-  factory: Callable[..., optax.GradientTransformation]
-  settings: dict = dataclasses.field(default_factory=dict)
-  recipe: Optional[Recipe] = None
-  has_momentum: bool = False
-  momentum_free: bool = False
-  wire_dtype: Optional[str] = None
-  is_mean: bool = False
-  error_feedback: bool = False
-  is_optimizer: bool = False
-  baseline: bool = False
-  inner: str = "sgd"
-  wraps_optimizer: bool = False
-
-  @property
-  def sgd_momentum(self) -> Optional[float]:
-    """The momentum of the SGD that follows it in the main job: none after DGC (it has its own)
-    and after EF-SignSGD (its paper's), 0.9 otherwise."""
-    return None if self.has_momentum or self.momentum_free else 0.9
-
-  def make(self, axis_name="batch", steps: Optional[int] = None, *,
-           inner: Optional[optax.GradientTransformation] = None,
-           **overrides) -> optax.GradientTransformation:
-    """The transformation: the steady state, or the recipe for ``steps`` steps; ``overrides`` last.
-
-    A wrapper of the optimizer needs the ``inner`` optimizer it wraps; a compressor takes none.
-    """
-    settings = dict(self.settings)
-    if steps is not None and self.recipe is not None:
-      settings.update(self.recipe(steps))
-    settings.update(overrides)
-    if self.wraps_optimizer != (inner is not None):
-      raise TypeError(f"{self.name}: " + ("wraps the optimizer: pass inner=" if self.wraps_optimizer
-                                          else "is a gradient compressor: it takes no inner="))
-    if self.wraps_optimizer:
-      return self.factory(inner, axis_name=axis_name, **settings)
-    return self.factory(axis_name=axis_name, **settings)
-
-  def optimizer(self, inner: optax.GradientTransformation, axis_name="batch",
-                steps: Optional[int] = None, **overrides) -> optax.GradientTransformation:
-    """The whole optimizer around ``inner``: the compressor chained before it, or the wrapper; an
-    entry that is an optimizer itself (``is_optimizer``) ignores ``inner``."""
-    if self.is_optimizer:
-      return self.make(axis_name, steps, **overrides)
-    if self.wraps_optimizer:
-      return self.make(axis_name, steps, inner=inner, **overrides)
-    return optax.chain(self.make(axis_name, steps, **overrides), inner)
-
-  def bytes_per_step(self, report, kind: str = "ring_bytes") -> float:
-    """What the steady state sends per step on average, from ``report`` (``jaxcomp.comm_report``
-    of one step): the report's own steady-state total, which counts a labelled phase's collectives
-    by its share (a wrapper's sync step once every ``sync_every`` steps, each half of alternating
-    PowerSGD every other step, a warm-up not at all). ``kind``: ``"ring_bytes"`` or
-    ``"payload_bytes"``."""
-    return getattr(report, kind)
-
-  def phases(self, steps: int) -> tuple:
-    """The ``Phase``s of a run of ``steps`` steps under the recipe, first step first.
-
-    The ``Recipe`` names them; without a recipe the run is one phase, the steady state.
-    """
-    if self.recipe is None:
-      return (Phase(0, self.name, {}),)
-    return tuple(Phase(first, name or self.name, settings)
-                 for first, name, settings in self.recipe.phases(steps))
-
-
-@dataclasses.dataclass(frozen=True)
-class Phase:
-  """From ``first_step`` on (until the next phase), a run's steps send and cost what the steady
-  state of ``REGISTRY[name]``, with ``settings`` replacing its own, sends and costs."""
-  first_step: int
-  name: str
-  settings: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-  """How a compressor's settings follow the length of a run.
-
-  Attributes:
-    settings: ``settings(steps) -> dict``, what ``Compressor.make(steps=...)`` applies.
-    phases: ``phases(steps) -> ((first_step, name, settings), ...)``: the steady-state program each
-      stretch of the run behaves like; ``name`` None means the compressor's own.
-  """
-  settings: Callable[[int], dict]
-  phases: Callable[[int], tuple]
-
-  def __call__(self, steps: int) -> dict:
-    return self.settings(steps)
 
 
 def _warmup_steps(steps: int) -> int:
@@ -271,6 +152,12 @@ _ENTRIES = (
                "error feedback", jaxcomp.quantized, {"bits": 8}, wire_dtype="int8"),
     Compressor("quantized_fp8", "float8_e4m3fn codes, a scale per 256, all-to-all + all-gather, "
                "error feedback", jaxcomp.quantized, {"bits": "fp8"}, wire_dtype="float8_e4m3fn"),
+    Compressor("quantized_int4", "4-bit integer codes (-7..7), a scale per 256, 2 a byte, "
+               "all-to-all + all-gather, error feedback", jaxcomp.quantized, {"bits": 4},
+               wire_dtype="uint8"),
+    Compressor("quantized_int2", "2-bit ternary codes (-1, 0, 1), a scale per 256, 4 a byte, "
+               "all-to-all + all-gather, error feedback", jaxcomp.quantized, {"bits": 2},
+               wire_dtype="uint8"),
     Compressor("sign", "EF-SignSGD: sign bits 8 per byte and a scale per leaf, all-gathered",
                jaxcomp.sign_compress, wire_dtype="uint8", momentum_free=True),
     Compressor("chunked_topk", "top 64 of every 4,096 of the error feedback in 2 bits, Elias-Fano "
@@ -283,16 +170,6 @@ _ENTRIES = (
 )
 
 
-def _muon_dimensions(params):
-  """``optax.contrib.muon``'s dimension numbers for the leaves ``jaxcomp.dion`` takes for matrices
-  (``jaxcomp.dion_fan_in``), None (its Adam) for the others: both optimizers split alike."""
-  def numbers(path, leaf):
-    fan_in = jaxcomp.dion_fan_in(jax.tree_util.keystr(path), leaf)
-    return None if fan_in is None else optax.contrib.MuonDimensionNumbers(
-        tuple(range(fan_in)), tuple(range(fan_in, leaf.ndim)))
-  return jax.tree_util.tree_map_with_path(numbers, params)
-
-
 def _after_allreduce(optimizer: Callable) -> Callable[..., optax.GradientTransformation]:
   """A baseline: ``optax.chain(jaxcomp.allreduce(), optimizer(**settings))``."""
 
@@ -302,12 +179,6 @@ def _after_allreduce(optimizer: Callable) -> Callable[..., optax.GradientTransfo
   return factory
 
 
-def _muon(learning_rate, adam_learning_rate, weight_decay):
-  return optax.contrib.muon(learning_rate, weight_decay=weight_decay, adam_b2=0.95,
-                            adam_learning_rate=adam_learning_rate,
-                            muon_weight_dimension_numbers=_muon_dimensions)
-
-
 # Whole optimizers of the Muon era that communicate less, and the baselines they are measured
 # against: Dion against Muon (both with AdamW for the embeddings and vectors), DeMo against AdamW.
 # Their rates are the best of short runs on the chars transformer (400 steps, 8 devices, constant
@@ -315,7 +186,7 @@ def _muon(learning_rate, adam_learning_rate, weight_decay):
 # worse), DeMo 3e-3 (3e-4, 1e-3, 6e-3, 1e-2: worse).
 _ENTRIES += (
     Compressor("allreduce_muon", "optax.contrib.muon (lr 0.02, AdamW 3e-3 for the rest) after the "
-               "f32 mean: Dion's baseline", _after_allreduce(_muon),
+               "f32 mean: Dion's baseline", _after_allreduce(entries.muon),
                {"learning_rate": 0.02, "adam_learning_rate": 3e-3, "weight_decay": 0.01},
                is_optimizer=True, baseline=True),
     Compressor("dion_r8", "Dion (an optimizer, lr 0.02, mu 0.8, AdamW 3e-3 for the rest): rank-8 "
@@ -380,6 +251,8 @@ _ENTRIES += (
                "error feedback in 2 bits", jaxcomp.sparseloco, {"sync_every": 30},
                inner="adamw", wraps_optimizer=True),
 )
+
+_ENTRIES += papers.ENTRIES  # the papers' own recipes, named by their source
 
 REGISTRY = {entry.name: entry for entry in _ENTRIES}
 """Every named compressor, by name."""

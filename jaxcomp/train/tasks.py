@@ -27,6 +27,8 @@ import jax
 import numpy as np
 import optax
 
+from jaxcomp.train import entries
+
 TASKS = ("chars", "digits", "mnist")
 SCHEDULES = ("constant", "cosine")
 """``Task.optimizer``'s learning-rate schedules: the peak throughout, or warm-up and cosine
@@ -39,13 +41,21 @@ STDLIB_FILES = ("argparse.py", "dataclasses.py", "functools.py", "fractions.py",
 
 CHARS_SIZES = {
     "small": dict(context=64, width=64, depth=2, heads=4),
+    "16x1": dict(context=64, width=16, depth=1, heads=4),
+    "32x2": dict(context=64, width=32, depth=2, heads=4),
+    "64x2": dict(context=64, width=64, depth=2, heads=4),
+    "128x2": dict(context=64, width=128, depth=2, heads=4),
+    "256x2": dict(context=64, width=256, depth=2, heads=4),
     "768x2": dict(context=128, width=768, depth=2, heads=12),
     "768x4": dict(context=128, width=768, depth=4, heads=12),
 }
-"""The chars transformer's sizes (``chars(size=...)``): the main job's (120,704 parameters); and
-GPT-2 small's width and heads with 2 or 4 of its 12 blocks and a context of 128 characters (14.5M
-and 28.6M parameters), which read the whole standard library's source (``stdlib_text(every=True)``,
-about 11 MB) so that they do not learn 250 kB by heart."""
+"""The chars transformer's sizes (``chars(size=...)``): the main job's (120,704 parameters); the
+scaling study's (``benchmarks/scaling_quality.py``), each about 4× the last: 16 wide with one block
+(8,560 parameters, its ``--quick`` runs), 32, 64 (the main job's shape), 128 and 256 wide with two
+(35,840, 120,704, 437,888 and 1,662,080); and GPT-2 small's width and heads with 2 or 4 of its 12
+blocks and a context of 128 characters (14.5M and 28.6M parameters). All but the main job's read the
+whole standard library's source (``stdlib_text(every=True)``, about 11 MB) so that they do not learn
+250 kB by heart."""
 
 
 class CharTransformer(nn.Module):
@@ -91,8 +101,10 @@ class Task:
     test_inputs, test_targets: the held-out set, evaluated as one batch.
     learning_rate: the SGD learning rate every compressor trains with.
     adamw_learning_rate: the AdamW learning rate of the entries whose papers train AdamW inside
-      (``registry.Compressor.inner``: local SGD, DiLoCo).
+      (``registry.Compressor.inner``: local SGD, DiLoCo), and of Muon's AdamW for the vectors.
     sample: ``sample(rng, n) -> (inputs, targets)``, a batch of ``n`` training examples.
+    muon_learning_rate: the Muon learning rate of the entries that train Muon inside (MuLoCo): the
+      registry's ``allreduce_muon`` rate, the best of short runs on the chars transformer.
   """
   name: str
   model: nn.Module
@@ -101,6 +113,7 @@ class Task:
   learning_rate: float
   adamw_learning_rate: float
   sample: Callable
+  muon_learning_rate: float = 0.02
 
   def init(self, seed: int):
     """The model's parameters, drawn from ``seed``."""
@@ -121,7 +134,8 @@ class Task:
     ``steps`` steps or its steady state: ``chain(compressor, clip_by_global_norm(1), sgd(lr,
     momentum 0.9))`` (plain SGD after DGC, which applies the momentum itself, and after EF-SignSGD);
     local SGD and DiLoCo around ``chain(clip_by_global_norm(1), inner)``, ``inner`` the entry's
-    (``entry.inner``: SGD with momentum 0.9, or AdamW as in DiLoCo's paper); 1-bit Adam alone.
+    (``entry.inner``: SGD with momentum 0.9, AdamW as in DiLoCo's paper, or Muon as in MuLoCo's);
+    1-bit Adam alone.
 
     ``schedule`` (``SCHEDULES``) sets the inner optimizer's learning rate over a run of ``steps``
     steps: ``"constant"``, or ``"cosine"`` (``learning_rate_schedule``). 1-bit Adam keeps its
@@ -134,6 +148,8 @@ class Task:
     rate = functools.partial(learning_rate_schedule, steps=steps, schedule=schedule)
     if entry.inner == "adamw":
       inner = optax.adamw(rate(self.adamw_learning_rate), b2=0.99, weight_decay=0.1)
+    elif entry.inner == "muon":
+      inner = entries.muon(rate(self.muon_learning_rate), rate(self.adamw_learning_rate), 0.01)
     else:
       inner = optax.sgd(rate(self.learning_rate), momentum=entry.sgd_momentum)
     if clip:

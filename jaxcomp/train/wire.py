@@ -24,8 +24,8 @@ Gradients are float32 (4 bytes a value). Per entry (r a rank, L the reduced valu
   W·k int32 indices if that is less than the leaf's dense mean, else the dense mean; float16 values
   halve the values and the dense means; coarse DGC: 4 bytes per chunk norm plus the chosen chunks;
   no finiteness flag (the values and the norms carry it);
-* 8-bit (int8 / float8): L padded to W shards of S = 256·ceil(L / (256·W)): codes through an
-  all-to-all and an all-gather (W·S bytes each), a 4-byte scale per 256 through each;
+* 8-, 4- and 2-bit codes: L padded to W shards of S = 256·ceil(L / (256·W)): b-bit codes through
+  an all-to-all and an all-gather (W·S·b/8 bytes each), a 4-byte scale per 256 through each;
 * EF-SignSGD: W·ceil(L/8) bytes of signs and W·4 per leaf of scales, all-gathered;
 * 1-bit Adam: S = 8·ceil(L / (8·W)); W·S/8 bytes through an all-to-all and an all-gather, and a
   4-byte scale per device through each;
@@ -40,7 +40,7 @@ Gradients are float32 (4 bytes a value). Per entry (r a rank, L the reduced valu
 * local SGD, DiLoCo, SparseLoCo: the sync step's messages (the parameters or the pseudo-gradient,
   through their compressor) with share 1/H; Streaming DiLoCo: one message per fragment and piece
   (fragments strided over the leaves of two or more dimensions, each cut in τ pieces of rows), each
-  padded on its own through int8.
+  padded on its own through int8 or E3M0; DES-LOC: 4·L bytes all-reduced every Kx, Ku, Kv steps.
 
 Not registry entries, for the planner's "Fully sharded" table (``jaxcomp.train.fsdp_plan``):
 ``fsdp_messages`` (``jaxcomp.fully_sharded``: per layer, a gather of the parameters' shards and a
@@ -97,16 +97,12 @@ def _matrix(shape) -> tuple:
   return (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
 
 
-def _ar(payload, share=1.0) -> list:
-  return [Message("all-reduce", payload, share)] if payload else []
+def _op(op: str) -> Callable:
+  """``fn(payload, share=1) -> [Message]``: one ``op`` message, or none for no bytes."""
+  return lambda payload, share=1.0: [Message(op, payload, share)] if payload else []
 
 
-def _ag(payload, share=1.0) -> list:
-  return [Message("all-gather", payload, share)] if payload else []
-
-
-def _a2a(payload, share=1.0) -> list:
-  return [Message("all-to-all", payload, share)] if payload else []
+_ar, _ag, _a2a = _op("all-reduce"), _op("all-gather"), _op("all-to-all")
 
 
 def _dense(value_bytes: int) -> Callable:
@@ -186,14 +182,13 @@ def _coarse_dgc(items, world, settings):
 
 
 def _quantized(items, world, settings, block=256, share=1.0):
-  """8-bit codes and a float32 scale per block: an all-to-all and an all-gather of each."""
-  if settings.get("bits", 8) not in (8, "fp8"):
-    return None  # other widths are not a registry entry's: not written here
+  """b-bit codes and a float32 scale per block: an all-to-all and an all-gather of each."""
   numel = _numel(items)
   if not numel:
     return []
   shard = block * math.ceil(numel / (world * block))
-  codes, scales = world * shard, F32 * world * shard // block
+  codes = world * shard * {4: 4, "e2m1": 4, "e3m0": 4, 2: 2}.get(settings.get("bits", 8), 8) // 8
+  scales = F32 * world * shard // block
   return (_a2a(scales, share) + _a2a(codes, share) + _ag(scales, share) + _ag(codes, share))
 
 
@@ -298,17 +293,24 @@ def _fragments(items, fragments: int, pieces: int) -> list:
   return out
 
 
-def _streaming(int8: bool) -> Callable:
+def _streaming(bits=None) -> Callable:
+  """Streaming DiLoCo's pieces: float32 means, or each through ``quantized(bits)`` on its own."""
   def streaming(items, world, settings):
     share = 1 / settings["sync_every"]
     out = []
     for piece in _fragments(items, settings.get("fragments", 1), settings.get("delay", 1)):
-      if int8:  # each piece through quantized, padded on its own
-        out += _quantized(piece, world, {}, share=share)
+      if bits:  # each piece through quantized, padded on its own
+        out += _quantized(piece, world, {"bits": bits}, share=share)
       else:
         out += _ar(F32 * _numel(piece), share)
     return out
   return streaming
+
+
+def _desloc(items, world, settings):
+  """The float32 means of the parameters, the first and the second moment, each on its period."""
+  return [m for k in ("param_sync_every", "first_moment_sync_every", "second_moment_sync_every")
+          for m in _ar(F32 * _numel(items), 1 / settings[k])]
 
 
 def _hook_fp16(items, world, settings):
@@ -362,8 +364,16 @@ _BY_NAME = {
     "diloco_h20_fp16": (_periodic(_dense(2)), {"sync_every"}),
     "diloco_h20_powersgd_r2": (
         _periodic(lambda items, world, s: _powersgd(items, world, {"rank": 2})), {"sync_every"}),
-    "streaming_diloco_h20_p2": (_streaming(int8=False), {"sync_every", "fragments", "delay"}),
-    "streaming_diloco_h100_p4_int8": (_streaming(int8=True), {"sync_every", "fragments", "delay"}),
+    "streaming_diloco_h20_p2": (_streaming(), {"sync_every", "fragments", "delay"}),
+    "streaming_diloco_h100_p4_int8": (_streaming(8), {"sync_every", "fragments", "delay"}),
+    "diloco_paper": (_periodic(_dense(F32)), {"sync_every"}),
+    "diloco_maxtext": (_periodic(_dense(F32)), {"sync_every"}),
+    "intellect1": (_periodic(lambda items, world, s: _quantized(items, world, {})), {"sync_every"}),
+    "streaming_diloco_fp4": (_streaming("e3m0"), {"sync_every", "fragments", "delay"}),
+    "sparseloco_covenant": (_BY_FACTORY[jaxcomp.sparseloco][0], {"sync_every"}),
+    "muloco": (_periodic(lambda i, w, _: _quantized(i, w, {"bits": 2})), {"sync_every"}),
+    "desloc": (_desloc, {"param_sync_every", "first_moment_sync_every",
+                         "second_moment_sync_every"}),
 }
 
 
