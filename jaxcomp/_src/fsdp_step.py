@@ -40,7 +40,8 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxcomp._src import axis, finite, fsdp, guard, interface, nnx_step, shards, spmd, validate
+from jaxcomp._src import axis, finite, fsdp, guard, hierarchical, interface, nnx_step, shards
+from jaxcomp._src import spmd, validate
 from jaxcomp._src import zero
 from jaxcomp._src import data_parallel as data_parallel_lib
 from jaxcomp._src import restore as restore_lib
@@ -422,7 +423,8 @@ def fully_sharded(loss_fn: Callable, mesh: Mesh, exchange, optimizer, *,
     TypeError: ``mesh`` is not a ``Mesh``, ``exchange`` not a jaxcomp compressor, ``optimizer``
       not an optax transformation or a jaxcomp one (which communicates itself).
     ValueError: ``gather_dtype`` is not one above, ``layer_depth`` below 1, or ``axis_name`` not
-      an axis of ``mesh`` or not the exchange's.
+      an axis of ``mesh``, not the exchange's, or the axis between nodes
+      (``jaxcomp.hierarchical``'s ``SLOW_AXIS``).
 
   References:
     Rajbhandari et al., "ZeRO", SC 2020 (stage 3); Zhao et al., "PyTorch FSDP", VLDB 2023; Wang et
@@ -446,6 +448,7 @@ def fully_sharded(loss_fn: Callable, mesh: Mesh, exchange, optimizer, *,
   gather_dtype = validate.choice(gather_dtype, "gather_dtype", fsdp.GATHER_DTYPES)
   layer_depth = validate.integer(layer_depth, "layer_depth", 1)
   axis_name = axis.check_axis_name(axis_name)
+  hierarchical.refuse_sharding_over(axis_name)
   if exchange.axis_name != axis_name:
     raise ValueError(f"axis_name: the exchange averages over {exchange.axis_name!r}, the "
                      f"parameters would be sharded over {axis_name!r}; give both the same axis")
