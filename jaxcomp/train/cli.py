@@ -55,7 +55,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxcomp.train import device_setup, link_job, namespaces, network, registry, shapes
+from jaxcomp.train import device_setup, link_job, namespaces, network, nodes, registry, shapes
 from jaxcomp.train.plots import plot
 from jaxcomp.train.runs import (WINDOW, Run, modelled_note, modelled_to_target, phase_programs,
                                 table, target_of)
@@ -177,6 +177,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
       help="also time every compressor's steps over a slow link — --devices processes in a private "
            "network namespace whose loopback is rate-limited to RATE (e.g. 100mbit, 1gbit, none) — "
            "and add wall-clock columns (needs root and the ip and tc commands)")
+  parser.add_argument(
+      "--processes", type=int, default=None, metavar="N",
+      help="train as N nodes over a real slow link: one process per node, each with --devices / N "
+           "simulated devices, joined by jax.distributed over links of --link RATE each way (a "
+           "network namespace per node; needs root and the ip and tc commands); the mesh is "
+           "('replica', 'data'), the exchange between nodes over replica (default compressors: "
+           f"{','.join(nodes.DEFAULT_NAMES)}; with --quick {','.join(nodes.QUICK_NAMES)})")
   args = parser.parse_args(argv)
   defaults = parser.parse_args([])
   try:
@@ -191,7 +198,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    f"{given[0]} ...)")
   else:
     trained = [o for o in ("--task", "--steps", "--max-steps", "--batch-size", "--seed", "--quick",
-                           "--link", "--variant")
+                           "--link", "--variant", "--processes")
                if getattr(args, o[2:].replace("-", "_")) != getattr(defaults,
                                                                    o[2:].replace("-", "_"))]
     if trained:
@@ -228,7 +235,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.max_steps = args.steps * 3 // 2
   if args.max_steps < args.steps:
     parser.error(f"--max-steps must be at least --steps {args.steps}; got {args.max_steps}")
-  if args.link is not None:
+  if args.processes is not None:
+    _check_processes(parser, args)
+  elif args.link is not None:
     if args.variant:
       parser.error("--variant does not apply to --link (its processes train the registry's "
                    "entries)")
@@ -247,12 +256,35 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.gbits = parse_gbits(args.gbits)
   except ValueError as e:
     parser.error(f"--gbits: {e}")
+  default = nodes.QUICK_NAMES if args.quick else nodes.DEFAULT_NAMES
   with registry.registered(args.variant):
-    args.compressors = _names(parser, args.compressors or ",".join(registry.JOB_DEFAULT))
+    args.compressors = _names(parser, args.compressors or ",".join(
+        default if args.processes else registry.JOB_DEFAULT))
   unnamed = [v.name for v in args.variant if v.name not in args.compressors]
   if unnamed:
     parser.error(f"--variant {unnamed[0]} is not in --compressors: name it there to train it")
   return args
+
+
+def _check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """The several-nodes job's options (``--processes``); a wrong one exits with one line."""
+  if args.processes < 2:
+    parser.error(f"--processes must be at least 2 nodes; got {args.processes}")
+  if args.link is None:
+    parser.error("--processes needs --link RATE, each node's link (e.g. --link 100mbit)")
+  try:
+    namespaces.check_rate(args.link)
+  except ValueError as e:
+    parser.error(f"--link: {e}")
+  if args.devices % args.processes:
+    parser.error(f"--devices {args.devices} must be a multiple of --processes {args.processes} "
+                 "(each node gets an equal share)")
+  if args.variant:
+    parser.error("--variant does not apply to --processes (its processes train the registry's "
+                 "entries)")
+  if args.compressors and args.compressors.split(",")[0].strip() != "allreduce":
+    parser.error("--processes: --compressors must start with allreduce, whose held-out loss is "
+                 "the target")
 
 
 def _names(parser: argparse.ArgumentParser, text: str) -> list:
@@ -356,6 +388,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
   """``main``'s training run, with the ``--variant``s in the registry."""
+  if args.processes:
+    return nodes.main(args, argv)
   if args.link:
     reason = namespaces.unavailable_reason()
     if reason:

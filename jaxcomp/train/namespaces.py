@@ -343,30 +343,14 @@ class Nodes:
       _run("ip", "-n", node, "link", "set", "lo", "up")
     self.set_rate(self.rate)
 
-  def _ends(self) -> list:
-    """``(namespace, device)`` of both ends of every node's link."""
-    return [end for i in range(self.count)
-            for end in ((self.namespace(i), "up0"), (self.names[0], f"p{i}"))]
-
   def set_rate(self, rate: str) -> None:
     """Gives every node's link ``rate`` in both directions (``"none"``: not limited)."""
-    for namespace, device in self._ends():
-      subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"],
-                     capture_output=True)  # none there yet: fine
-      if check_rate(rate) != "none":
-        _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
-             "burst", BURST, "limit", LIMIT)
+    set_nodes_rate(self.names, rate)
     self.rate = rate
 
   def sent(self) -> list:
-    """Bytes each node has sent over its link so far (its end's transmit counter: payload and
-    TCP/IP headers)."""
-    counts = []
-    for i in range(self.count):
-      shown = subprocess.run(["ip", "-n", self.namespace(i), "-s", "-j", "link", "show", "dev",
-                              "up0"], capture_output=True, text=True, check=True).stdout
-      counts.append(int(json.loads(shown)[0]["stats64"]["tx"]["bytes"]))
-    return counts
+    """Bytes each node has sent over its link so far (``nodes_sent``)."""
+    return nodes_sent(self.names)
 
   def popen(self, node: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
     """Starts ``argv`` in ``node``'s namespace (it dies with this process)."""
@@ -391,6 +375,30 @@ class Nodes:
     _LIVE.pop(getattr(self, "base", None), None)
 
 
+def set_nodes_rate(names: Sequence[str], rate: str) -> None:
+  """Gives every link of the ``Nodes`` whose namespaces are ``names`` (``Nodes.names``: the
+  switch's, then the nodes') ``rate`` in both directions; a process inside one of them may call
+  it (as root)."""
+  ends = [end for i, node in enumerate(names[1:]) for end in ((node, "up0"), (names[0], f"p{i}"))]
+  for namespace, device in ends:
+    subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"],
+                   capture_output=True)  # none there yet: fine
+    if check_rate(rate) != "none":
+      _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
+           "burst", BURST, "limit", LIMIT)
+
+
+def nodes_sent(names: Sequence[str]) -> list:
+  """Bytes each node of the ``Nodes`` whose namespaces are ``names`` has sent over its link so
+  far: its end's transmit counter (payload and TCP/IP headers)."""
+  counts = []
+  for node in names[1:]:
+    shown = subprocess.run(["ip", "-n", node, "-s", "-j", "link", "show", "dev", "up0"],
+                           capture_output=True, text=True, check=True).stdout
+    counts.append(int(json.loads(shown)[0]["stats64"]["tx"]["bytes"]))
+  return counts
+
+
 def _end(processes: Sequence[subprocess.Popen]) -> None:
   """Kills ``processes`` and waits for them (up to 10 s each)."""
   for proc in processes:
@@ -409,30 +417,47 @@ def _end(processes: Sequence[subprocess.Popen]) -> None:
 def probe(seconds: float = 1.5, port: int = PROBE_PORT) -> dict:
   """Measures the current namespace's loopback: one TCP stream's throughput (β, bytes/s) and half
   the round trip of a 1-byte ping-pong (α, s). Call it while nothing else uses the link."""
+  server = listen("127.0.0.1", port)
+  received = {}
+  thread = threading.Thread(target=sink, args=(server, received), daemon=True)
+  thread.start()
+  alpha = source("127.0.0.1", port, seconds)
+  thread.join(timeout=120)
+  return {"alpha": alpha, "beta": received["bytes"] / received["seconds"]}
+
+
+def listen(host: str, port: int = PROBE_PORT) -> socket.socket:
+  """A socket listening on ``host:port`` for ``sink``."""
   server = socket.socket()
   server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  server.bind(("127.0.0.1", port))
+  server.bind((host, port))
   server.listen(1)
-  received = {}
+  return server
 
-  def sink():
-    conn, _ = server.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for _ in range(200):  # ping-pong
-      conn.sendall(conn.recv(1))
-    total, start = 0, None
-    while True:
-      data = conn.recv(1 << 20)
-      if not data:
-        break
-      start = start or time.perf_counter()
-      total += len(data)
-    received["bytes"], received["seconds"] = total, time.perf_counter() - start
-    conn.close()
 
-  thread = threading.Thread(target=sink, daemon=True)
-  thread.start()
-  client = socket.create_connection(("127.0.0.1", port))
+def sink(server: socket.socket, received: dict) -> None:
+  """The far end of ``source``: answers its ping-pong, then counts the bytes of its stream into
+  ``received`` (``bytes``, ``seconds``)."""
+  conn, _ = server.accept()
+  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  for _ in range(200):  # ping-pong
+    conn.sendall(conn.recv(1))
+  total, start = 0, None
+  while True:
+    data = conn.recv(1 << 20)
+    if not data:
+      break
+    start = start or time.perf_counter()
+    total += len(data)
+  received["bytes"], received["seconds"] = total, time.perf_counter() - start
+  conn.close()
+  server.close()
+
+
+def source(host: str, port: int = PROBE_PORT, seconds: float = 1.5) -> float:
+  """Plays 200 1-byte ping-pongs with ``sink`` at ``host:port``, then streams to it for
+  ``seconds``; returns α, half the median round trip (s)."""
+  client = socket.create_connection((host, port))
   client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
   trips = []
   for _ in range(200):
@@ -445,8 +470,5 @@ def probe(seconds: float = 1.5, port: int = PROBE_PORT) -> dict:
   while time.perf_counter() < end:
     client.sendall(chunk)
   client.close()
-  thread.join(timeout=120)
-  server.close()
   trips.sort()
-  return {"alpha": trips[len(trips) // 2] / 2, "beta": received["bytes"] / received["seconds"]}
-
+  return trips[len(trips) // 2] / 2
