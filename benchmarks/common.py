@@ -274,7 +274,7 @@ def markdown_table(header: list, rows: list, align: Optional[str] = None) -> str
 
 
 SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "kernels", "scaling",
-            "network_model", "slow_link", "quality")
+            "network_model", "slow_link", "several_nodes", "quality")
 
 _HEADER = """# jaxcomp benchmarks
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -265,12 +266,16 @@ def process_main(argv: Sequence[str]) -> int:
   process.say("joined")
   result = {"probe": process.probe(), "overhead": process.overhead(), "runs": []}
   process.say("link measured")
-  target = None
+  target = job["target"]
   for name in job["names"]:
     run = process.train(name, target)
-    if name == "allreduce":
+    if name == "allreduce" and job["target"] is None:
       target = _held_out(run["evals"])
     result["runs"].append(run)
+  from jax.experimental import multihost_utils
+  peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  result["peak_bytes"] = [1024 * int(v) for v in
+                          multihost_utils.process_allgather(np.int32(peak_kib))]
   process.barrier("done")
   if rank == 0:
     with open(out, "w") as f:

@@ -65,6 +65,8 @@ class NodeJob:
     names: the registry entries, allreduce first.
     steps, max_steps, evaluations: each entry's recipe length, how far one goes on to reach the
       target, and the held-out evaluations over ``steps``.
+    target: the held-out loss the entries train to (None: allreduce's after ``steps``, which
+      then runs first).
     addresses, namespaces: the nodes' (filled in by ``launch``).
   """
   task: str
@@ -78,22 +80,27 @@ class NodeJob:
   steps: int
   max_steps: int
   evaluations: int = 20
+  target: Optional[float] = None
   addresses: list = dataclasses.field(default_factory=list)
   namespaces: list = dataclasses.field(default_factory=list)
 
 
-def start_processes(nodes: namespaces.Nodes, spec: str, out: str, folder: str) -> tuple:
+PROCESS = (sys.executable, "-m", "jaxcomp.train.node_process")
+"""The command of a process of the job; it gets ``SPEC RANK OUT`` appended."""
+
+
+def start_processes(nodes: namespaces.Nodes, spec: str, out: str, folder: str,
+                    command: Sequence[str] = PROCESS) -> tuple:
   """``(processes, logs)``: process r of the job in ``spec`` started in node r's namespace
-  (``python -m jaxcomp.train.node_process SPEC r OUT``), its output in ``folder/process<r>.log``."""
+  (``command SPEC r OUT``), its output in ``folder/process<r>.log``."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1",
              PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
   env.pop("JAX_NUM_CPU_DEVICES", None)
   env.pop("XLA_FLAGS", None)
   logs = [os.path.join(folder, f"process{r}.log") for r in range(nodes.count)]
-  procs = [nodes.popen(r, [sys.executable, "-m", "jaxcomp.train.node_process", spec, str(r), out],
-                       env=env, stdout=open(logs[r], "w"), stderr=subprocess.STDOUT)
-           for r in range(nodes.count)]
+  procs = [nodes.popen(r, [*command, spec, str(r), out], env=env, stdout=open(logs[r], "w"),
+                       stderr=subprocess.STDOUT) for r in range(nodes.count)]
   return procs, logs
 
 
@@ -130,11 +137,13 @@ def watch(procs: Sequence[subprocess.Popen], logs: Sequence[str], timeout: float
                        "namespaces removed\n" + "\n".join(tails))
 
 
-def launch(job: NodeJob, timeout: float = 7200.0,
-           log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
-           ) -> dict:
-  """Runs ``job`` on ``job.processes`` nodes over links of ``job.rate`` and returns process 0's
-  results (``node_process.process_main``).
+def launch(job, timeout: float = 7200.0,
+           log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+           command: Sequence[str] = PROCESS) -> dict:
+  """Runs ``job`` (a ``NodeJob``, or another dataclass with ``processes``, ``rate``,
+  ``addresses`` and ``namespaces`` for another ``command``) on ``job.processes`` nodes over links
+  of ``job.rate`` and returns process 0's results (``node_process.process_main``), with
+  ``link_bytes``: what every node sent over its link in all.
 
   Raises:
     namespaces.LinkError: no such links can be made here (one line: why).
@@ -147,10 +156,10 @@ def launch(job: NodeJob, timeout: float = 7200.0,
     spec, out = os.path.join(folder, "job.json"), os.path.join(folder, "result.json")
     with open(spec, "w") as f:
       json.dump(dataclasses.asdict(job), f)
-    procs, logs = start_processes(nodes, spec, out, folder)
+    procs, logs = start_processes(nodes, spec, out, folder, command)
     watch(procs, logs, timeout, log)
     with open(out) as f:
-      return json.load(f)
+      return dict(json.load(f), link_bytes=sum(nodes.sent()))
 
 
 # ------------------------------------------------------------------------------------ the model
