@@ -89,3 +89,27 @@ def reference(name, replicas, steps):
     jax.block_until_ready(loss)
     history.append(jax.tree.map(np.asarray, params))
   return history
+
+
+def fsdp_mesh(shape, devices=None):
+  """The ``("replica", "fsdp")`` mesh of ``shape``: each replica fully sharded inside a node."""
+  devices = jax.devices()[:shape[0] * shape[1]] if devices is None else devices
+  return Mesh(np.asarray(devices).reshape(shape), ("replica", "fsdp"),
+              axis_types=(AxisType.Auto,) * 2)
+
+
+def fully_sharded_inside(name, mesh, steps, place=None):
+  """``steps`` steps of algorithm ``name`` over ``"replica"``, each replica fully sharded over
+  ``"fsdp"`` (``jaxcomp.fully_sharded``): ``(fs, the state after each step)``."""
+  place = place or jax.device_put
+  fs = jaxcomp.fully_sharded(lambda p, x, y: loss_fn(jaxcomp.gather_layer(p), x, y), mesh,
+                             jaxcomp.allreduce(axis_name="fsdp"), ALGORITHMS[name]("replica"),
+                             axis_name="fsdp")
+  state = fs.make_state(init_params())
+  split = NamedSharding(mesh, P(("replica", "fsdp")))
+  history = []
+  for t in range(steps):
+    state, loss = fs.step(state, *(place(x, split) for x in batch(t)))
+    jax.block_until_ready(loss)
+    history.append(state)
+  return fs, history

@@ -1,7 +1,8 @@
 """Several nodes on 8 simulated devices, as ``("replica", "data")`` meshes of (2, 4) and (4, 2): the
 low-communication optimizers over ``"replica"`` with exact data parallelism inside a node against
-one device per replica, the hierarchical mean (exact inside, a compressor between nodes) and its
-bytes per axis, and the compositions jaxcomp refuses. Two processes: test_several_nodes_processes.py.
+one device per replica, and fully sharded inside a node against exact inside; the hierarchical
+mean (exact inside, a compressor between nodes) and its bytes per axis; the compositions jaxcomp
+refuses. Two processes: test_several_nodes_processes.py.
 """
 
 import chex
@@ -35,6 +36,56 @@ def test_exact_inside_a_node_equals_one_device_per_replica_on_its_averaged_gradi
   # DiLoCo's replicas hold the same parameters right after a synchronization (step 3, 6).
   if name == "diloco":
     assert_identical_across_devices(jax.tree.map(np.asarray, got[5]))
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("name", ["diloco", pytest.param("streaming_diloco",
+                                                        marks=pytest.mark.slow)])
+def test_fully_sharded_inside_a_node_equals_exact_inside_to_rounding(name, shape):
+  steps = 7
+  fs, states = harness.fully_sharded_inside(name, harness.fsdp_mesh(shape), steps)
+  want = harness.exact_inside(name, harness.node_mesh(shape), steps)
+  replicas, per_node = shape
+  cut = fs._layout()  # how the shards of a leaf join
+  for t, (state, expected) in enumerate(zip(states, want)):
+    for (path, shards), whole in zip(jax.tree_util.tree_leaves_with_path(state.params),
+                                     jax.tree.leaves(expected)):
+      rows = np.asarray(shards).reshape((replicas, per_node) + shards.shape[1:])
+      for r in range(replicas):
+        np.testing.assert_allclose(cut.join(rows[r], whole.shape[1:]), np.asarray(whole)[r],
+                                   **rounding_tol(64 * (t + 1)), err_msg=f"{t} {path} {r}")
+  chex.assert_trees_all_close(fs.gather_params(states[-1]),
+                              jax.tree.map(lambda x: np.asarray(x)[0], want[-1]),
+                              **rounding_tol(64 * steps))
+  # The outer state is sharded as the parameters are: θ is each device's shards.
+  theta = states[-1].inner.outer_params
+  assert [x.shape for x in jax.tree.leaves(theta)] == [
+      x.shape for x in jax.tree.leaves(states[-1].params)]
+
+
+@pytest.mark.slow  # SparseLoCo's program takes 20 s to compile
+def test_sparseloco_fully_sharded_inside_selects_from_each_devices_shards_and_stays_in_sync():
+  # Its chunks are cut from each device's shards, so its selection is not the unsharded one; the
+  # replicas hold the same shards right after every synchronization (steps 3 and 6).
+  fs, states = harness.fully_sharded_inside("sparseloco", harness.fsdp_mesh((2, 4)), 6)
+  for t in (2, 5):
+    for shards in jax.tree.leaves(states[t].params):
+      rows = np.asarray(shards).reshape((2, 4) + shards.shape[1:])
+      np.testing.assert_array_equal(rows[0], rows[1])
+  losses = [float(harness.loss_fn(fs.gather_params(s), *harness.batch(0))) for s in states]
+  assert losses[-1] < losses[0]
+
+
+def test_fully_sharded_inside_sends_a_node_share_of_the_pseudo_gradient_across_replica():
+  shape = (2, 4)
+  fs, (state,) = harness.fully_sharded_inside("diloco", harness.fsdp_mesh(shape), 1)
+  compiled = fs.step.lower(state, *fs.shard(harness.batch(0))).compile()
+  report = jaxcomp.comm_report(compiled, num_devices=8).by_axes(fs.mesh)
+  numel = sum(x.size for x in jax.tree.leaves(harness.init_params()))
+  sync = report[("replica",)].phase("diloco.sync")
+  assert [c.op for c in sync.collectives] == ["all-reduce"]
+  assert sync.payload_bytes == 4 * numel / shape[1]  # every leaf splits evenly over 4
 
 
 def _mean_step(exchange, mesh):
@@ -138,10 +189,16 @@ def test_an_inner_optimizer_communicating_over_replica_is_refused():
   assert "jaxcomp.allreduce(axis_name='fast')" in _one_line(error)
 
 
-def test_fully_sharded_over_replica_is_refused():
-  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("replica", "fsdp"),
-              axis_types=(AxisType.Auto,) * 2)
+def test_fully_sharded_over_replica_or_without_an_exchange_over_it_is_refused():
+  mesh = harness.fsdp_mesh((2, 4))
   with pytest.raises(ValueError, match="fully_sharded would gather every layer and scatter") as e:
     jaxcomp.fully_sharded(harness.loss_fn, mesh, jaxcomp.allreduce(axis_name="replica"),
                           optax.sgd(0.1), axis_name="replica")
   assert "axis_name='fsdp'" in _one_line(e)
+  with pytest.raises(ValueError, match="the mesh has 'replica'.* nothing exchanges over it") as e:
+    jaxcomp.fully_sharded(harness.loss_fn, mesh, jaxcomp.allreduce(axis_name="fsdp"),
+                          optax.sgd(0.1), axis_name="fsdp")
+  assert "jaxcomp.diloco(..., axis_name='replica')" in _one_line(e)
+  with pytest.raises(TypeError, match="jaxcomp.diloco is a whole optimizer"):
+    jaxcomp.fully_sharded(harness.loss_fn, mesh, jaxcomp.allreduce(axis_name="fsdp"),
+                          harness.ALGORITHMS["diloco"]("fsdp"), axis_name="fsdp")

@@ -24,8 +24,9 @@ Inside ``jaxcomp.data_parallel(loss_fn, mesh, axis_name=("replica", "data"), tx=
 are mapped. The compositions that cannot work are refused when the step is built, in one line
 naming the axis and the fix (``refuse_wrong_axes``): the exchange on the fast axis (a mesh with a
 slow axis the step does not map, or an optimizer that owns the parameters synchronizing elsewhere
-than over it); ``jaxcomp.fully_sharded`` over the slow axis (``refuse_sharding_over``). An inner
-optimizer of ``diloco`` that communicates over the slow axis is refused by ``local_steps``.
+than over it); ``jaxcomp.fully_sharded`` over the slow axis, or with no optimizer over it
+(``refuse_sharding_over``). An inner optimizer of ``diloco`` that communicates over the slow axis is
+refused by ``local_steps``.
 
 References:
   Jia et al., "Highly Scalable Deep Learning Training System with Mixed-Precision: Training
@@ -198,15 +199,20 @@ def refuse_wrong_axes(mesh, axis_name, tx) -> None:
         "node")
 
 
-def refuse_sharding_over(axis_name) -> None:
-  """Raises where ``jaxcomp.fully_sharded`` would shard the parameters over the slow axis.
+def refuse_sharding_over(axis_name, mesh, outer: tuple) -> None:
+  """Raises where ``jaxcomp.fully_sharded`` would shard the parameters over the slow axis, or
+  leave a slow axis of ``mesh`` to no exchange (``outer``: the axes its optimizer synchronizes
+  over, when it owns the parameters).
 
   Raises:
     ValueError: one line naming the axis and the fix.
   """
+  fix = (f"shard inside a node (axis_name='fsdp') and synchronize over {SLOW_AXIS!r} with the "
+         f"optimizer (jaxcomp.diloco(..., axis_name={SLOW_AXIS!r}))")
   if SLOW_AXIS in spmd.axes(axis_name):
     raise ValueError(
         f"axis_name: fully_sharded would gather every layer and scatter its gradient over "
-        f"{SLOW_AXIS!r}, the axis between nodes, on every step; shard inside a node "
-        f"(axis_name='fsdp') and synchronize over {SLOW_AXIS!r} with the optimizer "
-        f"(jaxcomp.diloco(..., axis_name={SLOW_AXIS!r}))")
+        f"{SLOW_AXIS!r}, the axis between nodes, on every step; {fix}")
+  if mesh.shape.get(SLOW_AXIS, 1) > 1 and SLOW_AXIS not in outer:
+    raise ValueError(f"optimizer: the mesh has {SLOW_AXIS!r}, the axis between nodes, and "
+                     f"nothing exchanges over it: {fix}")

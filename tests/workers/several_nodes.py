@@ -1,11 +1,12 @@
 """One process of a 2-process job (2 CPU devices each, jax.distributed on 127.0.0.1) on the
 ``("replica", "data")`` mesh, one row per process: DiLoCo, SparseLoCo and Streaming DiLoCo over
 ``"replica"`` with exact data parallelism inside the process (``nodes_harness.exact_inside``, each
-process feeding its replica's rows), and the bytes per axis of the hierarchical and the flat int8
-means.
+process feeding its replica's rows), DiLoCo with each replica fully sharded over its process's
+devices, and the bytes per axis of the hierarchical and the flat int8 means.
 
 Writes to ``--out``: ``<algorithm>/<step>/<leaf>``, this process's replica's parameters after each
-step; ``bytes/<flat|hierarchical>/<axes>``, the int8 codes each exchange sends across each axis.
+step; ``fsdp/<step>/<leaf>``, the fully sharded run's first replica's whole parameters;
+``bytes/<flat|hierarchical>/<axes>``, the int8 codes each exchange sends across each axis.
 
     python tests/workers/several_nodes.py --coordinator 127.0.0.1:PORT --process-id I --out F
 """
@@ -43,6 +44,13 @@ for name in harness.ALGORITHMS:
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       key = jax.tree_util.keystr(path, simple=True, separator="/")
       out[f"{name}/{t}/{key}"] = np.asarray(leaf.addressable_shards[0].data)[0]
+
+fsdp_mesh = harness.fsdp_mesh((2, 2), devices)
+fs, states = harness.fully_sharded_inside("diloco", fsdp_mesh, STEPS, place)
+for t, state in enumerate(states):
+  for path, leaf in jax.tree_util.tree_leaves_with_path(fs.gather_params(state)):
+    key = jax.tree_util.keystr(path, simple=True, separator="/")
+    out[f"fsdp/{t}/{key}"] = np.asarray(leaf.addressable_shards[0].data)
 
 for kind, exchange in [("flat", jaxcomp.quantized(8, axis_name=("replica", "data"))),
                        ("hierarchical", jaxcomp.hierarchical(jaxcomp.quantized(8,
