@@ -6,11 +6,12 @@ a network namespace per node, joined through a switch by links limited with tc t
 per node, on the main job's task (the chars transformer, global batch 32, the same batch rows per
 step everywhere):
 
-* jaxcomp: ``python -m jaxcomp.train``'s several-nodes job (``jaxcomp.train.nodes``), 4 simulated
-  CPU devices per process on the mesh ``("replica", "data")``: ``allreduce`` (the exact mean,
-  ``jaxcomp.hierarchical``: reduce-scatter inside a node, all-reduce between nodes, all-gather),
-  ``diloco_h20`` and ``streaming_diloco_h20_p2`` over ``"replica"``, the partitioner averaging
-  inside a node;
+* jaxcomp: ``python -m jaxcomp.train``'s several-nodes job (``jaxcomp.train.nodes``), one
+  simulated CPU device per process by default, as torch's one process per node
+  (``--devices-per-process``), on the mesh ``("replica", "data")``: ``allreduce`` (the exact mean,
+  ``jaxcomp.hierarchical``: reduce-scatter inside a node, one all-reduce between nodes,
+  all-gather), ``diloco_h20`` and ``streaming_diloco_h20_p2`` over ``"replica"``, the partitioner
+  averaging inside a node;
 * torch 2.13 (``char_transformer``: the same model with the same initial parameters) in one
   process per node, its threads the machine's cores shared out between the processes: ``DistributedDataParallel`` over gloo (``bucket_cap_mb=100``), and torchft's
   ``DiLoCo`` — one fragment, and two (Streaming DiLoCo) — with a ``Lighthouse`` on node 0, a
@@ -33,7 +34,7 @@ Runs go on past ``--steps`` until they reach the target or ``--max-steps``. Ever
 ``--runs`` times (default 2), alternating the systems, and both runs are tabled.
 
   PYTHONPATH=. python benchmarks/torchft_diloco.py [--quick] [--write] [--rate 100mbit]
-      [--steps 400] [--runs 2]
+      [--steps 400] [--runs 2] [--devices-per-process 1]
 """
 
 from __future__ import annotations
@@ -311,7 +312,8 @@ def summary(label: str, steps_seconds: list, evals: list, link: float, peaks: li
 def run_jaxcomp(system: str, args, target: Optional[float]) -> dict:
   """``system`` (``JAX``) as the several-nodes job; the job's own probe traffic left out."""
   job = nodes.NodeJob(task="chars", quick=args.quick, seed=0, batch_size=32, processes=2,
-                      devices_per_process=4, rate=args.rate, names=[JAX[system]],
+                      devices_per_process=args.devices_per_process, rate=args.rate,
+                      names=[JAX[system]],
                       steps=args.steps, max_steps=args.max_steps, target=target)
   result = nodes.launch(job, log=lambda line: print(f"  jaxcomp {line}", file=sys.stderr))
   run = result["runs"][0]
@@ -351,6 +353,9 @@ def main(argv=None) -> int:
   p.add_argument("--max-steps", type=int, default=None,
                  help="how far a run goes on to reach the target (default 3 x --steps)")
   p.add_argument("--runs", type=int, default=None, help="repetitions (default 2; quick 1)")
+  p.add_argument("--devices-per-process", type=int, default=1,
+                 help="jaxcomp's simulated CPU devices per process (1: one per node, as torch's "
+                      "one process per node)")
   args = common.parse(p, argv)
   args.steps = args.steps or (20 if args.quick else 400)
   args.max_steps = args.max_steps or 3 * args.steps
@@ -375,8 +380,9 @@ def main(argv=None) -> int:
                   f"{args.steps} steps, {target:.3f}):\n\n" + table(rows, args.steps))
   body = "\n\n".join([
       f"The chars transformer, 2 nodes (one process each) over links of {args.rate} each way "
-      "(a network namespace per node, tc tbf), global batch 32; jaxcomp with 4 simulated CPU "
-      "devices per process, torch with one process per node; "
+      "(a network namespace per node, tc tbf), global batch 32; jaxcomp with "
+      f"{args.devices_per_process} simulated CPU device(s) per process, torch with one process "
+      "per node, each process's threads the machine's cores shared out; "
       f"{time.perf_counter() - started:.0f} s in all. Wall-clock to target: the timed steps "
       "until the held-out loss (mean of the last 5 evaluations) first reaches the target, "
       "evaluations left out; over the links: the nodes' transmit counters during training.",

@@ -137,16 +137,19 @@ def test_hierarchical_int8_sends_a_node_share_of_the_flat_int8_bytes_across_repl
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("shape", MESHES)
-def test_hierarchical_exact_mean_is_the_flat_mean_to_rounding(shape):
+@pytest.mark.parametrize("shape, pack", [((2, 4), True), ((4, 2), True), ((2, 4), False)])
+def test_hierarchical_exact_mean_is_the_flat_mean_to_rounding(shape, pack):
   mesh = harness.node_mesh(shape)
   flat, _ = _mean_step(jaxcomp.allreduce(axis_name=("replica", "data")), mesh)
-  nested, report = _mean_step(jaxcomp.hierarchical(jaxcomp.allreduce(axis_name="replica")), mesh)
+  nested, report = _mean_step(
+      jaxcomp.hierarchical(jaxcomp.allreduce(axis_name="replica"), pack=pack), mesh)
   chex.assert_trees_all_close(nested, flat, **rounding_tol(8))
-  # Across replica each device sends a 1/F share of the gradient (plus the padding of a leaf
-  # whose last axis F does not divide).
+  # Across replica each device sends a 1/F share of the gradient: packed, one all-reduce of all
+  # of it; leaf by leaf, one per leaf, each padded to a multiple of F.
   numel = sum(x.size for x in jax.tree.leaves(harness.init_params()))
-  assert numel / shape[1] <= report[("replica",)].payload_bytes / 4 <= numel / shape[1] + 16
+  across = report[("replica",)]
+  assert [len(c.shapes) for c in across.collectives] == [1 if pack else 4]
+  assert numel / shape[1] <= across.payload_bytes / 4 <= numel / shape[1] + (0 if pack else 16)
 
 
 def test_by_axes_reads_groups_by_position_in_the_mesh_not_by_device_id():

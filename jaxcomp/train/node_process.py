@@ -9,7 +9,8 @@ mesh is ``("replica", "data")``: one row of devices per process. Each entry's st
 
 * a gradient compressor runs as ``jaxcomp.hierarchical``: exact reduce-scatter inside the node,
   the compressor over ``"replica"`` on each device's shard, all-gather inside the node
-  (``data_parallel`` maps both axes);
+  (``data_parallel`` maps both axes); the dense means and ``quantized`` packed into one vector,
+  the others (PowerSGD's matrices) leaf by leaf;
 * an optimizer that owns the parameters (DiLoCo, Streaming DiLoCo, SparseLoCo, local SGD) or
   averages itself (1-bit Adam, Dion, DeMo) runs over ``"replica"`` with ``data_parallel`` mapping
   it alone: inside a node the batch is split over ``"data"`` and the partitioner averages the
@@ -75,9 +76,10 @@ def make_step(task, entry, mesh, steps=None, **settings):
     tx = task.optimizer(entry, steps, axis_name="replica", **settings)
     axes = "replica"
   else:
-    factory = entry.factory
+    # Elementwise codecs travel packed; a compressor of matrices (PowerSGD) keeps them.
+    factory, pack = entry.factory, entry.is_mean or entry.factory is jaxcomp.quantized
     hierarchical = dataclasses.replace(entry, factory=lambda axis_name, **s: jaxcomp.hierarchical(
-        factory(axis_name=axis_name, **s), fast_axis="data"))
+        factory(axis_name=axis_name, **s), fast_axis="data", pack=pack))
     tx = task.optimizer(hierarchical, steps, axis_name="replica", **settings)
     axes = ("replica", "data")
   return jaxcomp.data_parallel(task.loss, mesh, axis_name=axes, tx=tx), tx
