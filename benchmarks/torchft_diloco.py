@@ -13,7 +13,8 @@ step everywhere):
   all-gather), ``diloco_h20`` and ``streaming_diloco_h20_p2`` over ``"replica"``, the partitioner
   averaging inside a node;
 * torch 2.13 (``char_transformer``: the same model with the same initial parameters) in one
-  process per node, its threads the machine's cores shared out between the processes: ``DistributedDataParallel`` over gloo (``bucket_cap_mb=100``), and torchft's
+  process per node, its threads the machine's cores shared out between the processes:
+  ``DistributedDataParallel`` over gloo (``bucket_cap_mb=100``), and torchft's
   ``DiLoCo`` — one fragment, and two (Streaming DiLoCo) — with a ``Lighthouse`` on node 0, a
   ``Manager`` (``use_async_quorum=False``) and ``ProcessGroupGloo`` per node, unquantized (its
   quantized exchange needs triton, GPU only).
@@ -338,7 +339,8 @@ def run_torch(system: str, args, target: float) -> dict:
 def table(rows: list, steps: int) -> str:
   from benchmarks import common
   cells = [[r["system"], f"{r['reached']}" if r["reached"] else f"not in {r['steps_run']}",
-            f"{r['to_target']:.1f} s" if r["to_target"] else "-", f"{1e3 * r['median_step']:.0f} ms",
+            f"{r['to_target']:.1f} s" if r["to_target"] else "-",
+            f"{1e3 * r['median_step']:.0f} ms",
             f"{r['loss']:.3f}", common.human(r["link"]), common.human(r["peak"])] for r in rows]
   return common.markdown_table(["system", "steps to target", "wall-clock to target",
                                 "median step", f"held-out loss after {steps} steps",

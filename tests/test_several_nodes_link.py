@@ -1,5 +1,6 @@
-"""The several-nodes job over real links (``jaxcomp.train.namespaces.Nodes``, ``jaxcomp.train.nodes``):
-links limited between nodes and not inside one, the command line's refusals, and a job that exits 0
+"""The several-nodes job over real links (``jaxcomp.train.namespaces.Nodes``,
+``jaxcomp.train.nodes``): links limited between nodes and not inside one, the command line's
+refusals, the α-β model's count of what a node sends, and a job that exits 0
 and leaves no namespace or process behind — after its end, Ctrl-C, and a killed process.
 
 The link tests need root and the ``ip`` / ``tc`` commands; where they are missing they skip with

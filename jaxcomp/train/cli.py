@@ -40,6 +40,10 @@ another model (``--model``, ``--params``) on ``--devices`` workers at each ``--g
 and the wall-clock to the target (steps × measured step time, phase by phase; the trajectory does
 not depend on the link).
 
+``--processes N --link RATE`` (root, ``ip`` and ``tc``) trains as N nodes instead: one process per
+node over real links of RATE each way, on the mesh ``("replica", "data")``
+(``jaxcomp.train.nodes``: the measured wall-clock to the target beside the α-β model's).
+
 This module is the command line (``parse_args``, ``main``); the job's parts are modules of their
 own: ``device_setup`` (the devices), ``training_loop`` (``train``), ``runs`` (``Run``, the table,
 the modelled time to target) and ``plots`` (``OUT/loss.png``).

@@ -52,9 +52,9 @@ for t, state in enumerate(states):
     key = jax.tree_util.keystr(path, simple=True, separator="/")
     out[f"fsdp/{t}/{key}"] = np.asarray(leaf.addressable_shards[0].data)
 
-for kind, exchange in [("flat", jaxcomp.quantized(8, axis_name=("replica", "data"))),
-                       ("hierarchical", jaxcomp.hierarchical(jaxcomp.quantized(8,
-                                                                               axis_name="replica")))]:
+int8 = lambda axes: jaxcomp.quantized(8, axis_name=axes)  # noqa: E731
+for kind, exchange in [("flat", int8(("replica", "data"))),
+                       ("hierarchical", jaxcomp.hierarchical(int8("replica")))]:
   dp = jaxcomp.data_parallel(harness.loss_fn, mesh, axis_name=("replica", "data"),
                              tx=optax.chain(exchange, optax.sgd(0.1)))
   params = harness.init_params()
