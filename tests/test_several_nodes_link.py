@@ -116,6 +116,28 @@ def test_nodes_are_limited_between_them_and_not_inside_and_removed_after_the_blo
   assert 12.5e6 < sent[0] < 13.5e6 and sent[1] < 1e6
 
 
+@needs_link
+def test_nodes_left_by_a_sigkill_are_removed_by_the_next_ones():
+  holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+      import time
+      from jaxcomp.train import namespaces
+      nodes = namespaces.Nodes(2, "none").__enter__()
+      print(" ".join(nodes.names), flush=True)
+      time.sleep(600)
+      """)], env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+  names = holder.stdout.readline().split()
+  holder.kill()  # SIGKILL: no handler runs
+  holder.wait(timeout=60)
+
+  def left():
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [n for n in names if n in listed.split() or os.path.isdir(
+        os.path.join(namespaces.HOSTS_DIR, n))]
+  assert len(names) == 3 and left() == names
+  with namespaces.Nodes(2, "none"):
+    assert not left()
+
+
 def _job(argv, tmp_path):
   return subprocess.Popen([sys.executable, "-m", "jaxcomp.train", *argv, "--out", str(tmp_path)],
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
