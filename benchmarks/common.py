@@ -274,7 +274,8 @@ def markdown_table(header: list, rows: list, align: Optional[str] = None) -> str
 
 
 SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "kernels", "scaling",
-            "network_model", "slow_link", "quality", "plan_check", "scaling_quality")
+            "network_model", "slow_link", "several_nodes", "quality", "plan_check",
+            "scaling_quality")
 
 _HEADER = """# jaxcomp benchmarks
 

@@ -55,6 +55,8 @@ from jaxcomp._src.fsdp import gather_layer
 from jaxcomp._src.fsdp_step import FullySharded
 from jaxcomp._src.fsdp_step import FullyShardedState
 from jaxcomp._src.fsdp_step import fully_sharded
+from jaxcomp._src.hierarchical import HierarchicalState
+from jaxcomp._src.hierarchical import hierarchical
 from jaxcomp._src.hooks import bf16_compress_wrapper
 from jaxcomp._src.hooks import fp16_compress_wrapper
 from jaxcomp._src.interface import Transformation
@@ -120,6 +122,7 @@ __all__ = (
     "FullySharded",
     "FullyShardedState",
     "GradBucket",
+    "HierarchicalState",
     "Layer",
     "LocalSGDConfig",
     "LocalSGDState",
@@ -168,6 +171,7 @@ __all__ = (
     "fully_sharded",
     "call_layer",
     "gather_layer",
+    "hierarchical",
     "hooks",
     "local_sgd",
     "onebit_adam",

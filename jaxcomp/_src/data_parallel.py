@@ -77,7 +77,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jaxcomp._src import axis, misuse, nnx_step, placement, spmd, validate
+from jaxcomp._src import axis, hierarchical, misuse, nnx_step, placement, spmd, validate
 
 _LOSS_FORM = ("params", "opt_state")
 BUFFER_POLICIES = ("mean", "first", "per_device")
@@ -217,8 +217,9 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
   Raises:
     TypeError: ``mesh`` is not a ``Mesh``, ``tx`` not an optax transformation, or ``donate`` not a
       bool.
-    ValueError: ``axis_name`` is not an axis of ``mesh``; ``has_aux`` or ``buffers`` given without
-      ``tx``; ``buffers`` is not a policy above.
+    ValueError: ``axis_name`` is not an axis of ``mesh``, or puts the exchange on the fast axis of
+      a mesh with an axis between nodes (``jaxcomp.hierarchical``); ``has_aux`` or ``buffers``
+      given without ``tx``; ``buffers`` is not a policy above.
   """
   validate.function(fn, "fn", "fn(params, *batch)" if tx is not None else "fn(state, *batch)")
   if not isinstance(mesh, Mesh):
@@ -229,6 +230,7 @@ def data_parallel(fn: Callable, mesh: Mesh, *, axis_name: axis.AxisName = "batch
   if missing:
     raise ValueError(f"axis_name must name axes of the mesh {tuple(mesh.axis_names)}; got "
                      f"{axis_name!r}")
+  hierarchical.refuse_wrong_axes(mesh, axis_name, tx)
   has_aux = validate.boolean(has_aux, "has_aux")
   buffers = validate.choice(buffers, "buffers", BUFFER_POLICIES)
   donate = validate.boolean(donate, "donate")

@@ -25,6 +25,16 @@ What it refuses, before any state is made or changed, naming what it found and t
 A leaf split over another mesh axis keeps that split in its shards where the shards' axis divides
 evenly over it, and is replicated over it where not (a (8, 12) kernel split over a model axis of 2
 on 4 data devices: shards of (8, 3)), as ``sharded_optimizer`` keeps it.
+
+**Several nodes.** The optimizer may be a jaxcomp optimizer that owns the parameters
+(``diloco``, ``streaming_diloco``, ``sparseloco``, ``local_sgd``) synchronizing over another mesh
+axis, the axis between nodes: each replica is fully sharded over ``axis_name`` inside its node and
+the replicas exchange over the other axis, every device its shards (1/F of the pseudo-gradient
+crosses the slow link per device). The step maps both axes; every state leaf, the outer optimizer's
+θ and momentum included, is stacked once per device and holds that device's shards. Its inner
+optimizer is checked as a sharded optimizer is (elementwise: ``sharded_clip_by_global_norm``, not
+optax's); the pseudo-gradient's exchange and the outer step run on the shards, and a non-finite
+value keeps a device's shard of the parameters (``finite.kept_locally``) and of θ, shard by shard.
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxcomp._src import axis, finite, fsdp, guard, interface, nnx_step, shards, spmd, validate
+from jaxcomp._src import axis, finite, fsdp, guard, hierarchical, interface, local_steps, nnx_step
+from jaxcomp._src import shards, spmd, validate
 from jaxcomp._src import zero
 from jaxcomp._src import data_parallel as data_parallel_lib
 from jaxcomp._src import restore as restore_lib
@@ -97,8 +108,16 @@ def _step(loss_fn: Callable, exchange, optimizer, gather_dtype, depth: int, axis
   loss, view_grads = jax.value_and_grad(local_loss)(layers())
   grads, exchanges = fsdp.unview(signature, view_grads, depth, state.exchange, gathered)
   # 5: the optimizer on the shards; no gather of the update.
-  updates, inner = zero.elementwise_update(optimizer, (grads, state.inner, state.params),
-                                           signature, axis_name)
+  if getattr(optimizer, "owns_params", False):
+    # Its inner optimizer checked on the shards (the result unused: XLA drops it); its own steps
+    # are elementwise, over the axis between nodes.
+    zero.elementwise_update(state.inner.config.inner, (
+        grads, local_steps.from_device(state.inner.inner_state), state.params), signature,
+                            axis_name)
+    updates, inner = optimizer.update(grads, state.inner, state.params)
+  else:
+    updates, inner = zero.elementwise_update(optimizer, (grads, state.inner, state.params),
+                                             signature, axis_name)
   params = optax.apply_updates(state.params, updates)
   # A step jaxcomp.skip_if_nonfinite skips keeps every layer's exchange state too (a layer whose
   # own gradient was finite would have counted it).
@@ -193,11 +212,13 @@ def _is_spec(node) -> bool:
   return isinstance(node, PartitionSpec)
 
 
-def mesh_layout(mesh: Mesh, axis_name) -> shards.Layout:
-  """The shards' layout on ``mesh``: by leaf where another axis may shard the leaves."""
+def mesh_layout(mesh: Mesh, axis_name, outer: tuple = ()) -> shards.Layout:
+  """The shards' layout on ``mesh``: by leaf where an axis the step does not map (not
+  ``axis_name``, nor the ``outer`` axes of an optimizer that owns the parameters) may shard the
+  leaves."""
   axes = spmd.axes(axis_name)
-  return shards.Layout(math.prod(mesh.shape[a] for a in axes),
-                       any(size > 1 for name, size in mesh.shape.items() if name not in axes))
+  return shards.Layout(math.prod(mesh.shape[a] for a in axes), any(
+      size > 1 for name, size in mesh.shape.items() if name not in axes + tuple(outer)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +233,8 @@ class FullySharded:
     axis_name: the data axis the parameters are sharded over.
     layer_depth: the depth of the layers in the parameters' pytree.
     exchange, optimizer, gather_dtype: as given.
+    outer_axes: the axes the optimizer synchronizes over when it owns the parameters (the axis
+      between nodes), else ``()``; the state is stacked once per device of both.
   """
   step: Callable
   mesh: Mesh
@@ -221,22 +244,23 @@ class FullySharded:
   optimizer: Any
   gather_dtype: Optional[str]
   _parallel: Any
+  outer_axes: tuple = ()
 
   @property
   def world_size(self) -> int:
     """W, the number of devices along ``axis_name``."""
-    return self._parallel.world_size
+    return math.prod(self.mesh.shape[a] for a in spmd.axes(self.axis_name))
 
   def _layout(self) -> shards.Layout:
     """The shards' layout on this mesh: by leaf where another axis may shard the leaves."""
-    return mesh_layout(self.mesh, self.axis_name)
+    return mesh_layout(self.mesh, self.axis_name, self.outer_axes)
 
   def shard(self, batch):
     """``batch`` placed with its leading axis split over ``axis_name``."""
     return self._parallel.shard(batch)
 
   def _stacked(self, spec) -> NamedSharding:
-    return NamedSharding(self.mesh, PartitionSpec(self.axis_name, *spec))
+    return NamedSharding(self.mesh, PartitionSpec(self._parallel.axis_name, *spec))
 
   def make_state(self, params) -> FullyShardedState:
     """The step's state from the whole parameters (as made on one device): each device's shards
@@ -267,8 +291,10 @@ class FullySharded:
         sharded = [leaves[i] for i in idx if not replicated(leaves[i].shape, world)]
         exchanges.append(jax.tree.map(stack, self.exchange.scatter_init(sharded)) if sharded
                          else None)
-      return FullyShardedState(owned, jax.vmap(self.optimizer.init)(owned), tuple(exchanges),
-                               restore_lib.marker(world, cut.by_leaf), signature)
+      state = FullyShardedState(owned, jax.vmap(self.optimizer.init)(owned), tuple(exchanges),
+                                restore_lib.marker(world, cut.by_leaf), signature)
+      replicas = math.prod(self.mesh.shape[a] for a in self.outer_axes)  # each its own copy
+      return jax.tree.map(lambda x: jnp.tile(x, (replicas,) + (1,) * (x.ndim - 1)), state)
 
     flat = signature.treedef.flatten_up_to(params)
     shape = jax.eval_shape(make, [jax.ShapeDtypeStruct(jnp.shape(x), d)
@@ -321,6 +347,10 @@ class FullySharded:
     Returns:
       The state, placed as ``make_state`` places it.
     """
+    if self.outer_axes:
+      raise ValueError(f"restore: a state whose optimizer synchronizes over {self.outer_axes!r} "
+                       "is restored for the mesh it was saved from only: orbax's "
+                       "StandardCheckpointer with the state of make_state as the target")
     fresh = self.make_state(params)
     signature, parts = fresh.signature, self._parts(fresh.signature)
     leaf = lambda i: restore_lib.Kind(  # noqa: E731
@@ -349,8 +379,8 @@ class FullySharded:
     def whole(params):
       leaves = [spmd.constrain(x, NamedSharding(self.mesh, PartitionSpec(None, *spec)))
                 for x, spec in zip(signature.treedef.flatten_up_to(params), specs)]
-      return signature.unflatten([
-          x[0] if replicated(shape, world) else cut.join(x, shape)
+      return signature.unflatten([  # the first replica's
+          x[0] if replicated(shape, world) else cut.join(x[:world], shape)
           for x, shape in zip(leaves, signature.shapes)])
 
     shardings = signature.unflatten([NamedSharding(self.mesh, PartitionSpec(*spec))
@@ -407,7 +437,10 @@ def fully_sharded(loss_fn: Callable, mesh: Mesh, exchange, optimizer, *,
       natively; the others send their whole mean, of which each device keeps its shard.
     optimizer: an elementwise optax optimizer (SGD, Adam, AdamW, ...), run on the shards;
       ``jaxcomp.skip_if_nonfinite(optimizer, n)`` around it skips a step whose gradient is not
-      finite on some device, on every device, the state kept.
+      finite on some device, on every device, the state kept. Or a jaxcomp optimizer that owns
+      the parameters over another mesh axis, the axis between nodes (``jaxcomp.diloco(inner,
+      sync_every=30, axis_name="replica")``, ``inner`` elementwise): each replica fully sharded
+      inside its node (the module docstring's "Several nodes").
     gather_dtype: how the parameters travel to the forward pass: None (exactly), ``"bfloat16"``,
       ``"int8"`` or ``"float8_e4m3fn"`` (codes with a float32 scale per 256 values). The stored
       shards stay exact.
@@ -422,7 +455,8 @@ def fully_sharded(loss_fn: Callable, mesh: Mesh, exchange, optimizer, *,
     TypeError: ``mesh`` is not a ``Mesh``, ``exchange`` not a jaxcomp compressor, ``optimizer``
       not an optax transformation or a jaxcomp one (which communicates itself).
     ValueError: ``gather_dtype`` is not one above, ``layer_depth`` below 1, or ``axis_name`` not
-      an axis of ``mesh`` or not the exchange's.
+      an axis of ``mesh``, not the exchange's, or the axis between nodes
+      (``jaxcomp.hierarchical``'s ``SLOW_AXIS``).
 
   References:
     Rajbhandari et al., "ZeRO", SC 2020 (stage 3); Zhao et al., "PyTorch FSDP", VLDB 2023; Wang et
@@ -434,7 +468,10 @@ def fully_sharded(loss_fn: Callable, mesh: Mesh, exchange, optimizer, *,
                     f"{type(mesh).__name__}")
   exchange = interface.mean(exchange, "exchange", "jaxcomp.bf16_compress()")
   optimizer = validate.transformation(optimizer, "optimizer", "optax.adam(1e-3)")
-  if isinstance(optimizer, interface.Transformation):
+  axis_name = axis.check_axis_name(axis_name)
+  outer = spmd.axes(optimizer.axis_name) if getattr(optimizer, "owns_params", False) else ()
+  if isinstance(optimizer, interface.Transformation) and (
+      not outer or set(outer) & set(spmd.axes(axis_name))):
     what = ("a compressor (the exchange is fully_sharded's third argument)"
             if optimizer.output == "gradient" else "a whole optimizer that averages over the "
             "devices itself and computes on whole leaves")
@@ -445,14 +482,15 @@ def fully_sharded(loss_fn: Callable, mesh: Mesh, exchange, optimizer, *,
         "loss_fn, mesh, tx=...)")
   gather_dtype = validate.choice(gather_dtype, "gather_dtype", fsdp.GATHER_DTYPES)
   layer_depth = validate.integer(layer_depth, "layer_depth", 1)
-  axis_name = axis.check_axis_name(axis_name)
+  hierarchical.refuse_sharding_over(axis_name, mesh, outer)
   if exchange.axis_name != axis_name:
     raise ValueError(f"axis_name: the exchange averages over {exchange.axis_name!r}, the "
                      f"parameters would be sharded over {axis_name!r}; give both the same axis")
   step = functools.partial(_step, loss_fn, exchange, optimizer, gather_dtype, layer_depth,
                            axis_name)
-  parallel = data_parallel_lib.data_parallel(step, mesh, axis_name=axis_name)
-  layout = mesh_layout(mesh, axis_name)
+  mapped = outer + spmd.axes(axis_name) if outer else axis_name
+  parallel = data_parallel_lib.data_parallel(step, mesh, axis_name=mapped)
+  layout = mesh_layout(mesh, axis_name, outer)
   checked = restore_lib.CheckedStep(parallel.step, layout.world, layout.by_leaf, axis_name)
   return FullySharded(checked, mesh, axis_name, layer_depth, exchange, optimizer, gather_dtype,
-                      parallel)
+                      parallel, outer)

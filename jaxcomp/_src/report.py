@@ -159,12 +159,14 @@ class CommReport:
     On a mesh ``("slow", "fast")``, a mean over ``fast`` runs in groups whose devices differ only in
     their ``fast`` coordinate: it is filed under ``("fast",)``; one over both axes under
     ``("slow", "fast")``. Collectives whose groups the HLO does not name (pmap's) are filed under
-    ``mesh.axis_names``.
+    ``mesh.axis_names``. The HLO names a device by its position in the program's devices, which
+    are the mesh's in order (not by its id: in a job of several processes the second process's
+    first device is 2048 on CPU): ``mesh`` must be the one the step was compiled for.
 
     Returns:
       ``{tuple of axis names: CommReport}``, axes in the mesh's order.
     """
-    coordinates = {int(d.id): index for index, d in np.ndenumerate(mesh.devices)}
+    coordinates = dict(enumerate(index for index, _ in np.ndenumerate(mesh.devices)))
     grouped: dict = {}
     for c in self.collectives:
       spanned = set()

@@ -42,6 +42,10 @@ command.
 and the wall-clock to the target (steps × measured step time, phase by phase; the trajectory does
 not depend on the link).
 
+``--processes N --link RATE`` (root, ``ip`` and ``tc``) trains as N nodes instead: one process per
+node over real links of RATE each way, on the mesh ``("replica", "data")``
+(``jaxcomp.train.nodes``: the measured wall-clock to the target beside the α-β model's).
+
 This module is the command line (``parse_args``, ``main``); the job's parts are modules of their
 own: ``device_setup`` (the devices), ``training_loop`` (``train``), ``runs`` (``Run``, the table,
 the modelled time to target) and ``plots`` (``OUT/loss.png``).
@@ -57,8 +61,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxcomp.train import (device_setup, devices, link_job, namespaces, network, registry, shapes,
-                           user_model)
+from jaxcomp.train import (device_setup, devices, link_job, namespaces, network, nodes, registry,
+                           shapes, user_model)
 from jaxcomp.train.plots import plot
 from jaxcomp.train.runs import (WINDOW, Run, modelled_note, modelled_to_target, phase_programs,
                                 table, target_of)
@@ -188,6 +192,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
       help="also time every compressor's steps over a slow link — --devices processes in a private "
            "network namespace whose loopback is rate-limited to RATE (e.g. 100mbit, 1gbit, none) — "
            "and add wall-clock columns (needs root and the ip and tc commands)")
+  parser.add_argument(
+      "--processes", type=int, default=None, metavar="N",
+      help="train as N nodes over a real slow link: one process per node, each with --devices / N "
+           "simulated devices, joined by jax.distributed over links of --link RATE each way (a "
+           "network namespace per node; needs root and the ip and tc commands); the mesh is "
+           "('replica', 'data'), the exchange between nodes over replica (default compressors: "
+           f"{','.join(nodes.DEFAULT_NAMES)}; with --quick {','.join(nodes.QUICK_NAMES)})")
   args = parser.parse_args(argv)
   defaults = parser.parse_args([])
   try:
@@ -202,7 +213,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    f"{given[0]} ...)")
   else:
     trained = [o for o in ("--task", "--steps", "--max-steps", "--batch-size", "--seed", "--quick",
-                           "--link", "--variant")
+                           "--link", "--variant", "--processes")
                if getattr(args, o[2:].replace("-", "_")) != getattr(defaults,
                                                                    o[2:].replace("-", "_"))]
     if trained:
@@ -252,7 +263,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.max_steps = args.steps * 3 // 2
   if args.max_steps < args.steps:
     parser.error(f"--max-steps must be at least --steps {args.steps}; got {args.max_steps}")
-  if args.link is not None:
+  if args.processes is not None:
+    _check_processes(parser, args)
+  elif args.link is not None:
     if args.variant:
       parser.error("--variant does not apply to --link (its processes train the registry's "
                    "entries)")
@@ -271,8 +284,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.gbits = parse_gbits(args.gbits)
   except ValueError as e:
     parser.error(f"--gbits: {e}")
+  default = nodes.QUICK_NAMES if args.quick else nodes.DEFAULT_NAMES
   with registry.registered(args.variant):
-    args.compressors = _names(parser, args.compressors or ",".join(registry.JOB_DEFAULT))
+    args.compressors = _names(parser, args.compressors or ",".join(
+        default if args.processes else registry.JOB_DEFAULT))
   unnamed = [v.name for v in args.variant if v.name not in args.compressors]
   if unnamed:
     parser.error(f"--variant {unnamed[0]} is not in --compressors: name it there to train it")
@@ -290,6 +305,27 @@ def _unwritable(folder: str) -> Optional[str]:
   except OSError as e:
     return e.strerror or type(e).__name__
   return None
+
+
+def _check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """The several-nodes job's options (``--processes``); a wrong one exits with one line."""
+  if args.processes < 2:
+    parser.error(f"--processes must be at least 2 nodes; got {args.processes}")
+  if args.link is None:
+    parser.error("--processes needs --link RATE, each node's link (e.g. --link 100mbit)")
+  try:
+    namespaces.check_rate(args.link)
+  except ValueError as e:
+    parser.error(f"--link: {e}")
+  if args.devices % args.processes:
+    parser.error(f"--devices {args.devices} must be a multiple of --processes {args.processes} "
+                 "(each node gets an equal share)")
+  if args.variant:
+    parser.error("--variant does not apply to --processes (its processes train the registry's "
+                 "entries)")
+  if args.compressors and args.compressors.split(",")[0].strip() != "allreduce":
+    parser.error("--processes: --compressors must start with allreduce, whose held-out loss is "
+                 "the target")
 
 
 def _names(parser: argparse.ArgumentParser, text: str) -> list:
@@ -400,6 +436,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
   """``main``'s training run, with the ``--variant``s in the registry."""
+  if args.processes:
+    return nodes.main(args, argv)
   if args.link:
     reason = namespaces.unavailable_reason()
     if reason:

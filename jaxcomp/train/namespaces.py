@@ -25,11 +25,17 @@ latency the link has is measured instead (``probe``: a TCP ping-pong inside the 
 to the α-β model.
 
 The jobs that run over such a link — W training processes — are ``jaxcomp.train.link_job``'s.
+
+**Several nodes.** ``Nodes`` is the other shape: a namespace per node, each with its own (fast)
+loopback, joined through a switch by links limited in both directions — a node's devices and
+processes talk among themselves at memory speed and to other nodes at the link's rate, as in a
+cluster of several machines. ``jaxcomp.train.nodes`` trains over it.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import shutil
@@ -48,6 +54,9 @@ BURST_BYTES = 256 * 1024
 """The token bucket's depth: bytes a rate-limited link passes at once before its rate applies (the
 α-β model's ``burst``, ``jaxcomp.train.network.shared_medium_time``)."""
 LIMIT = "64mb"
+HOSTS_DIR = "/etc/netns"
+"""``ip netns exec NAME`` mounts the files of ``HOSTS_DIR/NAME/`` over ``/etc/``: a node's own
+``hosts`` file names its address (``Nodes``)."""
 PROBE_PORT = 12357
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -150,12 +159,30 @@ def _install_handlers() -> None:
 
 
 def _remove_stale() -> None:
-  """Deletes namespaces this harness made in processes that no longer exist (killed by SIGKILL)."""
+  """Deletes namespaces this harness made in processes that no longer exist (killed by SIGKILL),
+  and their hosts files (``Nodes``)."""
   listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-  for name in re.findall(rf"^({re.escape(PREFIX)}(\d+)-\w+)", listing, re.M):
-    pid = int(name[1])
+  made = re.findall(rf"^({re.escape(PREFIX)}(\d+)-[0-9a-f]+(?:-\w+)?)", listing, re.M)
+  if os.path.isdir(HOSTS_DIR):
+    made += [(name, name.split("-")[1]) for name in os.listdir(HOSTS_DIR)
+             if re.match(rf"^{re.escape(PREFIX)}\d+-", name)]
+  for name, pid in made:
     if not os.path.exists(f"/proc/{pid}"):
-      subprocess.run(["ip", "netns", "del", name[0]], capture_output=True)
+      _delete_namespace(name)
+
+
+def _delete_namespace(name: str) -> None:
+  """Deletes namespace ``name`` (with the links in it) and its hosts file, if they exist."""
+  subprocess.run(["ip", "netns", "del", name], capture_output=True)
+  shutil.rmtree(os.path.join(HOSTS_DIR, name), ignore_errors=True)
+
+
+def _run(*argv) -> None:
+  """Runs an ``ip`` / ``tc`` command; a failure raises ``LinkError`` with its first line."""
+  done = subprocess.run(list(argv), capture_output=True, text=True)
+  if done.returncode:
+    message = (done.stderr.strip() or done.stdout.strip() or "failed").splitlines()[0]
+    raise LinkError(f"{' '.join(argv)}: {message}")
 
 
 class SlowLink:
@@ -223,19 +250,165 @@ class SlowLink:
 
   def close(self) -> None:
     """Kills the processes started here and deletes the namespace (idempotent)."""
-    for proc in self.processes:
-      if proc.poll() is None:
-        proc.kill()
-    for proc in self.processes:
-      try:
-        proc.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        pass
+    _end(self.processes)
     self.processes = []
     if self.name is not None:
-      subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+      _delete_namespace(self.name)
       _LIVE.pop(self.name, None)
       self.name = None
+
+
+# ------------------------------------------------------------------------------------------ nodes
+
+SUBNET = "10.77.0"  # node i is SUBNET.(i + 1) inside its own namespaces: no address leaves them
+
+
+class Nodes:
+  """Several nodes on one machine: a network namespace per node, joined through a switch by links
+  rate-limited in both directions; a context manager.
+
+  A node's own loopback is not limited: the processes of a node (and the devices of a process,
+  whose collectives gloo also sends over TCP) talk at memory speed. Node ``i`` has the address
+  ``address(i)`` on a veth pair to a Linux bridge in a switch namespace; a token bucket filter
+  (``tc ... tbf``, the same as ``SlowLink``'s) on both ends of the pair gives every node ``rate``
+  up and ``rate`` down, as a network card of that speed on a switched network would. Each node's
+  ``/etc/hosts`` (``HOSTS_DIR``) names this machine's host name at the node's address, so that gloo,
+  which listens on the address of the host name, listens on the node's link. All of it is removed
+  on every exit path, as ``SlowLink``'s namespace is.
+
+  Example::
+
+    with Nodes(2, "100mbit") as nodes:
+      procs = [nodes.popen(i, [sys.executable, "worker.py", nodes.address(0)]) for i in range(2)]
+      ...
+      nodes.sent()          # bytes each node has sent over its link
+
+  Args:
+    count: how many nodes (at most 250).
+    rate: each node's link, ``"none"`` or a tc rate (``check_rate``).
+
+  Raises:
+    LinkError: not root, ``ip``/``tc`` missing, or the kernel refused (the message says which).
+  """
+
+  def __init__(self, count: int, rate: str = "100mbit"):
+    if not 1 <= count <= 250:
+      raise ValueError(f"count must be from 1 to 250 nodes; got {count}")
+    self.count, self.rate = count, check_rate(rate)
+    self.names: list = []  # the switch's namespace first, then the nodes'
+    self.processes: list = []
+
+  def address(self, node: int) -> str:
+    """The address of ``node`` on its link."""
+    return f"{SUBNET}.{node + 1}"
+
+  def namespace(self, node: int) -> str:
+    """The network namespace of ``node``."""
+    return self.names[node + 1]
+
+  def __enter__(self) -> "Nodes":
+    reason = unavailable_reason()
+    if reason:
+      raise LinkError(reason)
+    _install_handlers()
+    _remove_stale()
+    self.base = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    _LIVE[self.base] = self
+    try:
+      self._make(self.base)
+    except BaseException:
+      self.close()
+      raise
+    return self
+
+  def _make(self, base: str) -> None:
+    switch = f"{base}-sw"
+    _run("ip", "netns", "add", switch)
+    self.names.append(switch)
+    _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+    _run("ip", "-n", switch, "link", "set", "br0", "mtu", str(MTU), "up")
+    for i in range(self.count):
+      node = f"{base}-n{i}"
+      _run("ip", "netns", "add", node)
+      self.names.append(node)
+      hosts = os.path.join(HOSTS_DIR, node)
+      os.makedirs(hosts, exist_ok=True)
+      with open(os.path.join(hosts, "hosts"), "w") as f:
+        f.write(f"127.0.0.1 localhost\n{self.address(i)} {socket.gethostname()}\n")
+      _run("ip", "-n", node, "link", "add", "up0", "type", "veth", "peer", "name", f"p{i}",
+           "netns", switch)
+      _run("ip", "-n", switch, "link", "set", f"p{i}", "master", "br0", "mtu", str(MTU), "up")
+      _run("ip", "-n", node, "addr", "add", f"{self.address(i)}/24", "dev", "up0")
+      _run("ip", "-n", node, "link", "set", "up0", "mtu", str(MTU), "up")
+      _run("ip", "-n", node, "link", "set", "lo", "up")
+    self.set_rate(self.rate)
+
+  def set_rate(self, rate: str) -> None:
+    """Gives every node's link ``rate`` in both directions (``"none"``: not limited)."""
+    set_nodes_rate(self.names, rate)
+    self.rate = rate
+
+  def sent(self) -> list:
+    """Bytes each node has sent over its link so far (``nodes_sent``)."""
+    return nodes_sent(self.names)
+
+  def popen(self, node: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+    """Starts ``argv`` in ``node``'s namespace (it dies with this process)."""
+    if not self.names:
+      raise RuntimeError("Nodes.popen outside its with-block")
+    orphan_guard = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+    proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *orphan_guard, *argv],
+                            **kwargs)
+    self.processes.append(proc)
+    return proc
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def close(self) -> None:
+    """Kills the processes started here and deletes the namespaces (idempotent)."""
+    _end(self.processes)
+    self.processes = []
+    for name in reversed(self.names):
+      _delete_namespace(name)
+    self.names = []
+    _LIVE.pop(getattr(self, "base", None), None)
+
+
+def set_nodes_rate(names: Sequence[str], rate: str) -> None:
+  """Gives every link of the ``Nodes`` whose namespaces are ``names`` (``Nodes.names``: the
+  switch's, then the nodes') ``rate`` in both directions; a process inside one of them may call
+  it (as root)."""
+  ends = [end for i, node in enumerate(names[1:]) for end in ((node, "up0"), (names[0], f"p{i}"))]
+  for namespace, device in ends:
+    subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"],
+                   capture_output=True)  # none there yet: fine
+    if check_rate(rate) != "none":
+      _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
+           "burst", BURST, "limit", LIMIT)
+
+
+def nodes_sent(names: Sequence[str]) -> list:
+  """Bytes each node of the ``Nodes`` whose namespaces are ``names`` has sent over its link so
+  far: its end's transmit counter (payload and TCP/IP headers)."""
+  counts = []
+  for node in names[1:]:
+    shown = subprocess.run(["ip", "-n", node, "-s", "-j", "link", "show", "dev", "up0"],
+                           capture_output=True, text=True, check=True).stdout
+    counts.append(int(json.loads(shown)[0]["stats64"]["tx"]["bytes"]))
+  return counts
+
+
+def _end(processes: Sequence[subprocess.Popen]) -> None:
+  """Kills ``processes`` and waits for them (up to 10 s each)."""
+  for proc in processes:
+    if proc.poll() is None:
+      proc.kill()
+  for proc in processes:
+    try:
+      proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      pass
 
 
 # ------------------------------------------------------------------------------- link measurement
@@ -244,30 +417,47 @@ class SlowLink:
 def probe(seconds: float = 1.5, port: int = PROBE_PORT) -> dict:
   """Measures the current namespace's loopback: one TCP stream's throughput (β, bytes/s) and half
   the round trip of a 1-byte ping-pong (α, s). Call it while nothing else uses the link."""
+  server = listen("127.0.0.1", port)
+  received = {}
+  thread = threading.Thread(target=sink, args=(server, received), daemon=True)
+  thread.start()
+  alpha = source("127.0.0.1", port, seconds)
+  thread.join(timeout=120)
+  return {"alpha": alpha, "beta": received["bytes"] / received["seconds"]}
+
+
+def listen(host: str, port: int = PROBE_PORT) -> socket.socket:
+  """A socket listening on ``host:port`` for ``sink``."""
   server = socket.socket()
   server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  server.bind(("127.0.0.1", port))
+  server.bind((host, port))
   server.listen(1)
-  received = {}
+  return server
 
-  def sink():
-    conn, _ = server.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for _ in range(200):  # ping-pong
-      conn.sendall(conn.recv(1))
-    total, start = 0, None
-    while True:
-      data = conn.recv(1 << 20)
-      if not data:
-        break
-      start = start or time.perf_counter()
-      total += len(data)
-    received["bytes"], received["seconds"] = total, time.perf_counter() - start
-    conn.close()
 
-  thread = threading.Thread(target=sink, daemon=True)
-  thread.start()
-  client = socket.create_connection(("127.0.0.1", port))
+def sink(server: socket.socket, received: dict) -> None:
+  """The far end of ``source``: answers its ping-pong, then counts the bytes of its stream into
+  ``received`` (``bytes``, ``seconds``)."""
+  conn, _ = server.accept()
+  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  for _ in range(200):  # ping-pong
+    conn.sendall(conn.recv(1))
+  total, start = 0, None
+  while True:
+    data = conn.recv(1 << 20)
+    if not data:
+      break
+    start = start or time.perf_counter()
+    total += len(data)
+  received["bytes"], received["seconds"] = total, time.perf_counter() - start
+  conn.close()
+  server.close()
+
+
+def source(host: str, port: int = PROBE_PORT, seconds: float = 1.5) -> float:
+  """Plays 200 1-byte ping-pongs with ``sink`` at ``host:port``, then streams to it for
+  ``seconds``; returns α, half the median round trip (s)."""
+  client = socket.create_connection((host, port))
   client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
   trips = []
   for _ in range(200):
@@ -280,8 +470,5 @@ def probe(seconds: float = 1.5, port: int = PROBE_PORT) -> dict:
   while time.perf_counter() < end:
     client.sendall(chunk)
   client.close()
-  thread.join(timeout=120)
-  server.close()
   trips.sort()
-  return {"alpha": trips[len(trips) // 2] / 2, "beta": received["bytes"] / received["seconds"]}
-
+  return trips[len(trips) // 2] / 2

@@ -128,7 +128,7 @@ class Task:
     logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-  def optimizer(self, entry, steps=None, schedule="constant", clip=True,
+  def optimizer(self, entry, steps=None, schedule="constant", clip=True, axis_name="batch",
                 **overrides) -> optax.GradientTransformation:
     """What every registry entry (``jaxcomp.train.registry``) trains with, with its recipe for
     ``steps`` steps or its steady state: ``chain(compressor, clip_by_global_norm(1), sgd(lr,
@@ -143,7 +143,8 @@ class Task:
     2.277, constant at 2.022 (``benchmarks/quality.py``).
 
     ``clip=False`` leaves the ``clip_by_global_norm(1)`` out (``benchmarks/dgc_study.py``: after
-    DGC it clips a velocity that carries the momentum, every step).
+    DGC it clips a velocity that carries the momentum, every step). ``axis_name``: the axis the
+    entry averages over (the several-nodes job's ``"replica"``).
     """
     rate = functools.partial(learning_rate_schedule, steps=steps, schedule=schedule)
     if entry.inner == "adamw":
@@ -154,7 +155,7 @@ class Task:
       inner = optax.sgd(rate(self.learning_rate), momentum=entry.sgd_momentum)
     if clip:
       inner = optax.chain(optax.clip_by_global_norm(1.0), inner)
-    return entry.optimizer(inner, "batch", steps, **overrides)
+    return entry.optimizer(inner, axis_name, steps, **overrides)
 
   def evaluate(self, params):
     """(loss, accuracy) on the held-out set."""
