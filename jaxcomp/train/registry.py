@@ -53,7 +53,8 @@ import optax
 import jaxcomp
 from jaxcomp import hooks
 from jaxcomp.train import entries, papers
-from jaxcomp.train.entries import Compressor, Phase, Recipe  # the registry's records, by its name  # noqa: F401
+# The registry's records, by its name:
+from jaxcomp.train.entries import Compressor, Phase, Recipe  # noqa: F401
 
 _WARMUP_FRACTION = 0.1  # of a run's steps: PowerSGD's start_iter, DGC's warm-up
 _FREEZE_FRACTION = 0.2  # of a run's steps: 1-bit Adam's dense warm-up (DeepSpeed advises 15–25%)
