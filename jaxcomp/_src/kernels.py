@@ -445,9 +445,11 @@ def row_update_arrays(arrays: Sequence, row: jax.Array, owner) -> list:
 # ------------------------------------------------------------------------------------ chunked top-k
 
 
-def scatter_rows_add(terms: Sequence[tuple], shape: tuple) -> jax.Array:
+def scatter_rows_add(terms: Sequence[tuple], shape: tuple, fill=None) -> jax.Array:
   """``Σ_t zeros(shape).at[rows, positions_t].add(values_t)`` for the ``(positions, values)`` terms
-  (each ``(R, k)``, the positions distinct in each row), added term after term, unrolled.
+  (each ``(R, k)``, the positions distinct in each row), added term after term, unrolled; with
+  ``fill`` (a scalar: chunked top-k's NaN on a step that is not finite), into ``full(shape,
+  fill)`` instead, at no cost beyond the zeros' (a select after it was a pass of its own).
 
   Into zeros of their own (a 0 read from the first positions, never negative): from ``jnp.zeros``,
   XLA shares one broadcast of 0 between the scatters of leaves of the same shape and copies it for
@@ -458,6 +460,8 @@ def scatter_rows_add(terms: Sequence[tuple], shape: tuple) -> jax.Array:
   """
   positions, values = terms[0]
   zero = jnp.minimum(positions[0, 0], 0).astype(values.dtype)
+  if fill is not None:
+    zero = zero + jnp.asarray(fill, values.dtype)
   total = jnp.broadcast_to(zero, shape)
   rows = jnp.arange(shape[0])[:, None]
   for positions, values in terms:
