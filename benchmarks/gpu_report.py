@@ -34,7 +34,8 @@ def _section_lines(status: dict, ids) -> list:
     if s["id"] in ids:
       state = s.get("status", "?")
       if state == "running":
-        state = "cut short at the deadline (the rows it had written are kept)"
+        state = ("running when this report was written, or cut short at the deadline (the rows "
+                 "it had written are kept)")
       why = f": {s['why']}" if s.get("why") else ""
       note = "" if state == "ok" else f" — **{state}**{why}"
       took = f" ({s['seconds']} s)" if "seconds" in s else ""

@@ -1,27 +1,29 @@
 """``bash benchmarks/gpu.sh OUT_DIR [--dry-run]``: the benchmarks a lent GPU runs, in one command
-that fits in 8 minutes, and their Markdown report ``OUT_DIR/gpu_report.md``.
+that fits in 7 minutes, and their Markdown report ``OUT_DIR/gpu_report.md``.
 
 The work runs in three processes ("lanes") at once, each calling the benchmark scripts' own
 ``main(argv)`` one after the other (one JAX start per lane; every section's standalone command is in
 the report), each pinned to its own cores where the machine has 12 or more:
 
 * ``gpu``: the environment and the API check (``gpu_env.py``), then everything timed on the GPU,
-  one thing at a time: ``step_time.py`` on the MLP (every registry entry), ``quality.py`` on a
-  28.6M-parameter transformer, ``kernels.py``, and ``step_time.py`` on a ResNet-18-sized
-  transformer (GPT-2 small's width, 2 blocks; every entry, in chunks of ``CHUNK``, each with its own
-  allreduce, so that the deadline costs only the chunk it cuts);
+  one thing at a time, in the order of what its figures are worth: ``step_time.py`` on a
+  ResNet-18-sized transformer (GPT-2 small's width, 2 blocks; every entry, in chunks of ``CHUNK``,
+  each with its own allreduce, so that the deadline costs only the chunk it cuts; the report counts
+  each compiled step's kernels), ``kernels.py``, ``step_time.py`` on the MLP (every registry
+  entry), then ``quality.py`` on a 28.6M-parameter transformer;
 * ``gpu-compile``: ``memory.py`` on the GPU (compile only: it times nothing), then on 8 CPU devices;
 * ``cpu``: 8 simulated CPU devices (``JAX_PLATFORMS=cpu``) beside it, for the ratios' sake:
   ``step_time.py`` on the MLP (every entry) and on the transformer (a subset: on CPU a step of it
   takes seconds), ``kernels.py``.
 
 Every ``step_time.py`` run saves its steps' compiled HLO (``--hlo-dir``), which ``gpu_schedule.py``
-reads for the asynchronous collectives. The lanes end by a deadline (``--budget``, 450 s; a section
-that could not finish in time is skipped, one cut short keeps the rows it wrote); this process then
-writes the report (``gpu_report.py``), ``gpu_results.json`` (every row) and ``gpu_log.txt`` (the
-lanes' output).
-``--dry-run`` runs the same code on a CPU machine in under a minute: tiny models, two entries, one
-or two repeats, the "gpu" lane on one CPU device.
+reads for the asynchronous collectives. The lanes end by a deadline (``--budget``, 420 s; a section
+that could not finish in time is skipped, one cut short keeps the rows it wrote). The report
+(``gpu_report.py``), ``gpu_results.json`` (every row) and ``gpu_log.txt`` (the lanes' output) are
+written again each time a section ends, so a run cut off from outside still leaves every section
+it finished; once the lanes are done this process writes them a last time.
+``--dry-run`` runs the same code on a CPU machine in under a minute: tiny models (the quick MLP in
+the transformer's place), two entries, one or two repeats, the "gpu" lane on one CPU device.
 
   bash benchmarks/gpu.sh OUT_DIR [--dry-run] [--budget SECONDS]
 """
@@ -48,8 +50,9 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import gpu_report  # noqa: E402
 
-BUDGET = 450
-"""Seconds from start to the report (8 minutes less a margin for the machine's own start-up)."""
+BUDGET = 420
+"""Seconds from start to the report (7 minutes: a lent machine's command may be given 8, less its
+own start-up)."""
 DRY_BUDGET = 55
 RESERVE = 20
 """Seconds kept after the lanes' deadline for the schedule analysis and the report."""
@@ -103,19 +106,22 @@ def plan(dry: bool) -> dict:
       chunks = [",".join(names[i:i + CHUNK]) for i in range(0, len(names), CHUNK)]
     except Exception:  # noqa: BLE001  (the lanes' import of the package says why)
       chunks = ["all"]
-  gpu = [section("env", "gpu_env", ["--out", "{work}/env.json"], 5),
-         step_time("st_gpu_mlp", "mlp", every, 30, "hlo_gpu_mlp", 30),
-         section("quality", "quality", ["--devices", "{W}", "--size", "768x4", "--batch-size", "64",
-                                        "--steps", "3" if dry else str(QUALITY_STEPS),
-                                        "--max-steps", "3" if dry else str(QUALITY_STEPS),
-                                        "--compressors", "allreduce" if dry else ",".join(QUALITY),
-                                        "--out", "{work}/quality.json"], 150),
-         section("kernels_gpu", "kernels", ["--platform", "{P}", "--devices", "{W}", "--repeats",
-                                            "1" if dry else "20",
-                                            "--out", "{work}/kernels_gpu.json"]
-                 + (["--compressors", DRY_KERNELS] if dry else []), 20)]
-  gpu += [step_time(f"st_gpu_big{k}", "chars-768x2", chunk, 20, "hlo_gpu_big", 40)
+  # By value: the transformer's steps (and the kernels counted in them), the kernels, the MLP,
+  # then quality (the longest section, and the one a CPU run can stand in for).
+  gpu = [section("env", "gpu_env", ["--out", "{work}/env.json"], 5)]
+  big = "mlp" if dry else "chars-768x2"  # the dry run's transformer: a model that compiles fast
+  gpu += [step_time(f"st_gpu_big{k}", big, chunk, 20, "hlo_gpu_big", 40)
           for k, chunk in enumerate(chunks)]
+  gpu += [section("kernels_gpu", "kernels", ["--platform", "{P}", "--devices", "{W}", "--repeats",
+                                             "1" if dry else "20",
+                                             "--out", "{work}/kernels_gpu.json"]
+                  + (["--compressors", DRY_KERNELS] if dry else []), 20),
+          step_time("st_gpu_mlp", "mlp", every, 30, "hlo_gpu_mlp", 30),
+          section("quality", "quality", ["--devices", "{W}", "--size", "768x4", "--batch-size",
+                                         "64", "--steps", "3" if dry else str(QUALITY_STEPS),
+                                         "--max-steps", "3" if dry else str(QUALITY_STEPS),
+                                         "--compressors", "allreduce" if dry else ",".join(QUALITY),
+                                         "--out", "{work}/quality.json"], 150)]
   memory = lambda id_, platform, world: section(  # noqa: E731
       id_, "memory", ["--platform", platform, "--devices", world, "--models", "mlp,chars-768x2",
                       "--compressors", every, "--no-sharded", "--out", "{work}/" + id_ + ".json"],
@@ -279,15 +285,32 @@ def analyse_new(work: str, done: dict) -> None:
         pass
 
 
-def wait_lanes(procs: dict, deadline: float, work: str, done: dict) -> dict:
-  """Waits for the lanes until ``deadline``, analysing the compiled steps as they are saved; kills
-  (by process group) the lanes still running then."""
-  ended = {}
+def _finished(work: str) -> int:
+  """How many sections the lanes have finished so far (their ``status_<lane>.json``)."""
+  count = 0
+  for lane in ("gpu", "gpu-compile", "cpu"):
+    status = gpu_report.read_json(os.path.join(work, f"status_{lane}.json")) or {}
+    count += sum(s.get("status") not in (None, "running") for s in status.get("sections", []))
+  return count
+
+
+def wait_lanes(procs: dict, deadline: float, work: str, done: dict, progress=None) -> dict:
+  """Waits for the lanes until ``deadline``, analysing the compiled steps as they are saved and
+  calling ``progress(ended)`` each time a section ends; kills (by process group) the lanes still
+  running then."""
+  ended, finished = {}, 0
   while len(ended) < len(procs) and time.time() < deadline:
     for name, (proc, _) in procs.items():
       if name not in ended and proc.poll() is not None:
         ended[name] = proc.returncode
     analyse_new(work, done)
+    now = _finished(work)
+    if progress is not None and now > finished:
+      finished = now
+      try:
+        progress(dict(ended))
+      except Exception:  # noqa: BLE001  (a half-written file: the next section's call rewrites it)
+        traceback.print_exc()
     time.sleep(0.5)
   for name, (proc, log) in procs.items():
     if name not in ended:
@@ -332,10 +355,15 @@ def main(argv=None) -> int:
   procs = start_lanes(work, lanes, deadline, sys.executable)
   _pin(_cores()["gpu-compile"])  # reading the HLO meanwhile: beside the lane that times nothing
   done = {}
-  ended = wait_lanes(procs, deadline, work, done)
-  text = gpu_report.report(out_dir, work, args.dry_run, started, budget, ended, sys.executable,
-                           done)
-  gpu_report.collect_log(work, out_dir)
+
+  def write(ended):  # the report of what has finished so far
+    text = gpu_report.report(out_dir, work, args.dry_run, started, budget, ended, sys.executable,
+                             done)
+    gpu_report.collect_log(work, out_dir)
+    return text
+
+  ended = wait_lanes(procs, deadline, work, done, write)
+  text = write(ended)
   shutil.rmtree(work, ignore_errors=True)
   print("\n".join(text.splitlines()[:12]))
   print(f"... wrote {os.path.join(out_dir, 'gpu_report.md')} in {time.time() - started:.0f} s")

@@ -22,7 +22,10 @@ Per step it reports the collectives (by op), how many are asynchronous (and how 
 marked synchronous), the widest window, the backward instructions inside any window / all of them,
 those after the first start, and the share of the collectives' payload bytes
 (``jaxcomp.comm_report``'s parser) whose window holds backward-pass work. Instructions are counted,
-not timed: a fusion counts 1 whatever its size.
+not timed: a fusion counts 1 whatever its size. ``kernels`` counts the step's kernels as compiled:
+every instruction of the entry computation and of the loops' and conditionals' computations it
+runs, but bookkeeping, control flow and the done of an asynchronous pair (a loop's body once,
+every branch of a conditional: ``step_profile.py`` counts what a step executed).
 
   PYTHONPATH=. python benchmarks/gpu_schedule.py HLO_DIR [--out schedule.json]
 """
@@ -109,6 +112,19 @@ def _is_backward(instruction) -> bool:
   return "transpose(" in instruction["op_name"] and phase == "forward+backward"
 
 
+def kernels(computations: dict, entry: str) -> int:
+  """The kernels of a compiled step (the module docstring), from ``parse``'s computations."""
+  def count(name, seen):
+    total = 0
+    for i in computations.get(name, []):
+      if i["op"] in ("while", "conditional", "call"):
+        total += sum(count(c, seen | {c}) for c in i["called"] if c not in seen)
+      elif i["op"] not in BOOKKEEPING and not i["op"].endswith("-done"):
+        total += 1
+    return total
+  return count(entry, {entry})
+
+
 def analyse(text: str, world: int) -> dict:
   """The schedule of one compiled step's collectives (the module docstring)."""
   from jaxcomp._src import report  # noqa: PLC0415
@@ -170,7 +186,8 @@ def analyse(text: str, world: int) -> dict:
           "widest_window": max((c["window"] for c in found), default=0),
           "backward_in_windows": len(in_windows),
           "backward_after_first_start": max(starts, default=0),
-          "bytes": total_bytes, "bytes_overlapping_backward": overlapped}
+          "bytes": total_bytes, "bytes_overlapping_backward": overlapped,
+          "kernels": kernels(computations, entry)}
 
 
 def analyse_file(path: str) -> dict:
@@ -217,13 +234,13 @@ def rows(records: list) -> list:
                 + (f" ({r['marked_sync']} marked sync)" if r["marked_sync"] else ""),
                 str(r["widest_window"]), f"{r['backward_in_windows']} / {r['backward']}",
                 f"{r['backward_after_first_start']} / {r['backward']}", f"{share:.0%}",
-                each(r["collectives"])])
+                str(r.get("kernels", "—")), each(r["collectives"])])
   return out
 
 
 HEADER = ["entry", "collectives", "async (start/done)", "widest window (instr.)",
           "backward instr. in windows / all", "backward instr. after first start / all",
-          "bytes overlapping backward", "each: window / backward in it"]
+          "bytes overlapping backward", "kernels", "each: window / backward in it"]
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,8 @@ and its ``op_name`` (the JAX name scopes it was traced under, read from the comp
 
 The innermost scope decides. A fusion carries the ``op_name`` of the instruction it was built
 around (its root), so work XLA fused across parts (``p = g + e`` into the encoding) counts in the
-root's part; one without (a reduction XLA rewrote) takes that of an instruction inside it. Control
+root's part; one without (a reduction XLA rewrote) takes that of an instruction inside it, and
+another instruction without one (a dot XLA split off) that of its user, else of its operand. Control
 flow (``conditional``, ``while``, ``call``) is not counted itself: the instructions inside it are.
 Each phase is given in ms per device and step (the events' durations summed over the devices, ÷W,
 averaged over the traced steps) and as a share of their sum; ``step (wall clock)`` is the median
@@ -41,8 +42,19 @@ XLA:CPU does in place or computes in part). An
 algorithm that reads the gradient and its state once and writes its state and output once moves
 2 + 2·state / gradient; the plain mean moves 4 (the all-reduce's input and output, the ÷W).
 
+A third table counts the kernels each phase runs per device and step: every executed instruction
+but control flow (fusions, custom calls, collectives, the dots and copies XLA left alone), each
+time it ran. On a GPU each is one kernel launch: where a step is short, their count, not their
+bytes, sets its time. Like the passes, the count does not depend on the machine's load.
+
+``--layers 2,16,128`` runs the leaf-count sweep instead: the same MLP of L same-shape hidden layers
+(64 wide: L kernels of 64 × 64 and L biases) for each L, and gives each entry's kernels per step,
+the compressor's own (``OWN``: the phases between the gradient and the optimizer) and the whole
+step's, and how the compressor's grow from one L to the next. A compressor that handles
+same-shape leaves together runs about as many kernels at 128 layers as at 16.
+
   PYTHONPATH=. python benchmarks/step_profile.py [--quick] [--compressors allreduce,quantized_int8]
-      [--devices 8] [--repeats 4]
+      [--devices 8] [--repeats 4] [--layers 2,16,128]
 """
 
 from __future__ import annotations
@@ -77,6 +89,10 @@ PARTS = {"jaxcomp.encode": "encode", "jaxcomp.decode": "decode/mean",
 PHASES = ("forward+backward", "encode", "collectives", "waiting at collectives", "decode/mean",
           "error feedback", "rows layout", "non-finite gate", "compressor, rest", "optimizer",
           "other")
+OWN = ("encode", "collectives", "decode/mean", "error feedback", "rows layout", "non-finite gate",
+       "compressor, rest")
+"""The compressor's own phases."""
+SWEEP_WIDTH = 64
 _COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 _CONTROL = ("conditional", "while", "call")
 _INSTRUCTION = re.compile(
@@ -100,7 +116,8 @@ def scoped(tx: optax.GradientTransformation, name: str) -> optax.GradientTransfo
 def instructions(hlo_text: str) -> dict:
   """``{instruction name: (opcode, op_name)}`` of every instruction of a compiled HLO module. A
   fusion that XLA left without an ``op_name`` (a reduction it rewrote) takes the last one among the
-  instructions it calls."""
+  instructions it calls; another instruction without one (a dot XLA split off a larger one) takes
+  that of its first user that has one, else of its first operand that has one."""
   out, called, inside, computation = {}, {}, {}, None
   for line in hlo_text.splitlines():
     header = _COMPUTATION.match(line)
@@ -118,6 +135,17 @@ def instructions(hlo_text: str) -> dict:
         called[m.group("name")] = calls.group(1)
   for name, computation in called.items():
     out[name] = (out[name][0], inside.get(computation, ""))
+  users = collections.defaultdict(list)
+  operands = {}
+  for computation in _parsed(hlo_text).values():
+    for name, i in computation.items():
+      operands[name] = i.operands
+      for o in i.operands:
+        users[o].append(name)
+  for name, (opcode, op_name) in list(out.items()):
+    if not op_name and opcode not in ("parameter", "constant", "tuple", "get-tuple-element"):
+      near = [out[n][1] for n in users[name] + operands.get(name, []) if n in out and out[n][1]]
+      out[name] = (opcode, near[0] if near else "")
   return out
 
 
@@ -185,39 +213,45 @@ class Traced:
     jax.block_until_ready((self.args[0], self.args[1], loss))
 
   def __call__(self) -> tuple:
-    """``({(phase, instruction): ms per device}, {phase: bytes per device}, wall-clock ms)`` of
-    one traced step."""
+    """``({(phase, instruction): ms per device}, {phase: bytes per device}, {phase: kernels per
+    device}, wall-clock ms)`` of one traced step."""
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
         start = time.perf_counter()
         self.run()
         wall = time.perf_counter() - start
       trace = list(events(trace_dir, self.module))
-    moved = collections.Counter()
+    moved, kernels = collections.Counter(), collections.Counter()
     for hlo_op, *_ in trace:
-      moved[phase_of(*self.ops.get(hlo_op, ("", "")))] += self.moved.get(hlo_op, 0) / self.world
-    return instruction_times(trace, self.ops, self.world), moved, 1e3 * wall
+      phase = phase_of(*self.ops.get(hlo_op, ("", "")))
+      moved[phase] += self.moved.get(hlo_op, 0) / self.world
+      if phase:  # control flow is no kernel: the instructions inside it are
+        kernels[phase] += 1 / self.world
+    return instruction_times(trace, self.ops, self.world), moved, kernels, 1e3 * wall
 
 
 def profile(traced: dict, repeats: int) -> tuple:
-  """``({name: {(phase, instruction): ms}}, {name: {phase: bytes}}, {name: wall-clock ms}, {name:
-  step / first's})``: the means over ``repeats`` rounds in which every entry's step is traced once,
+  """``({name: {(phase, instruction): ms}}, {name: {phase: bytes}}, {name: {phase: kernels}},
+  {name: wall-clock ms}, {name: step / first's})``: the means over ``repeats`` rounds in which
+  every entry's step is traced once,
   in an order that rotates from round to round (as ``common.interleaved`` times them); the ratio is
   the median of the per-round ratios of the wall-clock times to the first entry's."""
   names = list(traced)
   costs = {n: collections.Counter() for n in names}
   moved = {n: collections.Counter() for n in names}
+  kernels = {n: collections.Counter() for n in names}
   walls = {n: [] for n in names}
   for r in range(repeats):
     for name in names[r % len(names):] + names[:r % len(names)]:
-      cost, step_moved, wall = traced[name]()
+      cost, step_moved, step_kernels, wall = traced[name]()
       costs[name].update(cost)
       moved[name].update(step_moved)
+      kernels[name].update(step_kernels)
       walls[name].append(wall)
   first = np.asarray(walls[names[0]])
-  return ({n: {k: v / repeats for k, v in c.items()} for n, c in costs.items()},
-          {n: {k: v / repeats for k, v in c.items()} for n, c in moved.items()},
-          {n: common.median(w) for n, w in walls.items()},
+  mean = lambda counters: {n: {k: v / repeats for k, v in c.items()}  # noqa: E731
+                           for n, c in counters.items()}
+  return (mean(costs), mean(moved), mean(kernels), {n: common.median(w) for n, w in walls.items()},
           {n: float(np.median(np.asarray(w) / first)) for n, w in walls.items()})
 
 
@@ -229,6 +263,9 @@ def main(argv=None) -> int:
                  help="also list each entry's N costliest instructions, with their op_name")
   p.add_argument("--devices", type=int, default=step_time.MAX_DEVICES,
                  help=f"data-parallel devices, 1 to {step_time.MAX_DEVICES}")
+  p.add_argument("--layers", default=None,
+                 help="the leaf-count sweep: comma-separated numbers of same-shape hidden layers "
+                      "(e.g. 2,16,128); kernels per step only")
   common.add_variant_option(p)
   args = common.parse(p, argv)
   if args.write:
@@ -239,12 +276,11 @@ def main(argv=None) -> int:
   compressor_list = common.compressors(args.compressors, args.variant)
   if compressor_list[0].name != "allreduce":
     compressor_list = common.compressors("allreduce") + compressor_list
+  if args.layers:
+    return sweep(args, compressor_list, [int(n) for n in args.layers.split(",")])
   (model, (task, batch_size)), = step_time.model_tasks(args.quick, ["mlp"]).items()
-  batch = task.batch(0, 0, batch_size(args.devices))
-  steps = step_time.make_steps(task, compressor_list, jax.devices()[:args.devices],
-                               lambda inner: scoped(inner, OPTIMIZER_SCOPE))
-  traced = {name: Traced(step, task, batch, args.devices) for name, step in steps.items()}
-  costs, moved, walls, ratios = profile(traced, repeats)
+  traced = _traced(task, batch_size(args.devices), compressor_list, args.devices)
+  costs, moved, kernels, walls, ratios = profile(traced, repeats)
   columns = {n: {p: sum(ms for (q, _), ms in c.items() if q == p) for p in PHASES}
              for n, c in costs.items()}
   rows = []
@@ -267,6 +303,13 @@ def main(argv=None) -> int:
   body += ("\n\nBytes moved per device and step, in passes over the gradient (bytes ÷ its float32 "
            "bytes; the docstring says how they are counted):\n\n"
            + common.markdown_table(["phase, passes over the gradient"] + list(columns), passes))
+  counts = [[phase] + [f"{kernels[n].get(phase, 0):.0f}" for n in columns] for phase in PHASES
+            if any(kernels[n].get(phase, 0) > 0 for n in columns)]
+  counts.append(["the compressor's own"] + [f"{_own(kernels[n]):.0f}" for n in columns])
+  counts.append(["sum"] + [f"{sum(kernels[n].values()):.0f}" for n in columns])
+  body += ("\n\nKernels run per device and step (executed instructions but control flow; the "
+           "docstring says which):\n\n"
+           + common.markdown_table(["phase, kernels"] + list(columns), counts))
   tops = [[name, phase, hlo_op, f"{ms:.3g}", _short(traced[name].ops.get(hlo_op, ("", ""))[1])]
           for name, c in costs.items()
           for (phase, hlo_op), ms in sorted(c.items(), key=lambda kv: -kv[1])[:args.top]]
@@ -274,6 +317,43 @@ def main(argv=None) -> int:
     body += "\n\n" + common.markdown_table(["entry", "phase", "instruction", "ms", "op_name"],
                                             tops, "lllrl")
   common.emit(args, "profile", "Where the step's time goes", "step_profile.py", body)
+  return 0
+
+
+def _traced(task, batch_size: int, compressor_list, world: int) -> dict:
+  """Each entry's ``Traced`` training step of ``task`` on W = ``world`` devices."""
+  batch = task.batch(0, 0, batch_size)
+  steps = step_time.make_steps(task, compressor_list, jax.devices()[:world],
+                               lambda inner: scoped(inner, OPTIMIZER_SCOPE))
+  return {name: Traced(step, task, batch, world) for name, step in steps.items()}
+
+
+def _own(kernels: dict) -> float:
+  return sum(kernels.get(phase, 0) for phase in OWN)
+
+
+def sweep(args, compressor_list, layers: list) -> int:
+  """The leaf-count sweep (the module docstring): one traced step per entry and number of
+  layers."""
+  own, whole = collections.defaultdict(dict), collections.defaultdict(dict)
+  for n in layers:
+    task = step_time.MLPTask((SWEEP_WIDTH,) * (n + 1))
+    traced = _traced(task, 8 * args.devices, compressor_list, args.devices)
+    _, _, kernels, _, _ = profile(traced, 1)
+    for name, counts in kernels.items():
+      own[name][n], whole[name][n] = _own(counts), sum(counts.values())
+    del traced
+    jax.clear_caches()
+  header = (["entry"] + [f"L = {n}: own (step)" for n in layers]
+            + [f"own {b} / {a}" for a, b in zip(layers, layers[1:])])
+  rows = [[name] + [f"{own[name][n]:.0f} ({whole[name][n]:.0f})" for n in layers]
+          + [f"{own[name][b] / max(own[name][a], 1):.2f}" for a, b in zip(layers, layers[1:])]
+          for name in own]
+  body = (f"MLP of L same-shape hidden layers ({SWEEP_WIDTH} wide), W = {args.devices}, one traced "
+          "step per entry: kernels per device and step, the compressor's own phases and, in "
+          "parentheses, the whole step's.\n\n" + common.markdown_table(header, rows))
+  common.emit(args, "profile_sweep", "Kernels against the number of leaves", "step_profile.py",
+              body)
   return 0
 
 

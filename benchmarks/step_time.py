@@ -31,8 +31,12 @@ network (see ``network_model.py``).
 ``--hlo-dir`` saves each step's compiled HLO text there (``gpu_schedule.py`` reads which
 collectives XLA scheduled asynchronously), ``--out`` the rows as JSON after each model.
 
+``--loop pmap`` times the step as users write it by hand instead: ``jax.pmap`` of loss, gradient,
+``tx.update`` and ``optax.apply_updates``, the parameters replicated (stacked W times), nothing
+donated; the loop reads each step's loss.
+
   PYTHONPATH=. python benchmarks/step_time.py [--quick] [--write] [--models mlp] [--devices 1]
-      [--compressors all] [--platform gpu] [--out rows.json] [--hlo-dir DIR]
+      [--compressors all] [--platform gpu] [--out rows.json] [--hlo-dir DIR] [--loop pmap]
 """
 
 from __future__ import annotations
@@ -138,6 +142,34 @@ def step_runners(task, compressor_list, batch, devices, hlo=None, params=None):
   return runners
 
 
+def pmap_runners(task, compressor_list, batch, devices, params=None):
+  """``step_runners``' functions for the plain ``jax.pmap`` loop (``--loop pmap``): each runs one
+  step of ``jax.pmap(step)`` and reads its loss, nothing donated."""
+  import optax  # noqa: PLC0415
+  params = task.init(0) if params is None else params
+  world = len(devices)
+  stacked = jax.tree.map(lambda x: np.stack([x] * world), params)
+  inputs, targets = (np.reshape(x, (world, -1) + np.shape(x)[1:]) for x in batch)
+  runners = {}
+  for c in compressor_list:
+    inner = optax.sgd(getattr(task, "learning_rate", 0.01), momentum=c.sgd_momentum)
+    tx = c.optimizer(inner, common.AXIS)
+
+    def step(params, opt_state, inputs, targets, tx=tx):
+      loss, grads = jax.value_and_grad(task.loss)(params, inputs, targets)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    run_step = jax.pmap(step, axis_name=common.AXIS, devices=devices)
+    holder = [stacked, jax.pmap(tx.init, axis_name=common.AXIS, devices=devices)(stacked)]
+
+    def run(run_step=run_step, holder=holder):
+      holder[0], holder[1], loss = run_step(holder[0], holder[1], inputs, targets)
+      np.asarray(loss)  # read every step: XLA:CPU needs every multi-device step blocked on
+    runners[c.name] = run
+  return runners
+
+
 def save_hlo(folder: str, model: str, count: int, name: str, text: str) -> None:
   """Saves a step's compiled HLO text as ``folder/<model>__W<count>__<name>.hlo``, whole (written
   under another name, then renamed: ``gpu.sh`` reads the folder while it fills)."""
@@ -157,6 +189,9 @@ def main(argv=None) -> int:
   common.add_device_options(p, str(MAX_DEVICES))
   p.add_argument("--hlo-dir", default=None,
                  help="save each step's compiled HLO text in this folder (<model>__<entry>.hlo)")
+  p.add_argument("--loop", choices=("data_parallel", "pmap"), default="data_parallel",
+                 help="the main job's jaxcomp.data_parallel step (default), or a plain jax.pmap "
+                      "loop without donation, as users write it")
   common.add_variant_option(p)
   args = common.parse(p, argv)
   repeats = args.repeats or (2 if args.quick else 40)
@@ -179,7 +214,10 @@ def main(argv=None) -> int:
       n = sum(np.size(x) for x in jax.tree.leaves(params))
       size = batch_size(count)
       hlo = functools.partial(save_hlo, args.hlo_dir, key, count) if args.hlo_dir else None
-      runners = step_runners(task, compressor_list, task.batch(0, 0, size), devices, hlo, params)
+      batch = task.batch(0, 0, size)
+      runners = (pmap_runners(task, compressor_list, batch, devices, params)
+                 if args.loop == "pmap" else
+                 step_runners(task, compressor_list, batch, devices, hlo, params))
       times = common.interleaved(runners, repeats, warmup=2)
       for c in compressor_list:
         rows.append([f"{model} ({n:,} params)", c.name, c.about,
@@ -195,8 +233,9 @@ def main(argv=None) -> int:
   table = common.markdown_table(header, rows, "lllrrrr")
   where = ("W simulated devices" if devices[0].platform == "cpu" else
            f"W {devices[0].platform.upper()} devices ({devices[0].device_kind})")
-  body = (f"{where} (`jaxcomp.data_parallel`, as the main job runs it: on CPU devices "
-          f"without donation); median of {repeats} interleaved per-round ratios. "
+  how = ("a plain `jax.pmap` loop, nothing donated, as users write it" if args.loop == "pmap"
+         else "`jaxcomp.data_parallel`, as the main job runs it: on CPU devices without donation")
+  body = (f"{where} ({how}); median of {repeats} interleaved per-round ratios. "
           + ("The ms column is for scale only: the devices share the machine's cores."
              if devices[0].platform == "cpu" else "")
           + (" Local SGD and DiLoCo communicate once every H steps: their figure is the median "

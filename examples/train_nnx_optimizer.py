@@ -59,7 +59,7 @@ tx = optax.chain(jaxcomp.powersgd(1, axis_name="batch", start_iter=10),
                  optax.sgd(0.1, momentum=0.9))
 dp = jaxcomp.data_parallel(loss_fn, mesh, axis_name="batch", tx=tx)
 optimizer = dp.make_state(model)  # nnx.Optimizer(model, tx, wrt=nnx.Param), placed on the mesh
-error = optimizer.opt_state[0].error["hidden"]["kernel"]
+error = optimizer.opt_state[0].error[1]  # hidden's kernel: the group of its shape, (64, 64)
 print(f"PowerSGD's error feedback, per device: {error.shape} sharded {error.sharding.spec}")
 
 train_x, train_y, test_x, test_y = digits_data()

@@ -137,7 +137,7 @@ def per_leaf(state):
   out = {"error": {}, "q": {}, "p": {}}
   for s in states:
     for field in out:
-      leaves = s.signature.treedef.flatten_up_to(getattr(s, field))
+      leaves = s.signature.treedef.flatten_up_to(s.by_leaf(field))
       for path, leaf in zip(s.signature.paths, leaves):
         if not isinstance(leaf, optax.MaskedNode):
           out[field][path] = np.asarray(leaf)

@@ -99,6 +99,15 @@ def test_step_time_of_the_wrappers_of_the_optimizer():
   assert [r[1] for r in rows] == names
 
 
+@pytest.mark.slow  # an end-to-end run of a script or of several processes
+def test_step_time_in_a_plain_pmap_loop():
+  names = ["allreduce", "powersgd_r1", "onebit_adam", "diloco_h20"]
+  out = run_script("step_time.py", "--compressors", ",".join(names), "--loop", "pmap")
+  rows = table_rows(out)
+  assert [r[1] for r in rows] == names and rows[0][4] == "1.00"
+  assert "a plain `jax.pmap` loop, nothing donated" in out
+
+
 def test_a_variant_is_measured_under_its_own_name_with_its_settings():
   rows = table_rows(run_script("memory.py", "--no-sharded", "--variant",
                                "dion_r16=dion_r8,rank=16", "--compressors", "dion_r8,dion_r16"))
@@ -325,6 +334,23 @@ def test_step_profile():
     total, wall = float(rows["sum of the phases"][column]), float(rows["step (wall clock)"][column])
     assert sum(phases) == pytest.approx(total, rel=0.01), out  # rounding of each cell only
     assert 0 < total <= 1.1 * wall, out  # a device's ops fit in its step: nothing counted twice
+  # The kernels: whole numbers (a step runs the same instructions on every device), the
+  # compressor's own among them.
+  kernels = {r[0]: r[1:] for r in table_rows(out.split("Kernels run per device", 1)[1])}
+  assert int(kernels["the compressor's own"][1]) > int(kernels["the compressor's own"][0]) > 0
+  assert int(kernels["sum"][1]) == sum(int(c[1]) for name, c in kernels.items()
+                                       if name not in ("sum", "the compressor's own")), out
+
+
+@pytest.mark.slow  # an end-to-end run of a script
+def test_step_profile_leaf_sweep():
+  out = run_script("step_profile.py", "--compressors", "powersgd_r4", "--layers", "2,4")
+  rows = {r[0]: r[1:] for r in table_rows(out)}
+  assert list(rows) == ["allreduce", "powersgd_r4"]
+  own = {name: [int(cell.split()[0]) for cell in cells[:2]] for name, cells in rows.items()}
+  assert all(0 < a <= b for a, b in own.values()), out  # more leaves, no fewer kernels
+  assert float(rows["powersgd_r4"][2]) == pytest.approx(own["powersgd_r4"][1]
+                                                        / own["powersgd_r4"][0], abs=0.01)
 
 
 def test_gpu_sh_dry_run(tmp_path):
@@ -350,52 +376,55 @@ def test_gpu_sh_dry_run(tmp_path):
   lanes = __import__("json").loads((out / "gpu_results.json").read_text())["status"]
   states = {s["id"]: s["status"] for lane in lanes.values() for s in lane["sections"]}
   # The first sections of each lane run whatever the machine's load; none may fail.
-  for first in ("env", "st_gpu_mlp", "mem_gpu", "st_cpu_mlp"):
+  for first in ("env", "st_gpu_big0", "mem_gpu", "st_cpu_mlp"):
     assert states[first] == "ok", (first, states, (out / "gpu_log.txt").read_text()[-3000:])
   assert all(s in ("ok", "skipped", "running") for s in states.values()), states
   rows = table_rows(report.split("### MLP")[1])
   assert [r[0] for r in rows] == ["allreduce", "powersgd_r1"]
-  assert rows[0][2] == "1.00" and rows[0][3] == "1.00", rows  # step / allreduce, GPU and CPU×8
+  assert rows[0][3] == "1.00", rows  # step / allreduce on CPU×8
+  rows = table_rows(report.split("### transformer")[1])  # the GPU lane's first timed section
+  assert rows[0][0] == "allreduce" and rows[0][2] == "1.00", rows
   assert "`PYTHONPATH=. python benchmarks/step_time.py --quick --platform cpu --devices 1" in report
+
+
+def test_gpu_run_writes_the_report_each_time_a_section_ends(tmp_path):
+  import json  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  from benchmarks import gpu_run
+  (tmp_path / "status_gpu.json").write_text(json.dumps({"sections": [{"status": "ok"}]}))
+  lane = subprocess.Popen(["sleep", "1"], start_new_session=True)
+  with open(os.devnull, "w") as log:
+    calls = []
+    ended = gpu_run.wait_lanes({"gpu": (lane, log)}, time.time() + 30, str(tmp_path), {},
+                               calls.append)
+  assert ended == {"gpu": 0} and len(calls) == 1  # once for the one section ended
 
 
 def test_gpu_schedule_reads_async_collectives():
   from benchmarks import gpu_schedule
-  hlo = "\n".join([  # the lines of a scheduled module; a long one in two pieces
-      "HloModule m, is_scheduled=true",
-      "",
-      "%add (a: f32[], b: f32[]) -> f32[] {",
-      "  %a = f32[] parameter(0)",
-      "  %b = f32[] parameter(1)",
-      "  ROOT %s = f32[] add(%a, %b)",
-      "}",
-      "",
-      "%async_computation (p: f32[8]) -> f32[8] {",
-      "  %p = f32[8]{0} parameter(0)",
+  def fusion(name, op_name):  # one instruction a line, as XLA prints them
+    return (f"  %{name} = f32[8]{{0}} fusion(%x), kind=kLoop, calls=%add, "
+            f'metadata={{op_name="jit(s)/{op_name}"}}')
+
+  hlo = "\n".join([
+      "HloModule m, is_scheduled=true", "",
+      "%add (a: f32[], b: f32[]) -> f32[] {", "  %a = f32[] parameter(0)",
+      "  %b = f32[] parameter(1)", "  ROOT %s = f32[] add(%a, %b)", "}", "",
+      "%async_computation (p: f32[8]) -> f32[8] {", "  %p = f32[8]{0} parameter(0)",
       "  ROOT %all-to-all.1 = f32[8]{0} all-to-all(%p), channel_id=2, replica_groups={{0,1}}, "
-      "dimensions={0}",
-      "}",
-      "",
-      "ENTRY %main (x: f32[8]) -> f32[8] {",
-      "  %x = f32[8]{0} parameter(0)",
-      "  %f1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, "
-      'metadata={op_name="jit(s)/transpose(jvp())/mul"}',
+      "dimensions={0}", "}", "",
+      "ENTRY %main (x: f32[8]) -> f32[8] {", "  %x = f32[8]{0} parameter(0)",
+      fusion("f1", "transpose(jvp())/mul"),
       "  %ars = f32[8]{0} all-reduce-start(%f1), channel_id=1, replica_groups={{0,1}}, "
       "to_apply=%add",
-      "  %f2 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, "
-      'metadata={op_name="jit(s)/transpose(jvp())/dot"}',
-      "  %f3 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, "
-      'metadata={op_name="jit(s)/jaxcomp.update/mul"}',
+      fusion("f2", "transpose(jvp())/dot"), fusion("f3", "jaxcomp.update/mul"),
       "  %ard = f32[8]{0} all-reduce-done(%ars)",
       "  %as = ((f32[8]{0}), f32[8]{0}) async-start(%ard), calls=%async_computation, "
       'backend_config={"is_sync":true}',
       "  %ad = f32[8]{0} async-done(%as)",
       "  %ag = f32[16]{0} all-gather(%ad), channel_id=3, replica_groups={{0,1}}, dimensions={0}",
-      "  %f4 = f32[8]{0} fusion(%x), kind=kLoop, calls=%add, "
-      'metadata={op_name="jit(s)/transpose(jvp())/mul"}',
-      "  ROOT %r = f32[8]{0} add(%f4, %f2)",
-      "}",
-      ""])
+      fusion("f4", "transpose(jvp())/mul"), "  ROOT %r = f32[8]{0} add(%f4, %f2)", "}", ""])
   result = gpu_schedule.analyse(hlo, 2)
   by_name = {c["name"]: c for c in result["collectives"]}
   assert result["count"] == {"all-reduce": 1, "all-to-all": 1, "all-gather": 1}
@@ -406,6 +435,7 @@ def test_gpu_schedule_reads_async_collectives():
   assert not by_name["ag"]["async"] and by_name["ag"]["window"] == 0
   assert by_name["ag"]["backward_after_start"] == 1
   assert result["bytes_overlapping_backward"] == 32  # the all-reduce's only
+  assert result["kernels"] == 8  # the four fusions, the add, three collectives (a pair counts once)
   row, = gpu_schedule.rows([dict(result, entry="x")])
   assert row[2] == "2 of 3 (1 marked sync)" and row[-1] == "AR 2/1, A2A sync, AG sync"
 

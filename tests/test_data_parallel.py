@@ -77,11 +77,11 @@ def test_loss_form_matches_pmap_and_stores_per_device_state_as_pmap_does(kind):
   ref_params, ref_state = pmap_run(powersgd_tx(), data)
   chex.assert_trees_all_close(params, ref_params, rtol=2e-6, atol=1e-6)
   # The error feedback is per device, stacked along a leading axis of W exactly as under pmap,
-  # the 0-d parameter's error included; Q is replicated.
-  assert opt_state[0].error["scale"].shape == (W,)
-  assert opt_state[0].error["scale"].sharding.spec == P("batch")
+  # the 0-d parameter's error (its group, the first: scale, w1, w2) included; Q is replicated.
+  assert opt_state[0].error[0].shape == (W, 1, 1, 1)
+  assert opt_state[0].error[0].sharding.spec[0] == "batch"
   chex.assert_trees_all_close(opt_state[0].error, ref_state[0].error, rtol=2e-6, atol=1e-6)
-  chex.assert_trees_all_close(opt_state[0].q["w1"], ref_state[0].q["w1"][0], rtol=2e-6, atol=1e-6)
+  chex.assert_trees_all_close(opt_state[0].q[1], ref_state[0].q[1][0], rtol=2e-6, atol=1e-6)
   assert loss.shape == (W,) and loss.sharding.spec == P("batch")  # one loss per device
 
 
@@ -129,7 +129,7 @@ def test_step_form_is_the_loss_form_written_out():
   chex.assert_trees_all_close(state[0], ref_params, rtol=2e-6, atol=1e-6)
   chex.assert_trees_all_close(state[1][0].error, ref_state[0].error, rtol=2e-6, atol=1e-6)
   specs = jaxcomp.state_partition_specs(state)
-  assert specs[1][0].error["w1"] == P("batch") and specs[0]["w1"] == P()
+  assert specs[1][0].error[1] == P("batch") and specs[0]["w1"] == P()
   assert jax.tree.leaves(dp.shardings(state))[0].spec == P()
 
 
@@ -202,7 +202,7 @@ def test_bad_states_batches_and_arguments_are_named():
   dp = jaxcomp.data_parallel(loss_fn, mesh, tx=powersgd_tx())
   x, y = batches(1)[0]
   unstacked = powersgd_tx().init(init_params())
-  with pytest.raises(ValueError, match=r"opt_state\[0\]\.error\['scale'\] is per device and must "
+  with pytest.raises(ValueError, match=r"opt_state\[0\]\.error\[0\] is per device and must "
                                        r"be stacked along a leading axis of 8.*make_state"):
     dp.step(init_params(), unstacked, x, y)
   with pytest.raises(ValueError, match=r"batch\[0\].*multiple of 8; got shape \[12, 6\]"):

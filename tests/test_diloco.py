@@ -107,7 +107,7 @@ def test_powersgd_keeps_its_error_feedback_across_outer_steps_and_runs_only_at_t
   params, state = run_with_state(tx, 6)  # outer steps after steps 2 and 5
   assert_identical_across_devices(params)
   assert np.asarray(state.compressor_state.count).tolist() == [2] * 4
-  error = np.asarray(state.compressor_state.error["w"])
+  error = np.asarray(state.compressor_state.by_leaf("error")["w"])
   assert np.abs(error).max() > 0 and np.abs(np.diff(error, axis=0)).max() > 0  # per device
   _, later = run_with_state(tx, 1, state=state, params=params, first=6)  # an inner step
   chex.assert_trees_all_equal(later.outer_params, state.outer_params)

@@ -122,9 +122,10 @@ def test_matches_the_reference_on_the_mean_gradient(rank):
   grads = gradients(3, small=small)
   tx = make(rank=2) if rank else make(rank_fraction=1.0)
   state = tx.init(params_tree(small))
-  assert isinstance(state.momentum["tall"], jax.Array) == (rank is not None)  # compressed?
-  ref = RefDion(params_tree(small), state.q, {k: MATRICES[k] for k in state.q
-                                              if k in MATRICES})
+  # compressed?
+  assert isinstance(state.by_leaf("momentum")["tall"], jax.Array) == (rank is not None)
+  qs = state.by_leaf("q")
+  ref = RefDion(params_tree(small), qs, {k: MATRICES[k] for k in qs if k in MATRICES})
   if small:  # under pmap: the updates
     outs, _ = run_applied_updates(tx, grads, params_tree(small), W)
     for g, out in zip(grads, outs):
@@ -133,7 +134,8 @@ def test_matches_the_reference_on_the_mean_gradient(rank):
       for k, expected in want.items():
         np.testing.assert_allclose(out[k][0], expected, **rounding_tol(2000, LR), err_msg=k)
   else:  # under data_parallel (shard_map, check_vma): the parameters
-    assert isinstance(state.momentum["small"], optax.MaskedNode)  # r(a + b) ≥ ab: dense
+    # r(a + b) ≥ ab: dense.
+    assert isinstance(state.by_leaf("momentum")["small"], optax.MaskedNode)
     for g, params in zip(grads, run_data_parallel(tx, grads)):
       ref.step({k: v.astype(np.float64).mean(0) for k, v in g.items()})
       for k, want in ref.x.items():
@@ -256,8 +258,8 @@ def test_nnx_optimizer_gives_the_parameters_of_plain_arrays():
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   state = tx.init(params)
-  assert not isinstance(state.momentum["hidden"]["kernel"], optax.MaskedNode)  # a matrix
-  assert isinstance(state.q["embed"]["embedding"], optax.MaskedNode)  # the scalar optimizer's
+  assert not isinstance(state.by_leaf("momentum")["hidden"]["kernel"], optax.MaskedNode)  # matrix
+  assert isinstance(state.by_leaf("q")["embed"]["embedding"], optax.MaskedNode)  # scalar opt.'s
 
   def step(nnx_state, plain, grads):
     model, optimizer = nnx_state

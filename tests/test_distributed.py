@@ -117,7 +117,7 @@ def test_per_device_fields_are_skipped_and_left_as_they_are():
   jaxcomp.check_replicated(tree)
   out = jaxcomp.broadcast_replicated(tree)
   assert out["opt_state"].acc[0] is acc
-  assert out["opt_state"].inner_state[0].error["w"] is state.inner_state[0].error["w"]
+  assert out["opt_state"].inner_state[0].error[0] is state.inner_state[0].error[0]
   chex.assert_trees_all_equal(out, tree)
 
 

@@ -58,7 +58,7 @@ def test_shard_map_example_has_no_hidden_all_reduce():
 @pytest.mark.slow  # an end-to-end run of a script
 def test_nnx_optimizer_example_trains_across_devices():
   out = run_example("train_nnx_optimizer.py", "--steps", "60", "--devices", "4")
-  assert "per device: (4, 64, 64) sharded P('batch', None, None)" in out
+  assert "per device: (4, 1, 64, 64) sharded P('batch', None, None, None)" in out
   assert "60 optimizer steps" in out  # the asserts on comm_report ran
   assert accuracy(out) > 0.8
 

@@ -42,7 +42,7 @@ def test_shard_length_and_every_layouts_rows_valid_and_count():
   rng = np.random.default_rng(0)
   arrays = per_device(rng, make=lambda r, s: dyadic(r, s) + 8)  # no zero value
   layouts = {"flat": exchange.flat_layout(SHAPES, W, 4), "leaf": exchange.leaf_layout(SHAPES, W),
-             "shard": exchange.shard_layout(SHAPES, W)}
+             "shard": exchange.shard_layout(SHAPES, W), "row": exchange.row_layout(SHAPES, W, 1)}
 
   def rows_of(*arrays):
     owner = jax.lax.axis_index("batch")
@@ -50,17 +50,28 @@ def test_shard_length_and_every_layouts_rows_valid_and_count():
     for name, rows_of in layouts.items():
       pieces = rows_of.split(arrays)
       out[name] = (pieces, rows_of.join(pieces), rows_of.valid(owner), rows_of.count(owner))
+      if rows_of.row is not None:  # the owner's row, read, and written into zeros
+        mine = rows_of.row(arrays, owner)
+        out[name] += (mine, rows_of.with_row([jnp.zeros_like(a) for a in arrays], mine, owner))
     return out
 
   out = fetched(pmapped(rows_of, W)(*arrays))
-  for name, (pieces, joined, valid, count) in out.items():
+  for name, (pieces, joined, valid, count, *row) in out.items():
     for d in range(W):
       chex.assert_trees_all_equal([j[d] for j in joined], [a[d] for a in arrays])
       mine = [p[d][d] != 0 for p in pieces]  # device d's own row of its own pieces
       chex.assert_trees_all_equal([v[d][0] for v in valid], mine)
       assert int(count[d]) == sum(int(m.sum()) for m in mine), (name, d)
+      if row:
+        chex.assert_trees_all_equal([r[d] for r in row[0]], [p[d][d:d + 1] for p in pieces])
+        alone = [np.where(np.arange(W).reshape((W,) + (1,) * (p.ndim - 2)) == d, p[d], 0)
+                 for p in pieces]
+        chex.assert_trees_all_equal([x[d] for x in row[1]],
+                                    [np.asarray(j) for j in layouts[name].join(alone)])
     assert sum(int(c) for c in count) == 73, name
   assert out["flat"][0][0].shape == (W, W, 12)  # one piece: (W, S), S a multiple of the granule
+  # (2, 3, 4): 24 values, a multiple of W, W rows by a reshape; the rest flat, 49 in W rows of 7.
+  assert [p.shape[1:] for p in out["row"][0]] == [(W, 3), (W, 7)]
   assert [p.shape[1:] for p in out["leaf"][0]] == [(W, 5, 1), (W, 1), (W, 2), (W, 2, 3, 1)]
   assert out["shard"][0][0].shape[1:] == (W, sum(math.prod(shards.Layout(W).shape(s))
                                                  for s in SHAPES))

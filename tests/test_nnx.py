@@ -110,10 +110,10 @@ def test_state_partition_specs_of_an_nnx_optimizer():
   tx = optax.chain(jaxcomp.powersgd(1, start_iter=0), optax.sgd(0.1, momentum=0.9))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   specs = jaxcomp.state_partition_specs((model, optimizer), stacked=True)
-  psgd = specs[1].opt_state[0]
-  assert psgd.error["hidden"]["kernel"].get_value() == P("batch")  # per device, in its OptArray
-  assert psgd.error["scale"].get_value() == P("batch")  # 0-d: stacked, as pmap stores it
-  assert psgd.q["hidden"]["kernel"].get_value() == P()
+  psgd = specs[1].opt_state[0]  # a group per leaf: hidden's bias and kernel, out's, scale
+  assert psgd.error[1].get_value() == P("batch")  # hidden's kernel: per device, in its OptArray
+  assert psgd.error[4].get_value() == P("batch")  # the 0-d scale: stacked, as pmap stores it
+  assert psgd.q[1].get_value() == P()
   assert specs[0].hidden.kernel.get_value() == P()  # the model's parameters: replicated
   assert jaxcomp.state_partition_specs(optimizer.opt_state, stacked=True)[0].count.get_value() == (
       P())
@@ -138,7 +138,7 @@ def test_nnx_model_under_data_parallel_matches_plain_arrays(kind):
   plain_dp = jaxcomp.data_parallel(plain_loss, mesh, tx=make_tx())
   optimizer, opt_state = nnx_dp.make_state(model), plain_dp.make_state(params)
   assert isinstance(optimizer, nnx.Optimizer)
-  assert optimizer.opt_state[0].error["scale"].shape == (W,)  # per device, stacked
+  assert optimizer.opt_state[0].error[4].shape == (W, 1, 1, 1)  # the 0-d scale's: per device
   rng = np.random.default_rng(1)
   for _ in range(3):
     batch = nnx_dp.shard((rng.normal(size=(16, 6)).astype(np.float32),
@@ -349,7 +349,8 @@ def test_linen_train_state_keeps_working():
   mesh = jax.make_mesh((W,), ("batch",), devices=jax.devices()[:W])
   dp = jaxcomp.data_parallel(train_step, mesh)
   placed = dp.make_state(state)
-  assert placed.opt_state[0].error["Dense_1"]["kernel"].shape == (W, 6, 8)  # per device, stacked
+  # Dense_1's kernel, a group of its own: per device, stacked.
+  assert placed.opt_state[0].by_leaf("error")["Dense_1"]["kernel"].shape == (W, 6, 8)
   for _ in range(2):
     placed, _ = dp.step(placed, *dp.shard((x, y)))
   assert int(placed.step) == 2

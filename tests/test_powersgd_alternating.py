@@ -31,25 +31,25 @@ def test_alternating_matches_numpy_reference(rank):
   errors = [{k: 0.0 for k in float_keys} for _ in range(W)]
   for t in range(6):
     grads = grads_for(params, rng)
-    ps, qs = ({k: v[0] for k, v in named(f).items()} for f in (state.p, state.q))
+    ps, qs = ({k: v[0] for k, v in named(state.by_leaf(f)).items()} for f in ("p", "q"))
     out, state = jax.block_until_ready(step(grads, state))
     assert_identical_across_devices((out, state.p, state.q, state.count))
     per_device = [{k: v for k, v in named(device(grads, d)).items() if k in float_keys}
                   for d in range(W)]
     if t < 2:  # plain mean, factors untouched
       expected = {k: np.mean([g[k] for g in per_device], axis=0) for k in float_keys}
-      chex.assert_trees_all_equal(ps, {k: v[0] for k, v in named(state.p).items()})
+      chex.assert_trees_all_equal(ps, {k: v[0] for k, v in named(state.by_leaf("p")).items()})
     else:
       expected, errors, new_ps, new_qs = np_alternating_step(per_device, errors, ps, qs, t - 2,
                                                              rank=rank)
-      for got, want in ((state.p, new_ps), (state.q, new_qs)):
-        for k, factor in named(got).items():
+      for got, want in (("p", new_ps), ("q", new_qs)):
+        for k, factor in named(state.by_leaf(got)).items():
           np.testing.assert_allclose(factor[0], want[k], rtol=1e-4, atol=1e-5, err_msg=(t, k))
     got = named(out)
     for k in float_keys:
       np.testing.assert_allclose(got[k][0], expected[k], rtol=1e-4, atol=1e-5, err_msg=(t, k))
     for d in range(W):
-      for k, e in named(device(state.error, d)).items():
+      for k, e in named(device(state.by_leaf("error"), d)).items():
         np.testing.assert_allclose(e, errors[d][k], rtol=1e-4, atol=1e-5, err_msg=(t, d, k))
   assert powersgd_ratio(state) > 1
 

@@ -85,9 +85,11 @@ def test_fp16_wrapped_powersgd_hook_runs_in_float16_as_torch():
   tx = jaxcomp.powersgd(1, start_iter=1)
   hook_state = hook_tx.init(params)
   (bucket,) = hook_state.hook_states
-  w = [isinstance(q, optax.MaskedNode) for q in bucket.q].index(False)  # w's place in the bucket
+  leaves = lambda s, field: s.signature.pick(s.by_leaf(field))  # noqa: E731  (the bucket's order)
+  w = [isinstance(q, optax.MaskedNode) for q in leaves(bucket, "q")].index(False)  # w's place
   state = tx.init(half)
-  state = state._replace(q={"w": bucket.q[w].astype(np.float16), "b": optax.MaskedNode()})
+  state = state.with_leaves("q", {"w": leaves(bucket, "q")[w].astype(np.float16),
+                                  "b": optax.MaskedNode()})
   state, hook_state = replicate(state, W), replicate(hook_state, W)
   step, hook_step = pmapped_update(tx, W), pmapped_update(hook_tx, W)
   rng = np.random.default_rng(0)
@@ -100,10 +102,11 @@ def test_fp16_wrapped_powersgd_hook_runs_in_float16_as_torch():
         step(jax.tree.map(lambda x: x.astype(np.float16), grads), state))
     chex.assert_trees_all_close(hook_out, jax.tree.map(lambda x: x.astype(np.float32), out), **tol)
   (bucket,) = hook_state.hook_states
-  assert bucket.error[w].dtype == np.float32  # kept in the bucket's dtype, holding float16 values
-  assert np.array_equal(bucket.error[w].astype(np.float16).astype(np.float32), bucket.error[w])
-  np.testing.assert_allclose(bucket.error[w], state.error["w"].astype(np.float32), **tol)
-  np.testing.assert_allclose(bucket.q[w], state.q["w"].astype(np.float32), **tol)
+  error, q = leaves(bucket, "error")[w], leaves(bucket, "q")[w]
+  assert error.dtype == np.float32  # kept in the bucket's dtype, holding float16 values
+  assert np.array_equal(error.astype(np.float16).astype(np.float32), error)
+  np.testing.assert_allclose(error, state.by_leaf("error")["w"].astype(np.float32), **tol)
+  np.testing.assert_allclose(q, state.by_leaf("q")["w"].astype(np.float32), **tol)
 
 
 def test_batched_hook_equals_the_transformation():

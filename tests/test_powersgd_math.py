@@ -25,22 +25,25 @@ pytestmark = pytest.mark.numeric
 
 def test_state_has_q_only_for_leaves_worth_compressing_drawn_from_the_seed():
   state = jaxcomp.powersgd(rank=2).init(params_mixed())
-  q, error = named(state.q), named(state.error)
+  q, error = named(state.by_leaf("q")), named(state.by_leaf("error"))
   # conv kernel (3,3,2,8) is (18, 8) in the flax view, dense (20, 12): compressed at rank 2. Head
   # (12, 5) is not worth it ((12 + 5)·2·2 ≥ 60), nor are vectors.
   assert {k: v.shape for k, v in q.items()} == {
       "['conv']['kernel']": (8, 2), "['dense']['kernel']": (12, 2)}
-  assert isinstance(state.q["conv"]["bias"], optax.MaskedNode)
-  assert isinstance(state.error["steps"], optax.MaskedNode)  # int leaf: no error, passes through
+  assert isinstance(state.by_leaf("q")["conv"]["bias"], optax.MaskedNode)
+  # An int leaf: no error, it passes through.
+  assert isinstance(state.by_leaf("error")["steps"], optax.MaskedNode)
   assert error["['scale']"].shape == () and not error["['scale']"].any()
   torch_view = jaxcomp.powersgd(rank=1, matrix_view="torch").init(params_mixed())
-  assert torch_view.q["conv"]["kernel"].shape == (48, 1)  # torch's (3, 48) view of the same array
+  # torch's (3, 48) view of the same array:
+  assert torch_view.by_leaf("q")["conv"]["kernel"].shape == (48, 1)
   no_ef = jaxcomp.powersgd(error_feedback=False).init(params_mixed())
   assert not jax.tree.leaves(no_ef.error)
   # Q comes from the seed: the same for the same seed, different for another.
   chex.assert_trees_all_equal(jaxcomp.powersgd(rank=2).init(params_mixed()).q, state.q)
   other_seed = jaxcomp.powersgd(rank=2, seed=1).init(params_mixed())
-  assert not np.array_equal(other_seed.q["dense"]["kernel"], q["['dense']['kernel']"])
+  assert not np.array_equal(other_seed.by_leaf("q")["dense"]["kernel"],
+                            q["['dense']['kernel']"])
 
 
 @pytest.mark.parametrize("rank, warm_start", [(1, True), (2, False), (3, True)])
@@ -58,7 +61,7 @@ def test_layerwise_matches_numpy_reference_across_the_start_iteration(rank, warm
   tol = rounding_tol(5 * (20 + 12 + W))
   for t in range(5):
     grads = grads_for(params, rng)
-    qs = {k: v[0] for k, v in named(state.q).items()}  # the Q this step starts from
+    qs = {k: v[0] for k, v in named(state.by_leaf("q")).items()}  # the Q this step starts from
     out, state = jax.block_until_ready(step(grads, state))
     assert_identical_across_devices(out)
     assert_identical_across_devices((state.q, state.count))
@@ -68,7 +71,7 @@ def test_layerwise_matches_numpy_reference_across_the_start_iteration(rank, warm
       expected = {k: np.mean([g[k] for g in per_device], axis=0) for k in float_keys}
     else:
       expected, errors, new_q = np_step(per_device, errors, qs, rank=rank, eps=1e-8)
-      for k, q in named(state.q).items():
+      for k, q in named(state.by_leaf("q")).items():
         if warm_start:
           np.testing.assert_allclose(q[0], new_q[k], **tol, err_msg=k)
         else:  # a fresh draw each step
@@ -78,7 +81,7 @@ def test_layerwise_matches_numpy_reference_across_the_start_iteration(rank, warm
       np.testing.assert_allclose(got[k][0], expected[k], **tol, err_msg=(t, k))
     np.testing.assert_array_equal(got["['steps']"], np.asarray(grads["steps"]))  # passed through
     for d in range(W):
-      for k, e in named(device(state.error, d)).items():
+      for k, e in named(device(state.by_leaf("error"), d)).items():
         np.testing.assert_allclose(e, errors[d][k], **tol, err_msg=(t, d, k))
   assert int(state.count[0]) == 5
 
@@ -92,8 +95,8 @@ def test_no_error_feedback_and_uncompressed_error_is_local_minus_mean():
   scale = max(np.abs(g).max() for g in grads.values())
   # Against NumPy: the mean's W roundings, and one each for error = m - out and error + out.
   tol = rounding_tol(W + 2, scale=scale)
-  np.testing.assert_allclose(state.error["b"], grads["b"] - grads["b"].mean(0), **tol)
-  np.testing.assert_allclose(state.error["w"] + out["w"], grads["w"], **tol)
+  np.testing.assert_allclose(state.by_leaf("error")["b"], grads["b"] - grads["b"].mean(0), **tol)
+  np.testing.assert_allclose(state.by_leaf("error")["w"] + out["w"], grads["w"], **tol)
   tx = jaxcomp.powersgd(1, start_iter=0, error_feedback=False)
   out2, state2 = pmap_update(tx, grads, W, state=replicate(tx.init(params), W))
   # First step, no error to add yet; another program: the 16 + 16 sums of P and Q and W devices.
@@ -106,8 +109,9 @@ def test_rank_is_clamped_and_full_rank_gives_the_mean():
             "v": np.zeros(5, np.float32)}
   tx = jaxcomp.powersgd(50, start_iter=0, min_compression_rate=0.0)  # compress everything
   state = tx.init(params)
-  assert state.q["w"].shape == (6, 4) and state.q["s"].shape == (1, 1)
-  assert state.q["v"].shape == (5, 1)  # a vector is (1, 5) in the flax view
+  q = state.by_leaf("q")
+  assert q["w"].shape == (6, 4) and q["s"].shape == (1, 1)
+  assert q["v"].shape == (5, 1)  # a vector is (1, 5) in the flax view
   grads = grads_for(params, np.random.default_rng(1))
   out, _ = pmap_update(tx, grads, W, state=replicate(state, W))
   # r = n: P̂ is a full orthonormal basis, so P̂·Qᵀ is the mean (QR path, r = 4): to rounding along
@@ -143,7 +147,8 @@ def test_shard_map_with_state_partition_specs_matches_pmap(batch_mesh):
   params = {"w": np.zeros((12, 10), np.float32), "b": np.zeros(10, np.float32)}
   tx = jaxcomp.powersgd(2, start_iter=1)
   specs = jaxcomp.state_partition_specs(tx, params)
-  assert specs.error == {"w": P("batch"), "b": P("batch")} and specs.q["w"] == P()
+  # Groups in leaf order: b (dense), w.
+  assert specs.error == (P("batch"), P("batch")) and specs.q == (optax.MaskedNode(), P())
   state = jax.jit(jax.shard_map(tx.init, mesh=batch_mesh, in_specs=P(), out_specs=specs))(params)
 
   @jax.jit
@@ -160,7 +165,7 @@ def test_shard_map_with_state_partition_specs_matches_pmap(batch_mesh):
     out, state = jax.block_until_ready(step(grads, state))
     ref_out, ref_state = jax.block_until_ready(ref_step(grads, ref_state))
     chex.assert_trees_all_close(out, device(ref_out, 0), **tol)
-  np.testing.assert_allclose(state.error["w"], np.concatenate(list(ref_state.error["w"])), **tol)
+  np.testing.assert_allclose(state.error[1], np.concatenate(list(ref_state.error[1])), **tol)
   chex.assert_trees_all_close(state.q, device(ref_state.q, 0), **tol)
 
 
@@ -171,14 +176,15 @@ def test_compress_predicate_averages_the_other_leaves_densely():
   only_conv = jaxcomp.powersgd(1, start_iter=0, compress=lambda path, leaf: "conv" in path)
   everything = jaxcomp.powersgd(1, start_iter=0)
   state = only_conv.init(params)
-  assert isinstance(state.q["dense"]["kernel"], optax.MaskedNode)
-  assert state.q["conv"]["kernel"].shape == (16, 1)
+  assert isinstance(state.by_leaf("q")["dense"]["kernel"], optax.MaskedNode)
+  assert state.by_leaf("q")["conv"]["kernel"].shape == (16, 1)
   grads = grads_for(params, np.random.default_rng(3))
   out, new_state = pmap_update(only_conv, grads, W, state=replicate(state, W))
   ref_out, _ = pmap_update(everything, grads, W, state=replicate(everything.init(params), W))
   mean = grads["dense"]["kernel"].mean(0)
   np.testing.assert_allclose(out["dense"]["kernel"][0], mean, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(new_state.error["dense"]["kernel"], grads["dense"]["kernel"] - mean,
+  np.testing.assert_allclose(new_state.by_leaf("error")["dense"]["kernel"],
+                             grads["dense"]["kernel"] - mean,
                              rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(out["conv"]["kernel"], ref_out["conv"]["kernel"], rtol=1e-5,
                              atol=1e-6)
@@ -197,14 +203,15 @@ def test_batched_matches_numpy_reference(rank, warm_start):
             "c": np.zeros((), np.float32), "i": np.zeros(2, np.int32)}
   tx = jaxcomp.batched_powersgd(rank, start_iter=1, warm_start=warm_start)
   state = replicate(tx.init(params), W)
-  assert state.error[0].shape == (W, 7, 7) and state.q[0].shape == (W, 7, rank)  # L = 45, side 7
+  # L = 45, side 7: one square, a group of one.
+  assert state.error[0].shape == (W, 1, 7, 7) and state.q[0].shape == (W, 1, 7, rank)
   step = pmapped_update(tx, W)
   rng = np.random.default_rng(0)
   errors = [0.0] * W
   tol = rounding_tol(4 * (7 + 7 + W))  # float32 against float64: as the layer-wise reference test
   for t in range(4):
     grads = grads_for(params, rng)
-    q = np.asarray(state.q[0][0])
+    q = np.asarray(state.q[0][0, 0])
     out, state = jax.block_until_ready(step(grads, state))
     flat = [np.concatenate([np.ravel(grads[k][d]) for k in "abc"]) for d in range(W)]
     if t == 0:
@@ -212,7 +219,7 @@ def test_batched_matches_numpy_reference(rank, warm_start):
     else:
       expected, errors, new_q = np_batched_step(flat, errors, q, rank=rank)
       if warm_start:
-        np.testing.assert_allclose(state.q[0][0], new_q, **tol)
+        np.testing.assert_allclose(state.q[0][0, 0], new_q, **tol)
       for d in range(W):
         np.testing.assert_allclose(np.ravel(state.error[0][d]), errors[d], **tol)
     got = np.concatenate([np.ravel(out[k][0]) for k in "abc"])
@@ -224,7 +231,7 @@ def test_batched_matches_numpy_reference(rank, warm_start):
 def test_batched_one_square_per_dtype():
   params = {"a": np.zeros((6, 6), np.float32), "h": np.zeros((5, 5), jnp.bfloat16)}
   state = jaxcomp.batched_powersgd(2).init(params)
-  assert [e.shape for e in state.error] == [(6, 6), (5, 5)]
+  assert [e.shape for e in state.error] == [(1, 6, 6), (1, 5, 5)]
   assert [q.dtype for q in state.q] == [np.float32, jnp.bfloat16]
 
 

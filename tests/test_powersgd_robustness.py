@@ -73,8 +73,8 @@ def test_half_precision_params_keep_their_dtype_and_match_float32(dtype):
     out, state = jax.block_until_ready(step(grads, state))
     ref_out, ref_state = jax.block_until_ready(
         ref_step(jax.tree.map(lambda x: x.astype(np.float32), grads), ref_state))
-    assert out["w"].dtype == dtype and state.error["w"].dtype == dtype
-    assert state.q["w"].dtype == dtype
+    assert out["w"].dtype == dtype and state.by_leaf("error")["w"].dtype == dtype
+    assert state.by_leaf("q")["w"].dtype == dtype
     chex.assert_tree_all_finite(out)
     # Half precision against float32: a few roundings of the half dtype on values up to ~4.
     np.testing.assert_allclose(np.asarray(out["w"], np.float32), ref_out["w"],
@@ -90,7 +90,7 @@ def test_unbound_axis_is_world_size_one():
   # Full rank on one device: exact up to rounding along the 10 + 8 sums of P and Q.
   tol = rounding_tol(10 + 8, scale=np.abs(grads["w"]).max())
   np.testing.assert_allclose(out["w"], grads["w"], **tol)
-  np.testing.assert_allclose(state.error["w"], 0, **tol)
+  np.testing.assert_allclose(state.by_leaf("error")["w"], 0, **tol)
 
 
 @pytest.mark.parametrize("make", [

@@ -52,14 +52,15 @@ def check_parity(data, config: int):
   tx, step = _jaxcomp(config)
   params = {name: jnp.zeros(shape, jnp.float32) for name, shape in golden.SHAPES.items()}
   state = _stacked([tx.init(params)] * golden.WORLD)
-  compressed = {name for name, q in state.q.items() if not isinstance(q, optax.MaskedNode)}
+  compressed = {name for name, q in state.by_leaf("q").items()
+                if not isinstance(q, optax.MaskedNode)}
   for t in range(golden.STEPS):
     torch_qs = {name: data[f"c{config}_q{t}_{name}"] for name in golden.SHAPES
                 if f"c{config}_q{t}_{name}" in data}
     if torch_qs:  # the steps where torch drew a fresh Q: the same leaves, and its Q into the state
       assert set(torch_qs) == compressed, (t, set(torch_qs), compressed)
-      state = state._replace(q={**state.q, **{name: jnp.stack([jnp.asarray(q)] * golden.WORLD)
-                                              for name, q in torch_qs.items()}})
+      state = state.with_leaves("q", {**state.by_leaf("q"), **{
+          name: jnp.stack([jnp.asarray(q)] * golden.WORLD) for name, q in torch_qs.items()}})
     grads = _stacked([jax.tree.map(jnp.asarray, golden.gradients(config, t, r))
                       for r in range(golden.WORLD)])
     out, state = step(grads, state)
@@ -69,7 +70,7 @@ def check_parity(data, config: int):
                                  data[f"c{config}_out"][t], **TOL,
                                  err_msg=f"config {golden.CONFIGS[config]}, step {t}, output")
       if error_feedback:
-        error = golden.flat(jax.tree.map(lambda x: x[r], state.error))
+        error = golden.flat(jax.tree.map(lambda x: x[r], state.by_leaf("error")))
         if t < golden.START_ITER:  # torch has no error before it starts compressing
           np.testing.assert_array_equal(error, 0)
         else:

@@ -172,9 +172,12 @@ def check_error_feedback(name, grads, out, old, new):
       pairs.append((o + e_new, g + e_old, e_old))
   else:
     dtypes = [grads[k].dtype for k in float_keys]
-    pairs = [(np.asarray(out[k], np.float64) + np.asarray(new.error[k], np.float64),
-              grads[k].astype(np.float64) + np.asarray(old.error[k], np.float64),
-              np.asarray(old.error[k], np.float64)) for k in float_keys]
+    # PowerSGD keeps its errors per group of same-shape leaves: by_leaf gives them per leaf.
+    old_error, new_error = (s.by_leaf("error") if hasattr(s, "by_leaf") else s.error
+                            for s in (old, new))
+    pairs = [(np.asarray(out[k], np.float64) + np.asarray(new_error[k], np.float64),
+              grads[k].astype(np.float64) + np.asarray(old_error[k], np.float64),
+              np.asarray(old_error[k], np.float64)) for k in float_keys]
   assert any(np.abs(e).max() > 0 for _, _, e in pairs), "error feedback never engaged"
   # One pair per dtype for batched PowerSGD, per leaf otherwise: each with its own dtype's eps.
   for (left, right, _), dtype in zip(pairs, dtypes):

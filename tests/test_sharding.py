@@ -68,11 +68,11 @@ def test_zero_d_per_device_leaf_gets_the_stacked_spec_and_bad_arguments_are_refu
     jaxcomp.state_partition_specs(tx, init_params(), axis_name=3)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: jaxcomp.powersgd(1, start_iter=0),
+@pytest.mark.parametrize("make", [  # an error feedback per leaf, an accumulator, per bucket
+    lambda: jaxcomp.sign_compress(),
     lambda: jaxcomp.accumulate(optax.sgd(0.1), 2),
-    lambda: jaxcomp.comm_hook(jaxcomp.hooks.powersgd_hook, jaxcomp.hooks.powersgd_state(1))],
-    ids=["powersgd", "accumulate", "powersgd_hook"])
+    lambda: jaxcomp.comm_hook(jaxcomp.hooks.sign_hook, jaxcomp.hooks.sign_state())],
+    ids=["sign", "accumulate", "sign_hook"])
 def test_zero_d_parameters_get_specs_for_their_stacked_per_device_leaves(make):
   params = {"scale": jnp.ones(()), "w": jnp.ones((4, 3))}
   specs = jax.tree.leaves(jaxcomp.state_partition_specs(make(), params, stacked=True))
@@ -193,9 +193,10 @@ def test_powersgd_error_is_per_device_and_its_shard_map_step_matches_pmap():
   make = lambda: optax.chain(jaxcomp.powersgd(1, start_iter=0, min_compression_rate=1.0),
                              optax.sgd(0.1))
   specs = jaxcomp.state_partition_specs(make(), params)
-  assert specs[0].error == {"w": P("batch"), "b": P("batch")}  # error feedback: local
+  # Error feedback, a stack per group (b's, w's): local.
+  assert specs[0].error == (P("batch"), P("batch"))
   # Q: from all-reduced factors, the same everywhere.
-  assert specs[0].q["w"] == specs[0].count == P()
+  assert specs[0].q[1] == specs[0].count == P()
   rng = np.random.default_rng(3)
   xs = rng.normal(size=(3, W, 2, 5)).astype(np.float32)
   ys = rng.normal(size=(3, W, 2, 3)).astype(np.float32)
@@ -204,8 +205,9 @@ def test_powersgd_error_is_per_device_and_its_shard_map_step_matches_pmap():
   # Two programs: per step the 2-sample gradient, the 5 + 3 sums of P and Q and W devices round.
   tol = rounding_tol(len(xs) * (2 + 5 + 3 + W))
   chex.assert_trees_all_close(params, jax.tree.map(lambda a: a[0], ref_params), **tol)
-  np.testing.assert_allclose(opt_state[0].error["w"],
-                             np.concatenate(list(ref_state[0].error["w"])), **tol)
+  # shard_map's local blocks side by side along the first axis; pmap's stacked: w's group.
+  np.testing.assert_allclose(opt_state[0].error[1], np.concatenate(list(ref_state[0].error[1])),
+                             **tol)
   # P (5x1) and Q (3x1) and the uncompressed bias, never the full 5x3 kernel: nothing hidden.
   assert report.payload_bytes < 4 * (5 * 3 + 3)
 

@@ -183,11 +183,20 @@ def _leaf(chunks: jax.Array, lay: ChunkLayout, like: jax.Array) -> jax.Array:
 
 
 def _select(chunks: jax.Array, lay: ChunkLayout) -> jax.Array:
-  """2: the positions of each row's k_c largest magnitudes, increasing; padding after the rest."""
+  """2: the positions of each row's k_c largest magnitudes, increasing; padding after the rest.
+  ``chunks`` is computed where it is read: the magnitudes are the one array of the leaf's size
+  written for ``lax.top_k``, and the error fed is never written."""
   real = jnp.arange(lay.rows * lay.width).reshape(lay.rows, lay.width) < lay.size
   magnitude = jnp.where(jnp.isnan(chunks), jnp.inf, jnp.abs(chunks))  # 8: NaN as large as ∞
   _, positions = lax.top_k(jnp.where(real, magnitude, -1.0), lay.k)
   return jnp.sort(positions, axis=-1)
+
+
+def _at(x: jax.Array, positions: jax.Array, lay: ChunkLayout) -> jax.Array:
+  """``_chunks(x)`` at each row's ``positions`` (R, k): read from ``x`` itself (0 at the padding),
+  so that the chunks need not be written for the gather."""
+  at = jnp.arange(lay.rows)[:, None] * lay.width + positions
+  return x.reshape(-1).at[at].get(mode="fill", fill_value=0)
 
 
 def _quantize(values: jax.Array, bits: int) -> tuple:
@@ -208,8 +217,7 @@ def _quantize(values: jax.Array, bits: int) -> tuple:
 
 
 def _dequantize(codes: jax.Array, centroids: jax.Array) -> jax.Array:
-  """3: ``v̂ = ±centroid`` (float32) of each code; the sender and every receiver compute it
-  alike."""
+  """3: ``v̂ = ±centroid`` (float32) of each code, as the sender and every receiver compute it."""
   levels = centroids.shape[-1]
   magnitude = jnp.take_along_axis(centroids.astype(jnp.float32), codes % levels, axis=-1)
   return jnp.where(codes >= levels, -magnitude, magnitude)
@@ -238,12 +246,14 @@ def _decode(rows: jax.Array, lay: ChunkLayout, config: ChunkedTopKConfig) -> tup
   return positions.reshape(batch + (lay.k,)), values.reshape(batch + (lay.k,))
 
 
-def _mean_in_device_order(positions: jax.Array, values: jax.Array, lay: ChunkLayout) -> jax.Array:
+def _mean_in_device_order(positions: jax.Array, values: jax.Array, lay: ChunkLayout,
+                          fill) -> jax.Array:
   """7: Σ_w ê_w ÷ W as ``(rows, width)``, added device after device (``positions``, ``values``:
-  ``(W, rows, k)``); each device's positions are distinct, so no addition ever collides."""
+  ``(W, rows, k)``) to ``fill`` (0, or 8's NaN); each device's positions are distinct, so no
+  addition ever collides."""
   world = positions.shape[0]
   return kernels.scatter_rows_add([(positions[w], values[w] / world) for w in range(world)],
-                                  (lay.rows, lay.width))
+                                  (lay.rows, lay.width), fill)
 
 
 def step(config: ChunkedTopKConfig, state: compressor.ErrorFeedbackState, leaves: list,
@@ -257,12 +267,10 @@ def step(config: ChunkedTopKConfig, state: compressor.ErrorFeedbackState, leaves
   errors = state.signature.pick(state.error)
   selected, rows = [], []
   for g, e, lay in zip(leaves, errors, layouts):
-    # 1: e ← β·e + g.
-    acc = _chunks(_error_fed(config, e, g), lay)
-    # 2: the k_c largest per chunk.
-    positions = _select(acc, lay)
+    # 1: e ← β·e + g, computed where it is read; 2: the k_c largest per chunk.
+    positions = _select(_chunks(_error_fed(config, e, g), lay), lay)
     # 3: sign and magnitude bin, centroids in bfloat16; 8: NaN centroids for values not finite.
-    values = jnp.take_along_axis(acc, positions, axis=-1)
+    values = _error_fed(config, _at(e, positions, lay), _at(g, positions, lay))
     codes, centroids = _quantize(values, config.bits)
     centroids = jnp.where(jnp.isfinite(values).all(), centroids, jnp.nan)
     selected.append((positions, _dequantize(codes, centroids)))
@@ -277,13 +285,13 @@ def step(config: ChunkedTopKConfig, state: compressor.ErrorFeedbackState, leaves
     start += lay.rows * lay.row_bytes
     decoded.append(_decode(part.reshape(-1, lay.rows, lay.row_bytes), lay, config))
   ok = finite.reduced_finite([values for _, values in decoded])  # 8: alike on every device
-  means = [_leaf(_mean_in_device_order(positions, values, lay), lay, g)
+  fill = jnp.where(ok, 0.0, jnp.nan)  # 8: NaN means where not finite
+  means = [_leaf(_mean_in_device_order(positions, values, lay, fill), lay, g)
            for (positions, values), lay, g in zip(decoded, layouts, leaves)]
   # 4, 8: e ← β·e + g − ê where every device's values were finite, else e as it was.
   errors = [_new_error(config, e, g, *sent, lay, ok)
             for e, g, sent, lay in zip(errors, leaves, selected, layouts)]
-  return (finite.nan_unless_finite(ok, means), state._replace(error=state.signature.place(errors)),
-          ok)
+  return means, state._replace(error=state.signature.place(errors)), ok
 
 
 def _error_fed(config: ChunkedTopKConfig, e: jax.Array, g: jax.Array) -> jax.Array:

@@ -17,7 +17,9 @@ the paper's Algorithm 1, "ref." microsoft/dion's ``dion_update``):
    rank is r = min(a, b, ``rank``) (or ⌈``rank_fraction``·min(a, b)⌉), and it is compressed iff
    r·(a + b) < a·b (ref.: otherwise the mean gradient is all-reduced). The power iteration works
    on the matrix with its longer side first (ref.'s transpose): P (long side, r), Q (short side,
-   r). Every other leaf goes to the scalar optimizer (8).
+   r). Every other leaf goes to the scalar optimizer (8). Matrices of one (a, b), rank and choice
+   are stacked (G, a, b) and taken through 2–7 as one batch (``jaxcomp._src.stacks``); a stack of
+   several compressed ones writes its B = M + G once for the products to read.
 2. One all-reduce, ÷W (ref.'s "avg"): the dense mean of the scalar leaves and of the uncompressed
    matrices' gradients, and each compressed matrix's ``P = B·Q`` with ``B = M + G``, this device's
    momentum and gradient (Alg. 1).
@@ -73,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, compressor, finite, kernels, powersgd, validate
+from jaxcomp._src import axis, compressor, finite, kernels, powersgd, stacks, validate
 from jaxcomp._src import tree as tree_lib
 
 SCALAR_OPTIMIZERS = ("adamw", "lion")
@@ -155,11 +157,12 @@ class DionState(NamedTuple):
 
   Attributes:
     count: steps taken (non-finite steps are not counted).
-    momentum: this device's momentum M of each compressed matrix, float32, in the leaf's shape
-      (``optax.MaskedNode()`` elsewhere); per device.
-    mean_momentum: the momentum of each uncompressed matrix, whose mean gradient is all-reduced
-      (1), likewise; the same on every device.
-    q: Q of each matrix, float32 (short side, r); the same on every device.
+    momentum: this device's momenta M of each stack of compressed matrices (1), float32, (G, a,
+      b); per device.
+    mean_momentum: the momenta of each stack of uncompressed matrices, whose mean gradient is
+      all-reduced (1), likewise; the same on every device.
+    q: the Qs of each stack, compressed then uncompressed, float32 (G, short side, r); the same on
+      every device.
     scalar: the scalar optimizer's state (optax's) over the list of the other reduced leaves.
     config: the static settings.
     signature: the gradient pytree's structure, shapes, dtypes and paths.
@@ -173,6 +176,16 @@ class DionState(NamedTuple):
   signature: tree_lib.TreeSignature
 
   PER_DEVICE_FIELDS = ("momentum",)  # see jaxcomp.sharding
+
+  def by_leaf(self, field: str):
+    """The state's ``field`` (``"momentum"``, ``"mean_momentum"`` or ``"q"``) in the params'
+    structure (``stacks.by_leaf``): each matrix's momentum in its leaf's shape, its Q (short side,
+    r); leading axes (a stacked state's) are kept."""
+    groups = _layout(self.config, self.signature)
+    members = {"momentum": groups.compressed, "mean_momentum": groups.dense,
+               "q": groups.matrices}[field]
+    return stacks.by_leaf(self.signature, [[m.index for m in s] for s in members],
+                          getattr(self, field), 2, field != "q")
 
 
 class _Matrix(NamedTuple):
@@ -195,9 +208,10 @@ class _Matrix(NamedTuple):
 
 
 class _Groups(NamedTuple):
-  """1: the reduced leaves as Dion treats them (positions among the reduced leaves)."""
-  compressed: tuple  # the matrices whose factors are exchanged (``_Matrix``)
-  dense: tuple  # the matrices too small to compress, whose mean gradient is exchanged
+  """1: the reduced leaves as Dion treats them: stacks (tuples of ``_Matrix`` of one (a, b), rank
+  and choice), and positions among the reduced leaves."""
+  compressed: tuple  # the stacks of matrices whose factors are exchanged
+  dense: tuple  # the stacks of matrices too small to compress, whose mean gradient is exchanged
   scalars: tuple  # the scalar optimizer's leaves
 
   @property
@@ -222,29 +236,31 @@ def _layout(config: DionConfig, signature: tree_lib.TreeSignature) -> _Groups:
     r = (min(a, b, config.rank) if config.rank is not None else
          min(a, b, math.ceil((config.rank_fraction or 0.25) * min(a, b))))
     matrices.append(_Matrix(k, a, b, r, r * (a + b) < a * b, signature.paths[i]))
-  return _Groups(tuple(m for m in matrices if m.compressed),
-                 tuple(m for m in matrices if not m.compressed), tuple(scalars))
+  together = [tuple(matrices[i] for i in g)
+              for g in stacks.groups_of([(m.a, m.b, m.rank, m.compressed) for m in matrices])]
+  return _Groups(tuple(s for s in together if s[0].compressed),
+                 tuple(s for s in together if not s[0].compressed), tuple(scalars))
 
 
-def _draw_q(config: DionConfig, matrix: _Matrix) -> jax.Array:
-  """A standard-normal Q, the same on every device: from ``seed`` and the leaf's path."""
-  key = jax.random.fold_in(jax.random.key(config.seed), zlib.crc32(matrix.name.encode()))
-  return jax.random.normal(key, matrix.q_shape, jnp.float32)
+def _draw_q(config: DionConfig, stack: tuple) -> jax.Array:
+  """Standard-normal Qs of a stack, the same on every device: each from ``seed`` and its leaf's
+  path."""
+  def draw(matrix):
+    key = jax.random.fold_in(jax.random.key(config.seed), zlib.crc32(matrix.name.encode()))
+    return jax.random.normal(key, matrix.q_shape, jnp.float32)
+  return jnp.stack([draw(m) for m in stack])
 
 
 def init(config: DionConfig, signature: tree_lib.TreeSignature) -> DionState:
   """Zero momenta, Qs drawn from ``seed``, the scalar optimizer's own init."""
   groups = _layout(config, signature)
   structs = signature.reduced_structs()
-  per_device, shared, q = ([optax.MaskedNode()] * len(structs) for _ in range(3))
-  for m in groups.matrices:
-    zeros = jnp.zeros(structs[m.index].shape, jnp.float32)
-    (per_device if m.compressed else shared)[m.index] = zeros
-    q[m.index] = _draw_q(config, m)
+  zeros = lambda together: tuple(jnp.zeros((len(s), s[0].a, s[0].b), jnp.float32)  # noqa: E731
+                                 for s in together)
   scalar = config.scalar_transformation().init(
       [jnp.zeros(structs[k].shape, jnp.float32) for k in groups.scalars])
-  return DionState(jnp.zeros([], jnp.int32), signature.place(per_device), signature.place(shared),
-                   signature.place(q), scalar, config, signature)
+  return DionState(jnp.zeros([], jnp.int32), zeros(groups.compressed), zeros(groups.dense),
+                   tuple(_draw_q(config, s) for s in groups.matrices), scalar, config, signature)
 
 
 def _rate(value, count):
@@ -284,26 +300,32 @@ def _split(values: list, *sizes: int) -> list:
   return parts + [values]
 
 
-def _exchange(config: DionConfig, groups: _Groups, grads: list, own: list, shared: list,
-              qs: list, axis_name) -> tuple:
-  """Steps 2–4, the exchange: ``(the scalar leaves' mean gradients, and per matrix of
-  ``groups.matrices`` its B = M + G, P̂ and R̄; finite)``."""
-  view = lambda m, x: x.reshape(m.a, m.b)  # noqa: E731
-  bs = [kernels.Sum((view(m, grads[m.index]), view(m, own[m.index])))
-        for m in groups.compressed]
+def _stacked(stack: tuple, xs: list) -> jax.Array:
+  """The leaves ``xs[m.index]`` of a stack's matrices, each as (a, b), stacked (G, a, b)."""
+  return jnp.stack([xs[m.index].reshape(m.a, m.b) for m in stack])
+
+
+def _exchange(groups: _Groups, grads: list, own: list, shared: list, qs: list,
+              axis_name) -> tuple:
+  """Steps 2–4, the exchange: ``(the scalar leaves' mean gradients, the uncompressed stacks' mean
+  gradients, and per stack of ``groups.matrices`` its B = M + G, P̂ and R̄; finite)``."""
+  gs = [_stacked(stack, grads) for stack in groups.compressed]
+  # A stack of several writes its B once (its gradients would be written stacked anyway).
+  bs = [kernels.Sum((g, m)) if len(stack) == 1 else kernels.Sum((g + m,))
+        for stack, g, m in zip(groups.compressed, gs, own)]
   # 2: one all-reduce (÷W) of the dense leaves and of every compressed matrix's P = (M + G)·Q.
   scalar_means, dense_means, ps = _split(axis.mean_many(
-      [grads[k] for k in groups.scalars] + [grads[m.index] for m in groups.dense]
-      + [_factor(m, b, qs[m.index], True) for m, b in zip(groups.compressed, bs)], axis_name),
-      len(groups.scalars), len(groups.dense))
+      [grads[k] for k in groups.scalars] + [_stacked(stack, grads) for stack in groups.dense]
+      + [_factor(stack[0], b, q, True) for stack, b, q in zip(groups.compressed, bs, qs)],
+      axis_name), len(groups.scalars), len(groups.dense))
   # 3: the uncompressed matrices' B = M + Ḡ and P = B·Q, locally; P̂ = orth(P̄).
-  dense_bs = [kernels.Sum((view(m, g), view(m, shared[m.index])))
-              for m, g in zip(groups.dense, dense_means)]
-  ps += [_factor(m, b, qs[m.index], True) for m, b in zip(groups.dense, dense_bs)]
+  dense_bs = [kernels.Sum((g, m)) for g, m in zip(dense_means, shared)]
+  ps += [_factor(stack[0], b, q, True)
+         for stack, b, q in zip(groups.dense, dense_bs, qs[len(groups.compressed):])]
   bs += dense_bs
   p_hats = [powersgd.orthogonalize(p) for p in ps]
   # 4: R = Bᵀ·P̂; one all-reduce (÷W) of the compressed matrices' R.
-  rs = [_factor(m, b, p, False) for m, b, p in zip(groups.matrices, bs, p_hats)]
+  rs = [_factor(stack[0], b, p, False) for stack, b, p in zip(groups.matrices, bs, p_hats)]
   compressed_rs, dense_rs = _split(rs, len(groups.compressed))
   compressed_rs = axis.mean_many(compressed_rs, axis_name)
   ok = finite.reduced_finite((scalar_means, dense_means, ps[:len(groups.compressed)],
@@ -322,37 +344,43 @@ def step(config: DionConfig, state: DionState, leaves: list, axis_name, phase,
   signature = state.signature
   groups = _layout(config, signature)
   grads = [g.astype(jnp.float32) for g in leaves]
-  own, shared, qs = (signature.pick(f) for f in (state.momentum, state.mean_momentum, state.q))
-  scalar_means, dense_means, _, p_hats, rs, ok = _exchange(config, groups, grads, own, shared, qs,
-                                                           axis_name)  # 2–4
+  own, shared, qs = (list(f) for f in (state.momentum, state.mean_momentum, state.q))
+  scalar_means, _, bs, p_hats, rs, ok = _exchange(groups, grads, own, shared, qs,
+                                                  axis_name)  # 2–4
   rate = _nan_unless(ok, _rate(config.learning_rate, state.count))
   x = [None] * len(leaves) if params is None else [p.astype(jnp.float32) for p in params]
 
   def decayed(u, w, k):  # 7, 8: the direction plus the decoupled weight decay w·X
     return u if x[k] is None or (not validate.is_array(w) and w == 0) else u + w * x[k]
 
-  updates, new_q = [None] * len(leaves), list(qs)
-  gradients = [grads[m.index] for m in groups.compressed] + dense_means  # what B added to M
-  for m, g, p_hat, r in zip(groups.matrices, gradients, p_hats, rs):
-    k = m.index
-    momenta = own if m.compressed else shared
+  def momentum(e, first, o, terms):  # 5: B − (1 − μ)·P̂·R̄ᵀ, B = M + G from its terms or written
+    return (e + first if terms > 1 else first) - (1 - config.mu) * o
+
+  updates = [None] * len(leaves)
+  momenta = own + shared
+  for j, (stack, b, p_hat, r) in enumerate(zip(groups.matrices, bs, p_hats, rs)):
+    m = stack[0]
     # 5: M ← B − (1 − μ)·P̂·R̄ᵀ, over the old momentum's block (kernels.in_place).
-    momenta[k] = kernels.in_place(lambda e, g, o: e + g - (1 - config.mu) * o, momenta[k], g,
-                                  _outer(m, p_hat, r).reshape(momenta[k].shape))
+    momenta[j] = kernels.in_place(functools.partial(momentum, terms=len(b.terms)), momenta[j],
+                                  b.terms[0], _outer(m, p_hat, r))
     # 6: Q ← R̄ column-normalised; an all-zero column keeps its old Q.
-    q = r / (jnp.sqrt(jnp.sum(jnp.square(r), axis=0)) + config.eps)
-    new_q[k] = jnp.where(jnp.all(r == 0, axis=0), qs[k], q)
+    q = r / (jnp.sqrt(jnp.sum(jnp.square(r), axis=-2, keepdims=True)) + config.eps)
+    qs[j] = jnp.where(jnp.all(r == 0, axis=-2, keepdims=True), qs[j], q)
     # 7: −lr·(√(fan_out/fan_in)·P̂·Qᵀ + weight_decay·X).
-    direction = (math.sqrt(m.b / m.a) * _outer(m, p_hat, q)).reshape(leaves[k].shape)
-    updates[k] = -rate * decayed(direction, config.weight_decay, k)
+    directions = math.sqrt(m.b / m.a) * _outer(m, p_hat, qs[j])
+    for i, matrix in enumerate(stack):
+      k = matrix.index
+      updates[k] = -rate * decayed(directions[i].reshape(leaves[k].shape), config.weight_decay, k)
   # 8: the scalar optimizer on the dense means.
   directions, scalar = config.scalar_transformation().update(scalar_means, state.scalar)
   scalar_rate = (rate if config.scalar_learning_rate is None
                  else _nan_unless(ok, _rate(config.scalar_learning_rate, state.count)))
   for k, d in zip(groups.scalars, directions):
     updates[k] = -scalar_rate * decayed(d, config.scalar_weight_decay, k)
-  new_state = state._replace(momentum=signature.place(own), mean_momentum=signature.place(shared),
-                             q=signature.place(new_q), scalar=scalar)
+  compressed = len(groups.compressed)
+  new_state = state._replace(momentum=tuple(momenta[:compressed]),
+                             mean_momentum=tuple(momenta[compressed:]), q=tuple(qs),
+                             scalar=scalar)
   new_state = finite.keep_if_finite(ok, new_state, state)  # 9
   return [u.astype(g.dtype) for u, g in zip(updates, leaves)], new_state, ok
 

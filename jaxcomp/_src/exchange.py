@@ -25,10 +25,12 @@ delayed: summed over steps, the outputs are the mean inputs minus the mean of th
 errors and minus the final server errors (each device holds the server error of its own row, zero
 elsewhere).
 
-The rows (``layout``): the arrays raveled and concatenated into one flat vector, zero-padded to W
-shards of S values (S a multiple of the codec's ``granule``), shard d being row d. Where the mesh
-leaves other axes to the SPMD partitioner (``kernels.keeps_leaves``: a 2-D
-``jaxcomp.data_parallel`` mesh whose parameters are sharded over a model axis) that vector would
+The rows (``layout``): each array of a multiple of W·``granule`` values (the codec's block, or 8
+bits of a byte) is W rows by a reshape, row d its d-th S consecutive values, so that it is neither
+copied nor padded on its way to the codec; the other (small) arrays are raveled and concatenated
+into one flat vector, zero-padded to W shards of S values (S a multiple of ``granule``), shard d
+being row d. Where the mesh leaves other axes to the SPMD partitioner (``kernels.keeps_leaves``: a
+2-D ``jaxcomp.data_parallel`` mesh whose parameters are sharded over a model axis) these rows would
 move the sharded values across the mesh, so there each array is laid out on its own: its last axis
 dealt round-robin to the owners (value j to owner j mod W), its other axes kept, so that its rows
 keep its sharding, and each array travels in collectives of its own.
@@ -91,11 +93,17 @@ class Layout(NamedTuple):
     valid: ``valid(owner) -> masks``: a bool array per piece of shape (1, …), False at the padding
       of the owner's row.
     count: ``count(owner)``: the number of values (not padding) in the owner's row, an int32.
+    row: ``row(arrays, owner) -> rows``: the owner's row of each piece of ``split(arrays)``, each
+      of shape (1, …), read without splitting the arrays (the server error's).
+    with_row: ``with_row(arrays, rows, owner) -> arrays``: arrays that hold zeros outside the
+      owner's row (the server error) with ``rows`` there, written in place where it can.
   """
   split: Callable
   join: Callable
   valid: Callable
   count: Callable
+  row: Optional[Callable] = None
+  with_row: Optional[Callable] = None
 
 
 def shard_length(length: int, world: int, granule: int) -> int:
@@ -121,7 +129,62 @@ def flat_layout(shapes: Sequence[tuple], world: int, granule: int) -> Layout:
   def count(owner):
     return jnp.clip(length - owner * shard, 0, shard)
 
-  return Layout(split, join, valid, count)
+  def row(arrays, owner):
+    return [kernels.row_of_arrays(arrays, owner, shard, world)[None]]
+
+  def with_row(arrays, rows, owner):
+    return kernels.row_update_arrays(arrays, rows[0].reshape(-1), owner)
+
+  return Layout(split, join, valid, count, row, with_row)
+
+
+def row_layout(shapes: Sequence[tuple], world: int, granule: int) -> Layout:
+  """A piece (W, S) per array of a multiple of W·granule values, the array itself reshaped (row d
+  its d-th S consecutive values: no copy, no padding); the other arrays in one ``flat_layout``
+  piece after them."""
+  whole = [i for i, s in enumerate(shapes) if math.prod(s) % (world * granule) == 0
+           and math.prod(s)]
+  rest = [i for i in range(len(shapes)) if i not in whole]
+  flat = flat_layout([shapes[i] for i in rest], world, granule) if rest else None
+  sizes = [math.prod(shapes[i]) // world for i in whole]
+
+  def pick(arrays, members):
+    return [arrays[i] for i in members]
+
+  def split(arrays):
+    return ([arrays[i].reshape(world, -1) for i in whole]
+            + (flat.split(pick(arrays, rest)) if flat else []))
+
+  def join(pieces):
+    arrays = [None] * len(shapes)
+    for i, piece in zip(whole, pieces):
+      arrays[i] = piece.reshape(shapes[i])
+    for i, x in zip(rest, flat.join(pieces[len(whole):]) if flat else []):
+      arrays[i] = x
+    return arrays
+
+  def valid(owner):
+    return ([jnp.ones((1, size), bool) for size in sizes]
+            + (flat.valid(owner) if flat else []))
+
+  def count(owner):
+    return sum(sizes) + (flat.count(owner) if flat else 0)
+
+  def row(arrays, owner):
+    return ([lax.dynamic_index_in_dim(arrays[i].reshape(world, -1), owner) for i in whole]
+            + (flat.row(pick(arrays, rest), owner) if flat else []))
+
+  def with_row(arrays, rows, owner):
+    out = list(arrays)
+    for i, r in zip(whole, rows):
+      out[i] = lax.dynamic_update_index_in_dim(arrays[i].reshape(world, -1), r[0], owner,
+                                               0).reshape(shapes[i])
+    for i, x in zip(rest, flat.with_row(pick(arrays, rest), rows[len(whole):], owner)
+                    if flat else []):
+      out[i] = x
+    return out
+
+  return Layout(split, join, valid, count, row, with_row)
 
 
 def leaf_layout(shapes: Sequence[tuple], world: int) -> Layout:
@@ -153,14 +216,21 @@ def leaf_layout(shapes: Sequence[tuple], world: int) -> Layout:
   def count(owner):  # values j < b with j mod W = owner, in each row of the last axis
     return sum(math.prod(s[:-1]) * ((b - 1 - owner) // world + 1) for s, b in zip(shapes, lasts))
 
-  return Layout(split, join, valid, count)
+  def row(arrays, owner):
+    return [lax.dynamic_index_in_dim(x, owner) for x in split(arrays)]
+
+  def with_row(arrays, rows, owner):
+    mine = jnp.arange(world) == owner
+    return join([jnp.where(mine.reshape((world,) + (1,) * (r.ndim - 1)), r, 0.0) for r in rows])
+
+  return Layout(split, join, valid, count, row, with_row)
 
 
 def layout(shapes: Sequence[tuple], world: int, granule: int) -> Layout:
-  """The flat layout, or the leaf layout where the mesh may shard the arrays over other axes."""
+  """The row layout, or the leaf layout where the mesh may shard the arrays over other axes."""
   if kernels.keeps_leaves():
     return leaf_layout(shapes, world)
-  return flat_layout(shapes, world, granule)
+  return row_layout(shapes, world, granule)
 
 
 def shard_layout(shapes: Sequence[tuple], world: int) -> Layout:
@@ -310,32 +380,15 @@ def compressed_mean(codec: Codec, x: list, worker_error: Optional[list],
   mean, worker_error, _ = scatter_mean(codec, rows_of, x, worker_error, axis_name, key)
   if server_error is not None:
     with kernels.part("error_feedback"):
-      old_rows = _owner_rows(rows_of, server_error, me, world, mean)
+      old_rows = rows_of.row(server_error, me)
       mean = [m + s for m, s in zip(mean, old_rows)]
   # 5–7: re-encode and gather; s ← mean − decode(encoding), at this device's row.
   whole, decoded, ok = gather_rows(codec, rows_of, mean, rows_of.count(me), axis_name, key)
   with kernels.part("error_feedback"):  # 7: both errors kept where not finite (in place)
     if server_error is not None:
       rows = [jnp.where(v, m - d, 0.0) for m, d, v in zip(mean, decoded, rows_of.valid(me))]
-      server_error = _own_rows(rows_of, server_error, finite.keep_if_finite(ok, rows, old_rows),
-                               me, world)
+      server_error = rows_of.with_row(server_error, finite.keep_if_finite(ok, rows, old_rows),
+                                      me)
     if worker_error is not None:
       worker_error = finite.keep_if_finite(ok, worker_error, old_worker_error)
   return whole, worker_error, server_error, ok
-
-
-def _owner_rows(rows_of: Layout, arrays: list, owner, world: int, like: list) -> list:
-  """4: the owner's row of each piece of ``rows_of.split(arrays)``, shaped as ``like``'s (1, …)."""
-  if not kernels.keeps_leaves():  # the flat layout: one row
-    return [kernels.row_of_arrays(arrays, owner, like[0].shape[-1], world)[None]]
-  return [lax.dynamic_index_in_dim(s, owner, keepdims=True) for s in rows_of.split(arrays)]
-
-
-def _own_rows(rows_of: Layout, server_error: list, rows: list, owner, world: int) -> list:
-  """5: the server error (zero outside the owner's row of ``layout``) with the owner's ``rows``
-  (each of shape (1, …)) at that row."""
-  if not kernels.keeps_leaves():  # the flat layout: one row, written in place
-    return kernels.row_update_arrays(server_error, rows[0].reshape(-1), owner)
-  mine = jnp.arange(world) == owner
-  return rows_of.join([jnp.where(mine.reshape((world,) + (1,) * (r.ndim - 1)), r, 0.0)
-                       for r in rows])

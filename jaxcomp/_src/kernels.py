@@ -51,7 +51,8 @@ class Sum(NamedTuple):
 
 
 def product(m: Sum, q: jax.Array) -> jax.Array:
-  """``M·Q``, as the sum of each term's product (``Sum``)."""
+  """``M·Q``, as the sum of each term's product (``Sum``); M (…, n, m) and Q (…, m, r) may carry
+  leading axes of a stack of matrices (a batched product)."""
   return sum(t @ q for t in m.terms)
 
 
@@ -72,10 +73,12 @@ def transposed_product(m: Sum, p: jax.Array) -> jax.Array:
   2.06–2.07, PowerSGD 2.24–2.36 → 1.54–1.65 (``PYTHONPATH=. python benchmarks/step_time.py
   --models mlp --devices 8 --repeats 6 --variant dion_r16=dion_r8,rank=16 --variant
   psgd_r16=powersgd_r4,rank=16 --compressors allreduce,dion_r8,dion_r16,psgd_r16``).
+  Leading axes of a stack of matrices (M (…, n, m), P (…, n, r)) are batched.
   """
-  if p.shape[1] > 8:
-    return sum((p.T @ t).T for t in m.terms)
-  return sum(jnp.stack([p[:, j] @ t for j in range(p.shape[1])], axis=1) for t in m.terms)
+  if p.shape[-1] > 8:
+    return sum(jnp.swapaxes(jnp.swapaxes(p, -1, -2) @ t, -1, -2) for t in m.terms)
+  return sum(jnp.stack([jnp.einsum("...n,...nm->...m", p[..., j], t) for j in range(p.shape[-1])],
+                       axis=-1) for t in m.terms)
 
 
 def zero_padded(arrays: Sequence, size: int) -> jax.Array:
@@ -114,12 +117,12 @@ def in_place(update: Callable, old: jax.Array, *operands: jax.Array) -> jax.Arra
 
 
 def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
-  """``P·Qᵀ`` (n, m). Up to rank 8 as a sum of r outer products: elementwise, so XLA computes it
-  inside whatever consumes it (the error update, the output) instead of writing an (n, m) matrix
-  first, which it does for a matrix product."""
-  if p.shape[1] > 8:
-    return p @ q.T
-  return sum(p[:, j, None] * q[None, :, j] for j in range(p.shape[1]))
+  """``P·Qᵀ`` (…, n, m), leading axes batched. Up to rank 8 as a sum of r outer products:
+  elementwise, so XLA computes it inside whatever consumes it (the error update, the output)
+  instead of writing an (n, m) matrix first, which it does for a matrix product."""
+  if p.shape[-1] > 8:
+    return p @ jnp.swapaxes(q, -1, -2)
+  return sum(p[..., :, j, None] * q[..., None, :, j] for j in range(p.shape[-1]))
 
 
 # ---------------------------------------------------------------------------------------------- DGC
@@ -442,9 +445,11 @@ def row_update_arrays(arrays: Sequence, row: jax.Array, owner) -> list:
 # ------------------------------------------------------------------------------------ chunked top-k
 
 
-def scatter_rows_add(terms: Sequence[tuple], shape: tuple) -> jax.Array:
+def scatter_rows_add(terms: Sequence[tuple], shape: tuple, fill=None) -> jax.Array:
   """``Σ_t zeros(shape).at[rows, positions_t].add(values_t)`` for the ``(positions, values)`` terms
-  (each ``(R, k)``, the positions distinct in each row), added term after term, unrolled.
+  (each ``(R, k)``, the positions distinct in each row), added term after term, unrolled; with
+  ``fill`` (a scalar: chunked top-k's NaN on a step that is not finite), into ``full(shape,
+  fill)`` instead, at no cost beyond the zeros' (a select after it was a pass of its own).
 
   Into zeros of their own (a 0 read from the first positions, never negative): from ``jnp.zeros``,
   XLA shares one broadcast of 0 between the scatters of leaves of the same shape and copies it for
@@ -455,6 +460,8 @@ def scatter_rows_add(terms: Sequence[tuple], shape: tuple) -> jax.Array:
   """
   positions, values = terms[0]
   zero = jnp.minimum(positions[0, 0], 0).astype(values.dtype)
+  if fill is not None:
+    zero = zero + jnp.asarray(fill, values.dtype)
   total = jnp.broadcast_to(zero, shape)
   rows = jnp.arange(shape[0])[:, None]
   for positions, values in terms:

@@ -10,7 +10,9 @@ docstring; "Alg. n": the paper's):
 2. ``M ← g + e``: add this device's error feedback (Alg. 2 line 7).
 3. Blocks as matrices (torch 1–1.2): layer-wise, a leaf as (n, m), compressed iff ``compress(path,
    leaf)`` and ``(n + m)·r·min_compression_rate < n·m``, ``r = min(n, m, rank)``; batched, each
-   dtype's leaves raveled and zero-padded into one square.
+   dtype's leaves raveled and zero-padded into one square. Blocks of one (n, m), rank, dtype and
+   choice go through 4–9 as one stack (G, n, m) (``jaxcomp._src.stacks``; torch's
+   ``batch_tensors_with_same_shape``); a stack of several writes M = g + e once.
 4. Uncompressed blocks: summed in the all-reduce of step 5, then ÷W (torch 2.1, 2.2).
 5. ``P = M·orth(Q)`` locally; one all-reduce SUM, not ÷W; ``P̂ = orth(P)`` (torch 3.1–3.4; Alg. 1).
 6. ``Q = Mᵀ·P̂`` locally; one all-reduce SUM, then ÷W (torch 3.5, 3.6; Alg. 1 lines 6–7).
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import axis, compressor, finite, kernels, phases, validate
+from jaxcomp._src import axis, compressor, finite, kernels, phases, stacks, validate
 from jaxcomp._src import tree as tree_lib
 
 _Q, _P = 0, 1  # the factor a random draw is for
@@ -115,15 +117,16 @@ class PowerSGDConfig(compressor.MeanConfig):
 
 
 class PowerSGDState(NamedTuple):
-  """State of PowerSGD (``config.batched``: batched, with a tuple entry per square in each field).
+  """State of PowerSGD: a tuple entry per group of blocks (3) in each field, stacked; ``by_leaf``
+  gives a field in the params' structure.
 
   Attributes:
     count: steps taken (int32); steps with a non-finite gradient are not counted.
-    error: the error feedback, per device, in the params' structure (``optax.MaskedNode()`` where
-      not reduced, or without error feedback); batched, each square ``(side, side)``.
-    q: the Q the next compressed step starts from, the same on every device: ``(m, r)`` at
-      compressed leaves, else ``optax.MaskedNode()``; batched, each square's ``(side, r)``.
-    p: alternating: the P an odd step starts from, as ``q`` (``(n, r)``).
+    error: the error feedback, per device: ``(G, n, m)`` per group (``optax.MaskedNode()`` without
+      error feedback); batched, ``(1, side, side)`` per square.
+    q: the Q the next compressed step starts from, the same on every device: ``(G, m, r)`` per
+      compressed group, else ``optax.MaskedNode()``; batched, ``(1, side, r)`` per square.
+    p: alternating: the P an odd step starts from, as ``q`` (``(G, n, r)``).
     config, signature: the settings; the gradient's structure, shapes, dtypes and paths.
   """
   count: jax.Array
@@ -139,6 +142,16 @@ class PowerSGDState(NamedTuple):
     """torch's ``compression_stats()``: ``(rate, numel before, numel after)``, summed over steps."""
     return powersgd_stats(self)
 
+  def by_leaf(self, field: str):
+    """Layer-wise: ``field`` (``"error"``, ``"q"``, ``"p"``) in the params' structure
+    (``stacks.by_leaf``): a leaf's error in its shape, its Q ``(m, r)``, its P ``(n, r)``."""
+    return stacks.by_leaf(self.signature, _members(self), getattr(self, field), 2, field == "error")
+
+  def with_leaves(self, field: str, tree) -> "PowerSGDState":
+    """The state with ``field`` set from ``tree``, in the params' structure (``by_leaf``'s)."""
+    return self._replace(**{field: stacks.with_leaves(
+        self.signature, _members(self), getattr(self, field), tree, 2, field == "error")})
+
 
 class _Block(NamedTuple):
   """One matrix: reduced leaves ``members`` raveled, concatenated, zero-padded, viewed as (n, m)."""
@@ -150,6 +163,7 @@ class _Block(NamedTuple):
   rank: int
   compress: bool
   name: str  # seeds its random factors
+  dtype: Any
 
 
 def _blocks(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> list:
@@ -168,83 +182,103 @@ def _blocks(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> list:
     r = min(n, m, config.rank)
     compress = config.batched or ((config.compress is None or bool(config.compress(
         name, leaves[ks[0]]))) and (n + m) * r * config.min_compression_rate < n * m)
-    blocks.append(_Block(tuple(ks), shapes, length, n, m, r, compress, name))
+    blocks.append(_Block(tuple(ks), shapes, length, n, m, r, compress, name, leaves[ks[0]].dtype))
   return blocks
 
 
-def _field(config: PowerSGDConfig, signature, values: list):
-  """The state field holding ``values``, one per block (a tuple when batched)."""
-  return tuple(values) if config.batched else signature.place(values)
+def _groups(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> list:
+  """3: tuples of the blocks of one (n, m), rank, dtype and choice, stacked as (G, n, m) (batched:
+  each square alone), in the order of their first block."""
+  blocks = _blocks(config, signature)
+  keys = [(b.name,) if config.batched else (b.n, b.m, b.rank, b.compress, b.dtype.name)
+          for b in blocks]
+  return [tuple(blocks[i] for i in group) for group in stacks.groups_of(keys)]
 
 
-def _draw(config: PowerSGDConfig, step, block: _Block, factor: int, dtype) -> jax.Array:
-  """A standard-normal Q (or P), the same on every device: from ``seed``, step and block name."""
-  key = jax.random.fold_in(jax.random.key(config.seed), step)
-  key = jax.random.fold_in(jax.random.fold_in(key, zlib.crc32(block.name.encode())), factor)
-  return jax.random.normal(key, ((block.m, block.n)[factor], block.rank), dtype)
+def _members(state: PowerSGDState) -> list:
+  """The leaves of each group (layer-wise: a block is a leaf)."""
+  return [[b.members[0] for b in g] for g in _groups(state.config, state.signature)]
+
+
+def _draw(config: PowerSGDConfig, step, group: tuple, factor: int, dtype) -> jax.Array:
+  """Standard-normal Qs (or Ps) of the group's blocks, stacked, the same on every device: each from
+  ``seed``, the step and its block's name."""
+  def draw(block):
+    key = jax.random.fold_in(jax.random.key(config.seed), step)
+    key = jax.random.fold_in(jax.random.fold_in(key, zlib.crc32(block.name.encode())), factor)
+    return jax.random.normal(key, ((block.m, block.n)[factor], block.rank), dtype)
+  return jnp.stack([draw(block) for block in group])
 
 
 def init(config: PowerSGDConfig, signature: tree_lib.TreeSignature) -> PowerSGDState:
   """Zero error; the factors of the compressed blocks drawn from ``seed``."""
   error, q, p = [], [], []
-  for block in _blocks(config, signature):
-    dtype = signature.dtypes[signature.reduced[block.members[0]]]
-    shape = (block.n, block.m) if config.batched else block.shapes[0]
-    error.append(jnp.zeros(shape, dtype) if config.error_feedback else optax.MaskedNode())
-    q.append(_draw(config, 0, block, _Q, dtype) if block.compress else optax.MaskedNode())
-    p.append(_draw(config, 0, block, _P, dtype) if block.compress and config.alternating
+  for group in _groups(config, signature):
+    b, dtype = group[0], group[0].dtype
+    error.append(jnp.zeros((len(group), b.n, b.m), dtype) if config.error_feedback
+                 else optax.MaskedNode())
+    q.append(_draw(config, 0, group, _Q, dtype) if b.compress else optax.MaskedNode())
+    p.append(_draw(config, 0, group, _P, dtype) if b.compress and config.alternating
              else optax.MaskedNode())
-  fields = [_field(config, signature, f) for f in (error, q, p)]
-  return PowerSGDState(jnp.zeros([], jnp.int32), *fields, config, signature)
+  return PowerSGDState(jnp.zeros([], jnp.int32), tuple(error), tuple(q), tuple(p), config,
+                       signature)
 
 
 def orthogonalize(x: jax.Array, epsilon=0.0) -> jax.Array:
-  """The columns of ``x`` (n, r) orthonormalized as torch does: modified Gram–Schmidt when r ≤ 2 or
-  ``x`` is float16 / bfloat16 (``col /= norm(col) + epsilon``), else QR (no ``epsilon``). Unlike
-  torch (alike at rounding level for full-rank ``x``): finished columns are removed twice, as one
-  pass left 194 of 200 random rank-1 float32 (20, 2) matrices far from orthogonal in torch 2.13;
-  an all-zero column stays zero with ``epsilon=0`` (torch: NaN); half-precision norms in float32."""
-  if x.shape[1] > 2 and x.dtype not in (jnp.float16, jnp.bfloat16):
+  """The columns of ``x`` (…, n, r; a stack batched) orthonormalized as torch does: modified
+  Gram–Schmidt when r ≤ 2 or ``x`` is float16 / bfloat16 (``col /= norm(col) + epsilon``), else QR
+  (no ``epsilon``). Unlike torch (alike at rounding level for full-rank ``x``): finished columns
+  are removed twice, as one pass left 194 of 200 random rank-1 float32 (20, 2) matrices far from
+  orthogonal in torch 2.13; an all-zero column stays zero with ``epsilon=0`` (torch: NaN);
+  half-precision norms in float32."""
+  if x.shape[-1] > 2 and x.dtype not in (jnp.float16, jnp.bfloat16):
     return jnp.linalg.qr(x)[0]
   cols = []
-  for i in range(x.shape[1]):
-    col = x[:, i]
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  for i in range(x.shape[-1]):
+    col = x[..., i]
     for _ in range(2):
       for done in cols:
-        col = col - jnp.sum(done * col) * done
-    norm = jnp.sqrt(jnp.sum(jnp.square(col.astype(jnp.promote_types(x.dtype, jnp.float32)))))
+        col = col - jnp.sum(done * col, axis=-1, keepdims=True) * done
+    norm = jnp.sqrt(jnp.sum(jnp.square(col.astype(wide)), axis=-1, keepdims=True))
     denom = norm.astype(x.dtype) + jnp.asarray(epsilon, x.dtype)
     cols.append(col / jnp.where(denom == 0, jnp.ones_like(denom), denom))
-  return jnp.stack(cols, axis=1)
+  return jnp.stack(cols, axis=-1)
 
 
-def _matrix(block: _Block, leaves: list, error) -> kernels.Sum:
-  """2, 3: ``M = g + e``, the block's (n, m) matrix: g (a leaf, or the batched square of the
-  leaves) plus this device's error, a ``kernels.Sum`` that the products read term by term."""
-  members = [leaves[k] for k in block.members]
-  if len(members) == 1 and block.n * block.m == block.length:
-    g = members[0].reshape(block.n, block.m)
-  else:  # batched: raveled, concatenated, zero-padded
-    g = kernels.zero_padded(members, block.n * block.m).reshape(block.n, block.m)
-  return kernels.Sum((g,) if error is None else (g, error.reshape(g.shape).astype(g.dtype)))
+def _matrix(group: tuple, leaves: list, error) -> kernels.Sum:
+  """2, 3: ``M = g + e``, the group's (G, n, m) matrices: g (leaves, or the batched square of the
+  leaves) plus this device's error, a ``kernels.Sum`` that the products read term by term; for a
+  group of several blocks, M itself, written once (the stacked g would be written anyway)."""
+  b, gs = group[0], []
+  for block in group:
+    members = [leaves[k] for k in block.members]
+    if len(members) == 1 and b.n * b.m == block.length:
+      gs.append(members[0].reshape(b.n, b.m))
+    else:  # batched: raveled, concatenated, zero-padded
+      gs.append(kernels.zero_padded(members, b.n * b.m).reshape(b.n, b.m))
+  g = jnp.stack(gs)
+  e = None if error is None else error.astype(g.dtype)
+  return kernels.Sum((g,) if e is None else (g, e) if len(gs) == 1 else (g + e,))
 
 
 def _new_error(m: kernels.Sum, x: jax.Array, error: jax.Array, ok: jax.Array) -> jax.Array:
-  """8, 10: ``e ← M − x`` (``M = g + e``), in e's shape and dtype, over the old error's block
-  (``kernels.in_place``); the old error where ``ok`` is false."""
-  g = m.terms[0].reshape(error.shape)
-  return kernels.in_place(
-      lambda e, g, x, ok: jnp.where(ok, (g + e.astype(g.dtype) - x).astype(e.dtype), e),
-      error, g, x.reshape(error.shape), ok)
+  """8, 10: ``e ← M − x``, in e's dtype, over the old error's block (``kernels.in_place``): ``M =
+  g + e`` from its terms, or M as written; the old error where ``ok`` is false."""
+  def new(e, g, x, ok):
+    value = g + e.astype(g.dtype) if len(m.terms) > 1 else g
+    return jnp.where(ok, (value - x).astype(e.dtype), e)
+  return kernels.in_place(new, error, m.terms[0], x, ok)
 
 
-def _leaves(blocks: list, values: list, count: int) -> list:
-  """7: each block's (n, m) value cut back to its ``count`` leaves (``_matrix``'s inverse)."""
+def _leaves(groups: list, values: list, count: int) -> list:
+  """7: each group's (G, n, m) value cut back to its ``count`` leaves (``_matrix``'s inverse)."""
   leaves = [None] * count
-  for block, value in zip(blocks, values):
-    flat = value.reshape(-1)[:block.length]
-    for k, x in zip(block.members, tree_lib.unflatten(flat, block.shapes)):
-      leaves[k] = x
+  for group, value in zip(groups, values):
+    for block, x in zip(group, value):
+      flat = x.reshape(-1)[:block.length]
+      for k, leaf in zip(block.members, tree_lib.unflatten(flat, block.shapes)):
+        leaves[k] = leaf
   return leaves
 
 
@@ -255,7 +289,8 @@ def _mean_of_sums(arrays: list, axis_name) -> list:
 
 def _kept(new: list, old: list) -> list:
   """9: ``new`` in ``old``'s dtypes, but an all-zero column keeps its old value (it would stall)."""
-  return [jnp.where(jnp.all(x == 0, axis=0), y, x.astype(y.dtype)) for x, y in zip(new, old)]
+  return [jnp.where(jnp.all(x == 0, axis=-2, keepdims=True), y, x.astype(y.dtype))
+          for x, y in zip(new, old)]
 
 
 def _power_iteration(config, operands: tuple, axis_name) -> tuple:
@@ -310,16 +345,15 @@ def _half_iteration(config, parity, operands: tuple, axis_name) -> tuple:
 
 def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
          phase: phases.Phase) -> tuple:
-  """One step on the reduced ``leaves`` (the module docstring's steps): ``(outputs, new state,
-  finite)``."""
+  """One step on the reduced ``leaves`` (the module docstring's steps): ``(outputs, state, ok)``."""
   if phase.value == "warmup":  # 1: ÷W, then one all-reduce SUM
     means = axis.mean_many(leaves, axis_name)
     return means, state, finite.reduced_finite(means)  # 10: the state is unchanged
-  blocks = _blocks(config, state.signature)
-  errors, qs, ps = (list(f) if config.batched else state.signature.pick(f) for f in state[1:4])
-  ms = [_matrix(b, leaves, e if config.error_feedback else None) for b, e in zip(blocks, errors)]
-  dense = [k for k, b in enumerate(blocks) if not b.compress]
-  packed = [k for k, b in enumerate(blocks) if b.compress]
+  groups = _groups(config, state.signature)
+  errors, qs, ps = (list(f) for f in state[1:4])
+  ms = [_matrix(g, leaves, e if config.error_feedback else None) for g, e in zip(groups, errors)]
+  dense = [k for k, g in enumerate(groups) if not g[0].compress]
+  packed = [k for k, g in enumerate(groups) if g[0].compress]
   operands = ([ms[k] for k in packed], [qs[k] for k in packed], [ps[k] for k in packed],
               [ms[k] for k in dense])
   if config.alternating:
@@ -327,25 +361,22 @@ def step(config: PowerSGDConfig, state: PowerSGDState, leaves: list, axis_name,
         config, (state.count - config.start_iter) % 2, operands, axis_name)
   else:
     means, outputs, residuals, new_qs, new_ps, ok = _power_iteration(config, operands, axis_name)
-  kept = lambda new, old: (old if isinstance(old, optax.MaskedNode)  # noqa: E731 (no P)
-                           else jnp.where(ok, new, old))
-  for k, q, p in zip(packed, new_qs, new_ps):  # 9, 10: kept where not finite
-    fresh = q if config.warm_start else _draw(config, state.count + 1, blocks[k], _Q, q.dtype)
-    qs[k], ps[k] = kept(fresh, qs[k]), kept(p, ps[k])
+  for k, q, p in zip(packed, new_qs, new_ps):  # 9, 10: kept where not finite (P: if any)
+    fresh = q if config.warm_start else _draw(config, state.count + 1, groups[k], _Q, q.dtype)
+    qs[k], ps[k] = finite.keep_if_finite(ok, (fresh, p), (qs[k], ps[k]))
 
-  def per_block(factors):  # the dense means, and P·Qᵀ of the compressed blocks
+  def per_group(factors):  # the dense means, and P·Qᵀ of the compressed groups
     values = {**dict(zip(dense, means)),
               **{k: kernels.low_rank_product(p, q) for k, (p, q) in zip(packed, factors)}}
-    return [values[k] for k in range(len(blocks))]
+    return [values[k] for k in range(len(groups))]
 
-  if config.error_feedback:  # 8: e ← M − P̂·Qᵀ, M − mean for the dense blocks; 10: kept
-    errors = [_new_error(m, r, e, ok) for m, r, e in zip(ms, per_block(residuals), errors)]
-  new_state = {f: _field(config, state.signature, v) for f, v in zip(("error", "q", "p"),
-                                                                     (errors, qs, ps))}
+  if config.error_feedback:  # 8: e ← M − P̂·Qᵀ, M − mean for the dense groups; 10: kept
+    errors = [_new_error(m, r, e, ok) for m, r, e in zip(ms, per_group(residuals), errors)]
+  new_state = dict(error=tuple(errors), q=tuple(qs), p=tuple(ps))
   # 10: NaN outputs where not finite, through the small factors and the dense means.
   outputs = [(p, finite.nan_unless_finite(ok, q)) for p, q in outputs]
   means = finite.nan_unless_finite(ok, means)
-  return _leaves(blocks, per_block(outputs), len(leaves)), state._replace(**new_state), ok
+  return _leaves(groups, per_group(outputs), len(leaves)), state._replace(**new_state), ok
 
 
 def powersgd_stats(tree) -> tuple:
@@ -389,9 +420,8 @@ def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: i
              bucket_cap_mb: Optional[float] = None) -> optax.GradientTransformation:
   """Layer-wise PowerSGD: the cross-device mean of a rank-``rank`` approximation of each matrix.
 
-  The plain mean for ``start_iter`` steps, then torch's ``powerSGD_hook`` (the module docstring).
-  ``jaxcomp.comm_report`` gives a compressed step's bytes, ``.phase("powersgd.warmup")`` a
-  warm-up's.
+  The plain mean for ``start_iter`` steps, then torch's ``powerSGD_hook`` (the module docstring);
+  ``jaxcomp.comm_report`` gives a step's bytes, ``.phase("powersgd.warmup")`` a warm-up's.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
@@ -421,7 +451,7 @@ def powersgd(rank: int = 1, *, axis_name: axis.AxisName = "batch", start_iter: i
     compress: ``compress(path, leaf) -> bool`` (leaf: a ``jax.ShapeDtypeStruct``): which leaves may
       be compressed; the others are averaged densely (``optax.masked`` would not average them).
     bucket_cap_mb: None, or DDP's buckets of this many MiB, each with its own state and
-      collectives, which depend on its own gradients only (to overlap with the backward pass).
+      collectives, which can overlap the backward pass.
 
   Returns:
     A ``GradientTransformation`` with a ``PowerSGDState`` (with ``bucket_cap_mb``, a

@@ -181,14 +181,21 @@ def _coarse_dgc(items, world, settings):
   return _ar(norms) + _ar(rest)
 
 
+def _rows(items, world, granule) -> int:
+  """The values in the two-phase exchange's W rows (``exchange.row_layout``): a leaf of a multiple
+  of W·granule values as it is, the others packed into W rows of S, S a multiple of granule."""
+  sizes = [math.prod(shape) for _, shape in items]
+  rest = sum(n for n in sizes if n % (world * granule))
+  return sum(sizes) - rest + world * granule * math.ceil(rest / (world * granule))
+
+
 def _quantized(items, world, settings, block=256, share=1.0):
   """b-bit codes and a float32 scale per block: an all-to-all and an all-gather of each."""
-  numel = _numel(items)
-  if not numel:
+  if not _numel(items):
     return []
-  shard = block * math.ceil(numel / (world * block))
-  codes = world * shard * {4: 4, "e2m1": 4, "e3m0": 4, 2: 2}.get(settings.get("bits", 8), 8) // 8
-  scales = F32 * world * shard // block
+  values = _rows(items, world, block)
+  codes = values * {4: 4, "e2m1": 4, "e3m0": 4, 2: 2}.get(settings.get("bits", 8), 8) // 8
+  scales = F32 * values // block
   return (_a2a(scales, share) + _a2a(codes, share) + _ag(scales, share) + _ag(codes, share))
 
 
@@ -197,9 +204,8 @@ def _sign(items, world, settings):
 
 
 def _onebit_adam(items, world, settings):
-  shard = 8 * math.ceil(_numel(items) / (8 * world))
-  return (_a2a(world * shard // 8) + _a2a(F32 * world) + _ag(world * shard // 8)
-          + _ag(F32 * world))
+  signs = _rows(items, world, 8) // 8
+  return _a2a(signs) + _a2a(F32 * world) + _ag(signs) + _ag(F32 * world)
 
 
 def _chunked_topk_bytes(items, world, k=64, chunk=4096, bits=2) -> int:
