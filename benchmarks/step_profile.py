@@ -77,7 +77,7 @@ import optax  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from jaxcomp.train.hlo_cost import bytes_moved  # noqa: E402  (the planner's count, shared)
+from jaxcomp.train.hlo_cost import bytes_moved, parse  # noqa: E402  (the planner's, shared)
 
 OPTIMIZER_SCOPE = "profile.optimizer"
 # The parts the jaxcomp plumbing names (``jax.named_scope("jaxcomp.<part>")``), as the table calls
@@ -137,7 +137,9 @@ def instructions(hlo_text: str) -> dict:
     out[name] = (out[name][0], inside.get(computation, ""))
   users = collections.defaultdict(list)
   operands = {}
-  for computation in _parsed(hlo_text).values():
+  for key, computation in parse(hlo_text).items():
+    if key == "ENTRY":  # the entry computation again, under its own name too
+      continue
     for name, i in computation.items():
       operands[name] = i.operands
       for o in i.operands:
