@@ -1,5 +1,5 @@
-"""What local SGD, DiLoCo and DES-LOC share: ``Assign`` updates, the local non-finite policy, and the places
-they run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``,
+"""What local SGD, DiLoCo and DES-LOC share: ``Assign`` updates, the local non-finite policy, and
+the places they run — ``pmap``, ``shard_map(check_vma=True)`` with ``state_partition_specs``,
 ``nnx.Optimizer``, ``jaxcomp.data_parallel`` (parameters per device, both forms)."""
 
 import functools

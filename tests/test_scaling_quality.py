@@ -40,7 +40,8 @@ def test_the_findings_name_the_best_frugal_entry_and_the_familys_trend():
              record("diloco_maxtext", "b", 4000, 1.5075, 80.0, base=(1.5, 800.0))]
   text = scaling_report.findings(records, ("allreduce_adamw", "muloco", "diloco_maxtext"))
   # diloco_maxtext sends 10x fewer bits: not a candidate; muloco (200x) is, at +2.00%.
-  assert "the best entry at ≥ 100× fewer bytes than allreduce is muloco (200× fewer), +2.00%" in text
+  assert ("the best entry at ≥ 100× fewer bytes than allreduce is muloco (200× fewer), +2.00%"
+          in text)
   assert "not within 1%" in text
   assert "diloco_maxtext: +4.00% → +0.50% from 1,000 to 4,000 parameters; it shrinks" in text
   assert "muloco: +5.00% → +2.00%" in text and "would reach 1% at about" in text

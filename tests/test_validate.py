@@ -139,7 +139,7 @@ BAD_ARGUMENTS = [
     (lambda: jaxcomp.allreduce(axis_name=0), "axis_name"),
     (lambda: jaxcomp.powersgd(1, axis_name=["batch"]), "axis_name"),
     (lambda: jaxcomp.dgc(0.01, axis_name=("batch", 2)), "axis_name"),
-    (lambda: jaxcomp.quantized(4), "bits"),
+    (lambda: jaxcomp.quantized(3), "bits"),
     (lambda: jaxcomp.quantized("int8"), "bits"),
     (lambda: jaxcomp.quantized(True), "bits"),
     (lambda: jaxcomp.quantized(8, block_size=0), "block_size"),
