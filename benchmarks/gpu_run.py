@@ -166,9 +166,11 @@ def run_lane(name: str, work: str, deadline: float, cores) -> int:
   import jax  # noqa: PLC0415
   status = {"lane": name, "cores": list(cores or []), "sections": []}
 
-  def save():
-    with open(os.path.join(work, f"status_{name}.json"), "w") as f:
+  def save():  # whole or not at all: the parent reads it while the lane runs
+    path = os.path.join(work, f"status_{name}.json")
+    with open(path + ".part", "w") as f:
       json.dump(status, f, indent=1)
+    os.replace(path + ".part", path)
 
   stops, _ = gpu_env.check_apis()
   modules = {}

@@ -139,12 +139,20 @@ def test_an_update_compiled_per_shape_group_against_the_whole_tree(name, tmp_pat
             sum(w for f, b, d, w, c, e in rows))
   flops, nbytes, kernels = totals(grouped.summary)
   whole_flops, whole_bytes, whole_kernels = totals(whole)
-  # Per leaf (PowerSGD), the same work; over the concatenated gradient (8-bit codes), the same
-  # bytes up to the kernels done once per update, counted once per group instance instead.
-  assert flops == pytest.approx(whole_flops, rel=0.05)
+  # PowerSGD runs same-shape leaves as one stack (one batched product per shape), a group alone
+  # as a stack of one: the same products, the elementwise work around them cut differently
+  # (grouped 7.6% more FLOPs when measured); over the concatenated gradient (8-bit codes), the
+  # same bytes up to the kernels done once per update, counted once per group instance instead.
+  assert flops == pytest.approx(whole_flops, rel=0.1)
   assert nbytes == pytest.approx(whole_bytes, rel=0.1)
   extra = sum(c for _, c in compute.groups(tree)) - 1  # group instances beyond the first
-  assert -0.05 * whole_kernels <= kernels - whole_kernels <= 0.05 * whole_kernels + 25 * extra
+  if name == "powersgd_r1":
+    # The whole tree runs each shape's leaves as one stack: its kernels once per shape, where
+    # the groups count them once per leaf (474 against 244 when measured). The planner's launch
+    # costs of a stacking compressor are an upper bound.
+    assert whole_kernels < kernels <= 2.5 * whole_kernels
+  else:
+    assert -0.05 * whole_kernels <= kernels - whole_kernels <= 0.05 * whole_kernels + 25 * extra
 
 
 def test_memory_per_device_is_the_state_jax_would_allocate():

@@ -64,8 +64,7 @@ from typing import Optional, Sequence
 from jaxcomp.train import (device_setup, devices, link_job, namespaces, network, nodes, registry,
                            shapes, user_model)
 from jaxcomp.train.plots import plot
-from jaxcomp.train.runs import (WINDOW, Run, modelled_note, modelled_to_target, phase_programs,
-                                table, target_of)
+from jaxcomp.train.runs import WINDOW, modelled_note, modelled_to_target, table, target_of
 from jaxcomp.train.training_loop import train
 
 
@@ -363,21 +362,6 @@ def parse_count(text: str) -> int:
   return int(value)
 
 
-def time_over_link(task_name: str, runs: Sequence[Run], *, rate: str, quick: bool, seed: int,
-                   batch_size: int, world: int) -> dict:
-  """Times every phase program of ``runs`` over a slow link on ``world`` processes
-  (``jaxcomp.train.link_job``) and stores the seconds per step in each run's ``link_seconds``;
-  returns the link job's result."""
-  programs = phase_programs({r.name: r.steps for r in runs})
-  result = link_job.run_job(link_job.Job(task=task_name, quick=quick, seed=seed,
-                                         batch_size=batch_size, world=world, rates=[rate],
-                                         programs=programs))
-  seconds = result["links"][rate]["seconds"]
-  for r in runs:
-    r.link_seconds = {key: seconds[key] for _, key in r.phases}
-  return result
-
-
 PLAN_EXAMPLE = ("python -m jaxcomp.train --plan --model gpt2-small --devices 64 --gbits 25 "
                 "--device h100")
 """The command the default run names at its end."""
@@ -466,8 +450,9 @@ def _run(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
                batch_size=args.batch_size, seed=args.seed, max_steps=args.max_steps)
   if args.link:
     try:
-      measured = time_over_link(args.task, runs, rate=args.link, quick=args.quick, seed=args.seed,
-                                batch_size=args.batch_size, world=len(devices))
+      measured = link_job.time_runs(args.task, runs, rate=args.link, quick=args.quick,
+                                    seed=args.seed, batch_size=args.batch_size,
+                                    world=len(devices))
     except namespaces.LinkError as e:
       print(f"python -m jaxcomp.train: error: --link {args.link}: {e}", file=sys.stderr)
       return 2

@@ -30,6 +30,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from jaxcomp.train import namespaces
+from jaxcomp.train import runs as runs_lib
 
 JAX_PORT = 12355
 WORKER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
@@ -305,7 +306,22 @@ def worker_main(argv: Sequence[str], extra_programs: Optional[Callable] = None) 
   return 0
 
 
+def time_runs(task_name: str, runs: Sequence, *, rate: str, quick: bool, seed: int,
+              batch_size: int, world: int) -> dict:
+  """Times every phase program of the job's ``runs`` (``jaxcomp.train.runs.Run``) over a slow link
+  on ``world`` processes and stores the seconds per step in each run's ``link_seconds``; returns
+  the link job's result."""
+  programs = runs_lib.phase_programs({r.name: r.steps for r in runs})
+  result = run_job(Job(task=task_name, quick=quick, seed=seed, batch_size=batch_size, world=world,
+                       rates=[rate], programs=programs))
+  seconds = result["links"][rate]["seconds"]
+  for r in runs:
+    r.link_seconds = {key: seconds[key] for _, key in r.phases}
+  return result
+
+
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--worker", nargs=3, metavar=("SPEC", "RANK", "OUT"), required=True)
   sys.exit(worker_main(parser.parse_args().worker))
+

@@ -13,8 +13,7 @@ the tests check the one against the other.
 
 Gradients are float32 (4 bytes a value). Per entry (r a rank, L the reduced values, W devices):
 
-* dense means: 4 bytes a value (2 for fp16 / bf16); ``comm_hook`` ports: one message per DDP bucket
-  (``ddp_buckets``);
+* dense means: 4 bytes a value (2 for fp16 / bf16); ``comm_hook`` ports: a message a DDP bucket;
 * PowerSGD: each leaf viewed as (n, m) = (prod(shape[:-1]), shape[-1]), r = min(n, m, rank),
   compressed iff (n + m)·r·2 < n·m: one all-reduce of the Ps (4·n·r each) with the uncompressed
   leaves (4·n·m), one of the Qs (4·m·r); the alternating variant sends the Qs on even steps and the
@@ -24,11 +23,10 @@ Gradients are float32 (4 bytes a value). Per entry (r a rank, L the reduced valu
   W·k int32 indices if that is less than the leaf's dense mean, else the dense mean; float16 values
   halve the values and the dense means; coarse DGC: 4 bytes per chunk norm plus the chosen chunks;
   no finiteness flag (the values and the norms carry it);
-* 8-, 4- and 2-bit codes: L padded to W shards of S = 256·ceil(L / (256·W)): b-bit codes through
-  an all-to-all and an all-gather (W·S·b/8 bytes each), a 4-byte scale per 256 through each;
-* EF-SignSGD: W·ceil(L/8) bytes of signs and W·4 per leaf of scales, all-gathered;
-* 1-bit Adam: S = 8·ceil(L / (8·W)); W·S/8 bytes through an all-to-all and an all-gather, and a
-  4-byte scale per device through each;
+* 8-, 4- and 2-bit codes: the exchange's W rows (``_rows``: a leaf of a multiple of 256·W values
+  as it is, the others packed and padded to 256·W), b-bit codes and a 4-byte scale per 256 values
+  each through an all-to-all and an all-gather; 1-bit Adam: rows of a multiple of 8·W signs, and a
+  4-byte scale per device; EF-SignSGD: W·ceil(L/8) bytes of signs, W·4 per leaf of scales;
 * chunked top-k (SparseLoCo's exchange): per chunk of c values (leaves cut in ceil(numel/4096)
   near-equal chunks) keeping k_c = ceil(64·c/4096), a row of Elias–Fano positions and 2-bit codes
   plus 4 bytes of centroids, all-gathered (no finiteness flag: the centroids carry it);
@@ -42,14 +40,10 @@ Gradients are float32 (4 bytes a value). Per entry (r a rank, L the reduced valu
   (fragments strided over the leaves of two or more dimensions, each cut in τ pieces of rows), each
   padded on its own through int8 or E3M0; DES-LOC: 4·L bytes all-reduced every Kx, Ku, Kv steps.
 
-Not registry entries, for the planner's "Fully sharded" table (``jaxcomp.train.fsdp_plan``):
-``fsdp_messages`` (``jaxcomp.fully_sharded``: per layer, a gather of the parameters' shards and a
-reduce-scatter of the gradient's, each in its dtype) and ``zero_messages``
-(``jaxcomp.sharded_optimizer``), held equal to their compiled steps' ``comm_report`` by
-``tests/test_fsdp_plan.py``.
-
-An entry without a formula here (a new one) gets None: its bytes are not computed without compiling
-(``benchmarks/bytes.py --compressors NAME`` measures them).
+For the planner's "Fully sharded" table: ``fsdp_messages`` (``jaxcomp.fully_sharded``, per layer
+a gather of the parameters' shards and a reduce-scatter of the gradient's) and ``zero_messages``
+(``jaxcomp.sharded_optimizer``), held to the compiled steps by ``tests/test_fsdp_plan.py``. An
+entry without a formula gets None (``benchmarks/bytes.py --compressors NAME`` measures it).
 """
 
 from __future__ import annotations
