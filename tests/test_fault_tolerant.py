@@ -1,0 +1,91 @@
+"""Fault-tolerant DiLoCo across 3 processes x 2 CPU devices (``jaxcomp.train.fault_tolerant``): a
+process killed during its inner steps and restarted rejoins at the next synchronization, and every
+process's θ and outer state are bit-identical after every synchronization."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "fault_tolerant.py"
+PROCESSES, SYNC_EVERY, STEPS, KILL_AFTER = 3, 5, 150, 10
+DEADLINE = 240  # seconds for the whole job; it takes about a third of that
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def records(path):
+  """The worker's lines of JSON (one per synchronization that counted)."""
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path):
+  port, started = free_port(), []
+
+  def start(i):
+    log = open(tmp_path / f"process{i}.log", "a")
+    started.append(subprocess.Popen(
+        [sys.executable, "-u", str(WORKER), "--coordinator", f"127.0.0.1:{port}",
+         "--process-id", str(i), "--processes", str(PROCESSES), "--steps", str(STEPS),
+         "--sync-every", str(SYNC_EVERY), "--step-seconds", "0.1",
+         "--out", str(tmp_path / f"process{i}.jsonl")],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True))
+    return started[-1]
+
+  def logs():
+    return "\n".join(f"--- process {i}\n" + (tmp_path / f"process{i}.log").read_text()[-3000:]
+                     for i in range(PROCESSES))
+
+  deadline = time.time() + DEADLINE
+  try:
+    first = [start(i) for i in range(PROCESSES)]
+    # Kill process 2 right after a synchronization: during its inner steps.
+    while not any(r["step"] >= KILL_AFTER for r in records(tmp_path / "process2.jsonl")):
+      assert time.time() < deadline and all(p.poll() is None for p in first), logs()
+      time.sleep(0.02)
+    os.killpg(first[2].pid, signal.SIGKILL)
+    first[2].wait()
+    killed_at = len(records(tmp_path / "process2.jsonl"))
+    # Restart it once the survivors have synchronized without it.
+    while not any(r["members"] == [0, 1] for r in records(tmp_path / "process0.jsonl")):
+      assert time.time() < deadline and all(p.poll() is None for p in first[:2]), logs()
+      time.sleep(0.02)
+    rejoined = start(2)
+    for p in first[:2] + [rejoined]:
+      assert p.wait(timeout=max(1, deadline - time.time())) == 0, logs()
+  finally:
+    for p in started:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+  by_process = [records(tmp_path / f"process{i}.jsonl") for i in range(PROCESSES)]
+  expected_steps = list(range(0, STEPS + 1, SYNC_EVERY))
+  for survivor in by_process[:2]:  # every synchronization counted, to the job's step count
+    assert [r["step"] for r in survivor] == expected_steps
+  # The survivors went on without process 2, then took it back.
+  members = [tuple(r["members"]) for r in by_process[0]]
+  assert (0, 1) in members, members
+  assert members[-1] == (0, 1, 2), members
+  second_life = by_process[2][killed_at:]
+  assert second_life and second_life[0]["pid"] != by_process[2][0]["pid"]
+  assert tuple(second_life[0]["members"]) == (0, 1, 2) and second_life[-1]["step"] == STEPS
+  # Bit-identical: every copy of θ and the outer state after each synchronization, the rejoined
+  # process's first one included.
+  for step in expected_steps:
+    copies = {(r["theta"], r["outer"]) for rs in by_process for r in rs if r["step"] == step}
+    assert len(copies) == 1, (step, copies)
+  print(f"members by synchronization: {members}")
