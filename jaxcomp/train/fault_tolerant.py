@@ -88,8 +88,8 @@ def _sync_program(outer: optax.GradientTransformation, devices: tuple) -> Callab
     theta, outer_state = jax.tree.map(lambda x: _broadcast(x, is_source), (theta, outer_state))
     # 3: the members' mean pseudo-gradient, then DiLoCo's outer step; kept if nobody trained.
     trained = lax.psum(weight, "replica")
-    mean = jax.tree.map(lambda t, x: lax.psum(weight * (t - x), "replica") / jnp.maximum(trained, 1),
-                        theta, local)
+    mean = jax.tree.map(lambda t, x: lax.psum(weight * (t - x), "replica")
+                        / jnp.maximum(trained, 1), theta, local)
     new = diloco.outer_step(outer, theta, outer_state, mean)
     return jax.tree.map(lambda n, o: jnp.where(trained > 0, n, o), new, (theta, outer_state))
 
