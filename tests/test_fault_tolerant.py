@@ -57,6 +57,7 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
       assert time.time() < deadline and all(p.poll() is None for p in first), logs()
       time.sleep(0.02)
     os.killpg(first[2].pid, signal.SIGKILL)
+    killed = time.time()
     first[2].wait()
     killed_at = len(records(tmp_path / "process2.jsonl"))
     # Restart it once the survivors have synchronized without it.
@@ -88,4 +89,8 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
   for step in expected_steps:
     copies = {(r["theta"], r["outer"]) for rs in by_process for r in rs if r["step"] == step}
     assert len(copies) == 1, (step, copies)
-  print(f"members by synchronization: {members}")
+  assert len({r["theta"] for r in by_process[0]}) == len(expected_steps)  # θ moved every time
+  went_on = next(r["time"] for r in by_process[0] if r["members"] == [0, 1]) - killed
+  back = second_life[0]["time"] - killed
+  print(f"members by synchronization: {members}; the survivors synchronized without process 2 "
+        f"{went_on:.1f} s after the kill, and with it again {back:.1f} s after")

@@ -45,7 +45,8 @@ def main():
             rng.normal(size=(8, nodes_harness.OUT)).astype(np.float32))
 
   def on_sync(synced):
-    out.write(json.dumps({"pid": os.getpid(), "step": synced.step, "members": synced.members,
+    out.write(json.dumps({"pid": os.getpid(), "time": time.time(), "step": synced.step,
+                          "members": synced.members,
                           "theta": fault_tolerant.digest(synced.theta),
                           "outer": fault_tolerant.digest(synced.outer_state)}) + "\n")
     out.flush()
