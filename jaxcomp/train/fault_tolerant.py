@@ -2,12 +2,12 @@
 
 Each process is one DiLoCo replica: it runs its inner steps alone, on its own device, and meets the
 others only to synchronize, every ``sync_every`` steps, over the processes alive then
-(``jaxcomp.train.membership`` says who and on which devices). The math is DiLoCo's
-(``jaxcomp.diloco``'s configuration and outer step); what this module adds is who takes part.
+(``jaxcomp.Membership`` says who and on which devices). The math is DiLoCo's
+(``jaxcomp.DiLoCoConfig``'s outer step); what this module adds is who takes part.
 
 The steps, per process (the ``# n:`` comments below point here):
 
-1. a round over the live processes (``Membership.next_round``); a process that has not yet
+1. a round over the live processes (``jaxcomp.Membership.next_round``); a process that has not yet
    synchronized (at the start, or restarted) takes part without a pseudo-gradient;
 2. in one program over the round's devices: θ and the outer optimizer's state are sent, bit for
    bit, from process 0 (an integer sum of its copy and zeros), so a process that joins receives
@@ -37,8 +37,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxcomp._src import diloco
-from jaxcomp.train import membership
+import jaxcomp
 
 log = logging.getLogger(__name__)
 SOURCE = 0  # the process θ is sent from: it hosts the coordination service, so it never rejoins
@@ -77,7 +76,7 @@ def _broadcast(x, is_source):
 
 
 @functools.lru_cache(maxsize=None)
-def _sync_program(outer: optax.GradientTransformation, devices: tuple) -> Callable:
+def _sync_program(config: jaxcomp.DiLoCoConfig, devices: tuple) -> Callable:
   """Steps 2–3 over ``devices``, one per member, as one jitted program."""
   mesh = Mesh(np.asarray(devices), ("replica",))
 
@@ -90,7 +89,7 @@ def _sync_program(outer: optax.GradientTransformation, devices: tuple) -> Callab
     trained = lax.psum(weight, "replica")
     mean = jax.tree.map(lambda t, x: lax.psum(weight * (t - x), "replica")
                         / jnp.maximum(trained, 1), theta, local)
-    new = diloco.outer_step(outer, theta, outer_state, mean)
+    new = config.outer_step(theta, outer_state, mean)
     return jax.tree.map(lambda n, o: jnp.where(trained > 0, n, o), new, (theta, outer_state))
 
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("replica"), out_specs=P()))
@@ -114,15 +113,15 @@ def _local(tree):
                                                jax.local_devices()[0]), tree)
 
 
-def synchronize(rounds: membership.Membership, outer: optax.GradientTransformation, step: int,
-                theta, outer_state, local) -> Synced:
+def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: int, theta,
+                outer_state, local) -> Synced:
   """Steps 1–4: rounds until one counts. ``local`` is this period's θᵢ, or None if this process
   has not trained since it (re)joined. Returns the round's result."""
   while True:
     this_round = rounds.next_round(step)  # 1
     weight = np.float32(local is not None)
     try:
-      program = _sync_program(outer, this_round.devices)
+      program = _sync_program(config, this_round.devices)
       theta_out, state_out = _local(program(*_on_mesh(
           (theta, outer_state, theta if local is None else local,
            weight, np.bool_(jax.process_index() == SOURCE)), this_round.devices)))
@@ -160,16 +159,16 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
   Returns:
     The last round's result.
   """
-  config = diloco.DiLoCoConfig(inner=inner, sync_every=sync_every,
-                               outer_learning_rate=outer_learning_rate,
-                               outer_momentum=outer_momentum, nesterov=nesterov)
-  outer = config.outer_optimizer()
-  rounds = membership.Membership(vote_timeout=vote_timeout)
+  config = jaxcomp.DiLoCoConfig(inner=inner, sync_every=sync_every,
+                                outer_learning_rate=outer_learning_rate,
+                                outer_momentum=outer_momentum, nesterov=nesterov)
+  rounds = jaxcomp.Membership(vote_timeout=vote_timeout)
   grad_step = jax.jit(lambda p, s, *b: _inner_step(loss_fn, config.inner, p, s, *b))
   theta = jax.device_put(params, jax.local_devices()[0])
-  outer_state, local, inner_state, step = outer.init(theta), None, None, 0
+  outer_state = config.outer_optimizer().init(theta)
+  local, inner_state, step = None, None, 0
   while True:
-    synced = synchronize(rounds, outer, step, theta, outer_state, local)  # 1-4
+    synced = synchronize(rounds, config, step, theta, outer_state, local)  # 1-4
     on_sync(synced)
     theta, outer_state, step = synced.theta, synced.outer_state, synced.step
     if step >= steps:

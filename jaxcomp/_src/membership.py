@@ -42,7 +42,7 @@ from jaxcomp._src import jax_internals
 
 
 class Round(NamedTuple):
-  """One synchronization attempt, the same on every member.
+  """One synchronization attempt of ``Membership``, the same on every member.
 
   Attributes:
     number: the round's number in the job (every attempt counts).
@@ -57,7 +57,20 @@ class Round(NamedTuple):
 
 
 class Membership:
-  """The rounds of one process.
+  """The rounds of one process of a job that goes on when processes die and rejoin.
+
+  Every process of the job makes one after ``jax.distributed.initialize`` (with
+  ``jax_enable_recoverability``) and, at each synchronization, calls ``next_round``, runs its
+  collectives over the round's devices, and calls ``agree``; if ``agree`` says no, the round's
+  result is dropped everywhere and the process calls ``next_round`` again (the module docstring
+  numbers the steps; ``jaxcomp.train.fault_tolerant`` is DiLoCo on it)::
+
+    rounds = jaxcomp.Membership()
+    while True:
+      this_round = rounds.next_round(step)
+      ok = run_the_collectives(this_round.devices)   # False if they failed
+      if rounds.agree(this_round, ok):
+        break
 
   Args:
     vote_timeout: seconds process 0 waits for a member's vote (longer than the collective timeout
