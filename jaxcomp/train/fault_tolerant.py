@@ -127,7 +127,7 @@ def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: 
            weight, np.bool_(jax.process_index() == SOURCE)), this_round.devices)))
       jax.block_until_ready((theta_out, state_out))
       ok = True
-    except jax.errors.JaxRuntimeError as e:  # a member died inside the collective: timed out
+    except jax.errors.JaxRuntimeError as e:  # a member died: a closed connection, or the timeout
       log.warning("round %d over processes %s failed: %s", this_round.number,
                   this_round.members, str(e).splitlines()[0])
       ok = False
