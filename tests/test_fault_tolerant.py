@@ -1,6 +1,7 @@
-"""Fault-tolerant DiLoCo across 3 processes x 2 CPU devices (``jaxcomp.train.fault_tolerant``): a
+"""Fault-tolerant DiLoCo (``jaxcomp.train.fault_tolerant``): across 3 processes x 2 CPU devices, a
 process killed during its inner steps and restarted rejoins at the next synchronization, and every
-process's θ and outer state are bit-identical after every synchronization."""
+process's θ and outer state are bit-identical after every synchronization (slow tier); and one
+synchronization's program on simulated devices against NumPy (fast tier)."""
 
 import json
 import os
@@ -11,7 +12,14 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
+import optax
 import pytest
+
+import jaxcomp
+from jaxcomp.train import fault_tolerant
+import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_tolerant.py"
@@ -94,3 +102,40 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
   back = second_life[0]["time"] - killed
   print(f"members by synchronization: {members}; the survivors synchronized without process 2 "
         f"{went_on:.1f} s after the kill, and with it again {back:.1f} s after")
+
+
+@pytest.mark.numeric
+def test_a_synchronization_averages_over_the_members_that_trained_and_sends_theta_bit_for_bit():
+  """One synchronization's program on 3 simulated devices, one per member: member 0 is the source,
+  member 2 joins with a stale θ and momentum (weight 0). θ is NumPy DiLoCo's outer step on the
+  mean of members 0 and 1, the same bits on every device; with nobody trained, every device gets
+  the source's θ and momentum bit for bit (a -0.0 included)."""
+  rng = np.random.default_rng(0)
+  theta = {"w": rng.normal(size=(3, 5)).astype(np.float32)}
+  theta["w"][0, 0] = -0.0
+  momentum = {"w": rng.normal(size=(3, 5)).astype(np.float32)}
+  local = [{"w": theta["w"] + rng.normal(size=(3, 5)).astype(np.float32)} for _ in range(2)]
+  config = jaxcomp.DiLoCoConfig(inner=optax.sgd(0.1), sync_every=2)
+  outer_state = config.outer_optimizer().init(theta)
+  outer_state = (outer_state[0]._replace(trace=momentum),) + tuple(outer_state[1:])
+  stale_theta, stale_state = jax.tree.map(np.ones_like, (theta, outer_state))
+  program = fault_tolerant._sync_program(config, tuple(jax.devices()[:3]))
+
+  def run(weights):
+    rows = [(theta, outer_state, local[0], weights[0], True),
+            (theta, outer_state, local[1], weights[1], False),
+            (stale_theta, stale_state, stale_theta, weights[2], False)]
+    new_theta, new_state = program(*jax.tree.map(
+        lambda *xs: np.stack([np.asarray(x) for x in xs]), *rows))
+    for leaf in jax.tree.leaves((new_theta, new_state)):  # the same bits on every device
+      shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+      assert all(s.view(np.int32).tolist() == shards[0].view(np.int32).tolist() for s in shards)
+    return np.asarray(new_theta["w"]), np.asarray(new_state[0].trace["w"])
+
+  new_theta, _ = run([1.0, 1.0, 0.0])
+  delta = (2 * theta["w"] - local[0]["w"] - local[1]["w"]) / 2
+  expected = theta["w"] - 0.7 * (delta + 0.9 * (0.9 * momentum["w"] + delta))
+  np.testing.assert_allclose(new_theta, expected, **helpers.rounding_tol(8))
+  kept_theta, kept_momentum = run([0.0, 0.0, 0.0])
+  assert kept_theta.view(np.int32).tolist() == theta["w"].view(np.int32).tolist()
+  assert kept_momentum.view(np.int32).tolist() == momentum["w"].view(np.int32).tolist()
