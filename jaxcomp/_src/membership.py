@@ -90,7 +90,17 @@ class Membership:
     self.number, self.used, self.epoch, self.accepted, self.sent = 0, set(), None, False, {}
 
   def next_round(self, step: int) -> Round:
-    """Steps 1–3: blocks until the live processes meet; returns this process's round."""
+    """Steps 1–3: blocks until the live processes meet.
+
+    Args:
+      step: the job's step count here (process 0's is the one every member is told).
+
+    Returns:
+      This process's ``Round``.
+
+    Raises:
+      RuntimeError: on process 0, when every list of devices for the live processes was used.
+    """
     # 1: the barrier over every process; a dead one is dropped after the heartbeat timeout.
     live = self.client.get_live_nodes(list(range(self.processes)))
     if self.me == 0:
@@ -105,7 +115,15 @@ class Membership:
     return Round(plan["number"], plan["step"], tuple(plan["members"]), devices)
 
   def agree(self, this_round: Round, ok: bool) -> bool:
-    """Step 4: votes ``ok``; returns process 0's decision, the same on every member."""
+    """Step 4: votes and waits for process 0's decision.
+
+    Args:
+      this_round: the round ``next_round`` returned.
+      ok: whether this process's collectives of the round succeeded.
+
+    Returns:
+      Whether the round counts: True on every member, or False on every member.
+    """
     self.client.key_value_set(f"membership/vote/{this_round.number}/{self.me}", "1" if ok else "0")
     decision = f"membership/decision/{this_round.number}"
     if self.me == 0:
