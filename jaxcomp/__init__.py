@@ -64,6 +64,7 @@ from jaxcomp._src.local_sgd import LocalSGDConfig
 from jaxcomp._src.local_sgd import LocalSGDState
 from jaxcomp._src.local_sgd import local_sgd
 from jaxcomp._src.local_steps import Assign
+from jaxcomp._src.membership import Membership
 from jaxcomp._src.misuse import check
 from jaxcomp._src.onebit_adam import OneBitAdamConfig
 from jaxcomp._src.onebit_adam import OneBitAdamState
@@ -126,6 +127,7 @@ __all__ = (
     "Layer",
     "LocalSGDConfig",
     "LocalSGDState",
+    "Membership",
     "OneBitAdamConfig",
     "OneBitAdamState",
     "PAPER_WARMUP",

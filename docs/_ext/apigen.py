@@ -31,7 +31,7 @@ GROUPS = (
     ("sharded", "Sharded optimizer state", ("zero",)),
     ("fsdp", "Fully sharded (ZeRO-3 / FSDP)", ("fsdp", "fsdp_step")),
     ("distributed", "Several processes", ("distributed",)),
-    ("several_nodes", "Several nodes", ("hierarchical",)),
+    ("several_nodes", "Several nodes", ("hierarchical", "membership")),
     ("report", "Communication report", ("report", "phases")),
     ("core", "The protocol, axes and gradient signatures",
      ("interface", "compressor", "axis", "tree", "finite")),

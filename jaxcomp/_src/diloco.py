@@ -100,6 +100,10 @@ class DiLoCoConfig(local_steps.LocalStepsConfig):
     return optax.sgd(self.outer_learning_rate, momentum=self.outer_momentum or None,
                      nesterov=self.nesterov)
 
+  def outer_step(self, theta, outer_state, mean) -> tuple:
+    """Steps 5–6 with this configuration's outer SGD: ``(θ, outer state)`` (``outer_step``)."""
+    return outer_step(self.outer_optimizer(), theta, outer_state, mean)
+
 
 class DiLoCoState(NamedTuple):
   """State of ``diloco`` (and ``sparseloco``).

@@ -14,6 +14,9 @@ weaker, where a later JAX moves it:
   the primitive's name alone;
 * ``name_stack``: the name scopes an equation of a jaxpr was made in (relative to its jaxpr);
   without it, none (jaxcomp's own decisions are then checked as a user's are).
+* ``distributed_client``: this process's client of ``jax.distributed``'s coordination service (its
+  key-value store and ``get_live_nodes``, the barrier that ``multihost_utils.live_devices`` is
+  built on); without it, None (``jaxcomp.train.membership`` then refuses to start).
 """
 
 from __future__ import annotations
@@ -72,3 +75,13 @@ def name_stack(eqn) -> str:
     return str(eqn.source_info.name_stack)
   except AttributeError:
     return ""
+
+
+def distributed_client():
+  """This process's client of the coordination service ``jax.distributed.initialize`` started, or
+  None where there is none or it cannot be read."""
+  try:
+    from jax._src import distributed
+    return distributed.global_state.client
+  except (ImportError, AttributeError):
+    return None

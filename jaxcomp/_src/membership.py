@@ -1,0 +1,168 @@
+"""Who takes part in each synchronization of a job that survives its processes' deaths, and on which
+devices, on JAX's own coordination service (``jax.distributed``).
+
+Every workaround for what JAX does not yet do on CPU is here, and only here. Checked on jax 0.10.2
+(CPU, gloo collectives, processes on 127.0.0.1):
+
+* ``jax_enable_recoverability`` lets the other processes go on when one dies, and the service's
+  ``get_live_nodes`` (what ``multihost_utils.live_devices`` is built on) is a barrier over the live
+  processes that answers their incarnations (a restarted process has a new one).
+* A collective over a device list that was in use when a process died fails for ever after, on
+  every process: XLA:CPU keeps a gloo communicator (and its error) per device list for the life
+  of the process, and the rendezvous keys stay in the service's store, so a restarted process gets
+  ``ALREADY_EXISTS`` on them. So each *epoch* (a membership, until it changes or a round fails) runs
+  its collectives on a device list never used before in the job: each process exposes K CPU
+  devices and a round takes one of them per member. The lists run out (K^n of n members): this
+  is the limit of the workaround, and the reason to drop it once JAX can rebuild communicators.
+* Process 0 hosts the service; its death ends the job. So process 0 also decides: it plans every
+  round (members, devices, the step) into each member's key in the store, and decides from the
+  members' votes whether the round counts, so that every member takes the same decision.
+
+The steps of a round, per process (the ``# n:`` comments point here):
+
+1. the barrier: ``get_live_nodes`` over every process returns when each live one has called it
+   (a dead one is dropped after the heartbeat timeout);
+2. process 0 plans the round: the members are the live processes; the devices are the current
+   epoch's, or a list never used if the membership changed or the last round failed;
+3. each member reads its plan (its key carries its incarnation and its count of rounds);
+4. after its collectives each member votes; process 0 waits for the votes (up to ``vote_timeout``)
+   and writes the decision: the round counts if every member voted yes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from typing import NamedTuple
+
+import jax
+
+from jaxcomp._src import jax_internals
+
+
+class Round(NamedTuple):
+  """One synchronization attempt of ``Membership``, the same on every member.
+
+  Attributes:
+    number: the round's number in the job (every attempt counts).
+    step: the job's step count, process 0's.
+    members: the process ids taking part, sorted.
+    devices: one device per member, in the members' order.
+  """
+  number: int
+  step: int
+  members: tuple
+  devices: tuple
+
+
+class Membership:
+  """The rounds of one process of a job that goes on when processes die and rejoin.
+
+  Every process of the job makes one after ``jax.distributed.initialize`` (with
+  ``jax_enable_recoverability``) and, at each synchronization, calls ``next_round``, runs its
+  collectives over the round's devices, and calls ``agree``; if ``agree`` says no, the round's
+  result is dropped everywhere and the process calls ``next_round`` again (the module docstring
+  numbers the steps; ``jaxcomp.train.fault_tolerant`` is DiLoCo on it)::
+
+    rounds = jaxcomp.Membership()
+    while True:
+      this_round = rounds.next_round(step)
+      ok = run_the_collectives(this_round.devices)   # False if they failed
+      if rounds.agree(this_round, ok):
+        break
+
+  Args:
+    vote_timeout: seconds process 0 waits for a member's vote (longer than the collective timeout
+      and a compilation of the synchronization).
+    plan_timeout: seconds a member waits for its plan once the barrier has returned.
+  """
+
+  def __init__(self, vote_timeout: float = 60.0, plan_timeout: float = 120.0):
+    self.client = jax_internals.distributed_client()
+    if self.client is None:
+      raise RuntimeError("Membership: jax.distributed is not initialized: call "
+                         "jax.distributed.initialize(...) with jax_enable_recoverability first")
+    self.me, self.processes = jax.process_index(), jax.process_count()
+    self.vote_timeout_ms, self.plan_timeout_ms = int(vote_timeout * 1000), int(plan_timeout * 1000)
+    self.rounds_read = 0
+    # Process 0's: the next round's number, the lists used, the epoch, each incarnation's count.
+    self.number, self.used, self.epoch, self.accepted, self.sent = 0, set(), None, False, {}
+
+  def next_round(self, step: int) -> Round:
+    """Steps 1–3: blocks until the live processes meet.
+
+    Args:
+      step: the job's step count here (process 0's is the one every member is told).
+
+    Returns:
+      This process's ``Round``.
+
+    Raises:
+      RuntimeError: on process 0, when every list of devices for the live processes was used.
+    """
+    # 1: the barrier over every process; a dead one is dropped after the heartbeat timeout.
+    live = self.client.get_live_nodes(list(range(self.processes)))
+    if self.me == 0:
+      self._plan(live, step)  # 2
+    # 3: this incarnation's next plan.
+    key = f"membership/plan/{self.me}/{live[self.me]}/{self.rounds_read}"
+    plan = json.loads(self.client.blocking_key_value_get(key, self.plan_timeout_ms))
+    self.rounds_read += 1
+    by_id = {(d.process_index, d.id): d for d in jax.devices()}
+    ids = {p: sorted(i for q, i in by_id if q == p) for p in plan["members"]}
+    devices = tuple(by_id[p, ids[p][k]] for p, k in zip(plan["members"], plan["devices"]))
+    return Round(plan["number"], plan["step"], tuple(plan["members"]), devices)
+
+  def agree(self, this_round: Round, ok: bool) -> bool:
+    """Step 4: votes and waits for process 0's decision.
+
+    Args:
+      this_round: the round ``next_round`` returned.
+      ok: whether this process's collectives of the round succeeded.
+
+    Returns:
+      Whether the round counts: True on every member, or False on every member.
+    """
+    self.client.key_value_set(f"membership/vote/{this_round.number}/{self.me}", "1" if ok else "0")
+    decision = f"membership/decision/{this_round.number}"
+    if self.me == 0:
+      self.accepted = all(self._vote(this_round.number, p) for p in this_round.members)
+      self.client.key_value_set(decision, "1" if self.accepted else "0")
+    return self.client.blocking_key_value_get(decision, self.plan_timeout_ms) == "1"
+
+  def finish(self) -> None:
+    """Leaves the job in order: the other processes disconnect, then process 0, which hosts the
+    service, returns once none of them is connected (otherwise their disconnection fails)."""
+    if self.me != 0:
+      jax.distributed.shutdown()
+      return
+    while len(self.client.get_live_nodes(list(range(self.processes)))) > 1:
+      time.sleep(0.1)
+
+  def _vote(self, number: int, process: int) -> bool:
+    try:
+      return self.client.blocking_key_value_get(
+          f"membership/vote/{number}/{process}", self.vote_timeout_ms) == "1"
+    except jax.errors.JaxRuntimeError:  # no vote in time: the member died or hangs
+      return False
+
+  def _plan(self, live: dict, step: int) -> None:
+    members = tuple(sorted(live))
+    if not (self.accepted and self.epoch and self.epoch[0] == sorted(live.items())):
+      devices_per_process = len(jax.local_devices())
+      fresh = next((c for c in itertools.product(range(devices_per_process), repeat=len(members))
+                    if (members, c) not in self.used), None)
+      if fresh is None:
+        raise RuntimeError(
+            f"Membership: every list of devices of processes {members} has been used; start "
+            f"the processes with more CPU devices (jax_num_cpu_devices, now "
+            f"{devices_per_process}) to survive more membership changes")
+      self.used.add((members, fresh))
+      self.epoch = (sorted(live.items()), fresh)
+    plan = {"number": self.number, "step": step, "members": members, "devices": self.epoch[1]}
+    for p, incarnation in live.items():
+      count = self.sent.get((p, incarnation), 0)
+      self.client.key_value_set(f"membership/plan/{p}/{incarnation}/{count}", json.dumps(plan))
+      self.sent[p, incarnation] = count + 1
+    self.number += 1

@@ -1,0 +1,189 @@
+"""DiLoCo across processes that goes on when a process dies and takes it back when it restarts.
+
+Each process is one DiLoCo replica: it runs its inner steps alone, on its own device, and meets the
+others only to synchronize, every ``sync_every`` steps, over the processes alive then
+(``jaxcomp.Membership`` says who and on which devices). The math is DiLoCo's
+(``jaxcomp.DiLoCoConfig``'s outer step); what this module adds is who takes part.
+
+The steps, per process (the ``# n:`` comments below point here):
+
+1. a round over the live processes (``jaxcomp.Membership.next_round``); a process that has not yet
+   synchronized (at the start, or restarted) takes part without a pseudo-gradient;
+2. in one program over the round's devices: θ and the outer optimizer's state are sent, bit for
+   bit, from process 0 (an integer sum of its copy and zeros), so a process that joins receives
+   them;
+3. the pseudo-gradient θ − θᵢ is averaged over the members that trained this period (weight 1;
+   a joining one has weight 0), and DiLoCo's outer step moves θ (kept if no member trained);
+4. the members vote and process 0 decides (``Membership.agree``): if any member failed (died,
+   or its collective timed out), every member drops the round's result and tries again with the
+   survivors, from the same θ and its own θᵢ;
+5. every member sets its parameters to θ and trains ``sync_every`` inner steps on its own data; a
+   process that joined starts its inner optimizer's state afresh.
+
+A process that dies loses its current period's inner steps; the survivors lose nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxcomp
+
+log = logging.getLogger(__name__)
+SOURCE = 0  # the process θ is sent from: it hosts the coordination service, so it never rejoins
+
+
+class Synced(NamedTuple):
+  """What every member holds after a round that counted.
+
+  Attributes:
+    step: the job's step count.
+    members: the process ids that took part.
+    theta: θ, the parameters of the last outer step.
+    outer_state: the outer optimizer's state.
+  """
+  step: int
+  members: tuple
+  theta: object
+  outer_state: object
+
+
+def digest(tree) -> str:
+  """A SHA-256 of ``tree``'s leaves' bytes, to compare processes' copies bit for bit."""
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(tree):
+    h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+  return h.hexdigest()
+
+
+def _broadcast(x, is_source):
+  """The source's ``x``, bit for bit, on every device: an integer sum of its bits and zeros."""
+  if x.dtype.itemsize != 4:
+    raise TypeError(f"fault_tolerant: θ and the outer state must have 4-byte leaves, got {x.dtype}")
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  bits = lax.psum(jnp.where(is_source, bits, jnp.zeros_like(bits)), "replica")
+  return lax.bitcast_convert_type(bits, x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _sync_program(config: jaxcomp.DiLoCoConfig, devices: tuple) -> Callable:
+  """Steps 2–3 over ``devices``, one per member, as one jitted program."""
+  mesh = Mesh(np.asarray(devices), ("replica",))
+
+  def body(theta, outer_state, local, weight, is_source):
+    theta, outer_state, local = jax.tree.map(lambda x: x[0], (theta, outer_state, local))
+    weight, is_source = weight[0], is_source[0]
+    # 2: θ and the outer state from the source, bit for bit.
+    theta, outer_state = jax.tree.map(lambda x: _broadcast(x, is_source), (theta, outer_state))
+    # 3: the members' mean pseudo-gradient, then DiLoCo's outer step; kept if nobody trained.
+    trained = lax.psum(weight, "replica")
+    mean = jax.tree.map(lambda t, x: lax.psum(weight * (t - x), "replica")
+                        / jnp.maximum(trained, 1), theta, local)
+    new = config.outer_step(theta, outer_state, mean)
+    return jax.tree.map(lambda n, o: jnp.where(trained > 0, n, o), new, (theta, outer_state))
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("replica"), out_specs=P()))
+
+
+def _on_mesh(tree, devices: tuple):
+  """This process's ``tree`` as the local row of global arrays over ``devices``."""
+  mine = next(d for d in devices if d.process_index == jax.process_index())
+  sharding = NamedSharding(Mesh(np.asarray(devices), ("replica",)), P("replica"))
+
+  def put(x):
+    x = jnp.asarray(x)
+    return jax.make_array_from_single_device_arrays(
+        (len(devices),) + x.shape, sharding, [jax.device_put(x[None], mine)])
+  return jax.tree.map(put, tree)
+
+
+def _local(tree):
+  """This process's copy of replicated global arrays, on its first device."""
+  return jax.tree.map(lambda x: jax.device_put(x.addressable_shards[0].data,
+                                               jax.local_devices()[0]), tree)
+
+
+def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: int, theta,
+                outer_state, local) -> Synced:
+  """Steps 1–4: rounds until one counts. ``local`` is this period's θᵢ, or None if this process
+  has not trained since it (re)joined. Returns the round's result."""
+  while True:
+    this_round = rounds.next_round(step)  # 1
+    weight = np.float32(local is not None)
+    try:
+      program = _sync_program(config, this_round.devices)
+      theta_out, state_out = _local(program(*_on_mesh(
+          (theta, outer_state, theta if local is None else local,
+           weight, np.bool_(jax.process_index() == SOURCE)), this_round.devices)))
+      jax.block_until_ready((theta_out, state_out))
+      ok = True
+    except jax.errors.JaxRuntimeError as e:  # a member died: a closed connection, or the timeout
+      log.warning("round %d over processes %s failed: %s", this_round.number,
+                  this_round.members, str(e).splitlines()[0])
+      ok = False
+    if rounds.agree(this_round, ok):  # 4
+      return Synced(this_round.step, this_round.members, theta_out, state_out)
+    log.warning("round %d over processes %s did not count; retrying over the live ones",
+                this_round.number, this_round.members)
+
+
+def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTransformation,
+          sync_every: int, steps: int, outer_learning_rate: float = 0.7,
+          outer_momentum: float = 0.9, nesterov: bool = True, vote_timeout: float = 60.0,
+          on_sync: Callable = lambda synced: None) -> Synced:
+  """Fault-tolerant DiLoCo of this process, until the job's step count reaches ``steps``.
+
+  Call it in every process after ``jax.distributed.initialize`` with
+  ``jax_enable_recoverability``; a restarted process calls it again and joins at the next
+  synchronization. The module docstring numbers the steps.
+
+  Args:
+    loss_fn: ``loss_fn(params, *batch) -> scalar``.
+    params: the initial parameters, the same in every process (process 0's are the ones used).
+    batch: ``batch(step) -> tuple`` of this process's data for inner step ``step``.
+    inner: the inner optimizer; sync_every: H; steps: the job's step count.
+    outer_learning_rate, outer_momentum, nesterov: DiLoCo's outer SGD (``jaxcomp.diloco``).
+    vote_timeout: seconds process 0 waits for a member's vote after a round's collective.
+    on_sync: called with the ``Synced`` result of every round that counted.
+
+  Returns:
+    The last round's result.
+  """
+  config = jaxcomp.DiLoCoConfig(inner=inner, sync_every=sync_every,
+                                outer_learning_rate=outer_learning_rate,
+                                outer_momentum=outer_momentum, nesterov=nesterov)
+  rounds = jaxcomp.Membership(vote_timeout=vote_timeout)
+  grad_step = jax.jit(lambda p, s, *b: _inner_step(loss_fn, config.inner, p, s, *b))
+  theta = jax.device_put(params, jax.local_devices()[0])
+  outer_state = config.outer_optimizer().init(theta)
+  local, inner_state, step = None, None, 0
+  while True:
+    synced = synchronize(rounds, config, step, theta, outer_state, local)  # 1-4
+    on_sync(synced)
+    theta, outer_state, step = synced.theta, synced.outer_state, synced.step
+    if step >= steps:
+      rounds.finish()
+      return synced
+    # 5: a period of inner steps from θ; a process that joined starts its inner state afresh.
+    local = theta
+    inner_state = config.inner.init(theta) if inner_state is None else inner_state
+    for _ in range(sync_every):
+      local, inner_state, loss = grad_step(local, inner_state, *batch(step))
+      jax.block_until_ready(loss)
+      step += 1
+
+
+def _inner_step(loss_fn, inner, params, state, *batch):
+  loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+  updates, state = inner.update(grads, state, params)
+  return optax.apply_updates(params, updates), state, loss

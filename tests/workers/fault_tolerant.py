@@ -1,0 +1,61 @@
+"""One process of a fault-tolerant DiLoCo job (``jaxcomp.train.fault_tolerant``): 2 CPU devices,
+``jax.distributed`` with recoverability on 127.0.0.1, a small MLP on this process's own data, and a
+line of JSON per synchronization (the step, the members, the digests of θ and the outer state)."""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HEARTBEAT = 5  # seconds before the coordination service drops a silent process
+COLLECTIVE_TIMEOUT = 20  # seconds before a collective with a dead member fails (gloo: 1,800)
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT}")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import nodes_harness  # noqa: E402
+
+from jaxcomp.train import fault_tolerant  # noqa: E402
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  for name in ("--coordinator", "--out"):
+    parser.add_argument(name, required=True)
+  for name in ("--process-id", "--processes", "--steps", "--sync-every"):
+    parser.add_argument(name, type=int, required=True)
+  parser.add_argument("--step-seconds", type=float, default=0.0,
+                      help="sleep per inner step: the time a larger model would compute")
+  args = parser.parse_args()
+  jax.config.update("jax_num_cpu_devices", 2)
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_enable_recoverability", True)
+  jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes,
+                             process_id=args.process_id, heartbeat_timeout_seconds=HEARTBEAT)
+  out = open(args.out, "a")
+
+  def batch(step):
+    time.sleep(args.step_seconds)
+    rng = np.random.default_rng([step, args.process_id])
+    return (rng.normal(size=(8, nodes_harness.IN)).astype(np.float32),
+            rng.normal(size=(8, nodes_harness.OUT)).astype(np.float32))
+
+  def on_sync(synced):
+    out.write(json.dumps({"pid": os.getpid(), "time": time.time(), "step": synced.step,
+                          "members": synced.members,
+                          "theta": fault_tolerant.digest(synced.theta),
+                          "outer": fault_tolerant.digest(synced.outer_state)}) + "\n")
+    out.flush()
+
+  fault_tolerant.train(nodes_harness.loss_fn, nodes_harness.init_params(), batch,
+                       inner=nodes_harness.inner(), sync_every=args.sync_every, steps=args.steps,
+                       on_sync=on_sync)
+  print("done", flush=True)
+
+
+if __name__ == "__main__":
+  main()
