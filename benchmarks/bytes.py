@@ -95,8 +95,11 @@ def main(argv=None) -> int:
       lo = minimum(c.name, tree)
       ops = ", ".join(f"{n}× {op}" for op, n in sorted(
           collections.Counter(_compiled_op(x) for x in compiled.collectives).items()))
-      if c.wraps_optimizer:
+      if c.wraps_optimizer and "sync_every" in c.settings:
         ops += f", once every {c.settings['sync_every']} steps"
+      elif c.wraps_optimizer:  # several periods (DES-LOC's parameters and moments)
+        ops += ", " + ", ".join(f"{k} {v}" for k, v in c.settings.items()
+                                if k.endswith("sync_every"))
       rows.append([model, f"{numel:,}", c.name, _amount(compiled_bytes), _amount(sent),
                    _amount(lo), f"{sent / lo:.2f}", f"{4 * numel / sent:.1f}×", ops,
                    f"{2 * (W - 1) / W * 4 * numel / c.bytes_per_step(report):.1f}×"])
