@@ -322,11 +322,12 @@ def test_step_profile():
   assert rows["step / allreduce"][0] == "1.00"
   # The bytes moved: the mean's all-reduce reads the gradient and writes the sum; int8's
   # collectives move codes (a quarter of float32 each way, and the scales); error feedback reads
-  # and writes the errors.
+  # and writes the errors, a pass each at least (3.16 when measured, the rows now a reshape of
+  # the leaves where they can be).
   passes = {r[0]: r[1:] for r in table_rows(out.split("Bytes moved per device", 1)[1])}
   assert float(passes["collectives"][0]) == pytest.approx(2.0, abs=0.01), out
   assert 0.5 < float(passes["collectives"][1]) < 1.0, out
-  assert float(passes["error feedback"][1]) >= 4.0, out
+  assert float(passes["error feedback"][1]) >= 2.0, out
   assert passes["forward+backward"][0] == passes["forward+backward"][1], out  # the same model
   totals = ("sum of the phases", "step (wall clock)", "step / allreduce")
   for column in range(2):
