@@ -93,7 +93,8 @@ OBVIOUS = {
     "row_update_arrays": ({"row_update_arrays": _joined_row}, ("quantized_int8", "onebit_adam")),
     "row_of_arrays": ({"row_of_arrays": _split_row}, ("quantized_int8", "onebit_adam")),
     "device_mean": ({"device_mean": _stacked_mean}, ("quantized_int8", "sign")),
-    "transposed_product": ({"transposed_product": lambda m, p: sum(t.T @ p for t in m.terms)},
+    "transposed_product": ({"transposed_product": lambda m, p: sum(jnp.swapaxes(t, -1, -2) @ p
+                                                                   for t in m.terms)},
                            ("powersgd_r1", "powersgd_r4")),
     "axis.sum_in_rows (float16 psum)": ({"axis.sum_in_rows": _all_reduce},
                                         ("fp16", "hook_fp16_allreduce")),
