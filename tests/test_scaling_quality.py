@@ -3,6 +3,7 @@ entry by entry, and the report's arithmetic (gaps, the Pareto front, the trend's
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -76,6 +77,7 @@ def test_a_quick_study_writes_its_records_and_resumes_where_it_stopped(tmp_path)
   # A second run with one more entry trains only that one.
   again = study("--compressors", "allreduce_adamw,muloco,desloc_kx32")
   assert again.returncode == 0, again.stdout + again.stderr
-  trained = [line for line in again.stdout.splitlines() if " seed " in line]
+  trained = [line for line in again.stdout.splitlines()
+             if re.match(r"\d+x\d+ seed \d+ ", line)]  # "32x2 seed 0 desloc_kx32: ..."
   assert len(trained) == 2 and all("desloc_kx32" in line for line in trained)
   assert len(results.read_text().splitlines()) == 6
