@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -64,7 +63,8 @@ from typing import Optional, Sequence
 from jaxcomp.train import (device_setup, devices, link_job, namespaces, network, nodes, registry,
                            shapes, user_model)
 from jaxcomp.train.plots import plot
-from jaxcomp.train.runs import WINDOW, modelled_note, modelled_to_target, table, target_of
+from jaxcomp.train.runs import (WINDOW, command_line, modelled_note, modelled_to_target, table,
+                                target_of, write_results)
 from jaxcomp.train.training_loop import train
 
 
@@ -398,9 +398,8 @@ def run_plan(args: argparse.Namespace) -> int:
                         data=data, about=about, device_gib=args.device_gib, spec=spec)
   print(result.text)
   os.makedirs(args.out, exist_ok=True)
-  command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
   with open(os.path.join(args.out, "plan.md"), "w", encoding="utf-8") as f:
-    f.write(f"`{command.strip()}`\n\n{result.text}\n")
+    f.write(f"`{command_line(args.argv)}`\n\n{result.text}\n")
   import matplotlib.pyplot as plt
   fig = result.figure()
   fig.savefig(os.path.join(args.out, "plan.png"), dpi=110)
@@ -473,17 +472,12 @@ def _run(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
   print(result)
   print(note)
 
-  os.makedirs(args.out, exist_ok=True)
-  command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if argv is None else argv)
-  with open(os.path.join(args.out, "results.md"), "w") as f:
-    f.write(f"`{command.strip()}`\n\n{header}\n\n{result}\n\n{note}\n")
   modelled = modelled_to_target(runs, world, args.gbits)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump({"command": command.strip(), "task": args.task, "steps": args.steps,
-               "devices": world, "batch_size": args.batch_size, "seed": args.seed,
-               "link": args.link, "target": target, "alpha": network.ALPHA,
-               "modelled_to_target": [{"gbits": g, "seconds": modelled[g]} for g in args.gbits],
-               "runs": [dataclasses.asdict(r) for r in runs]}, f, indent=1)
+  write_results(args.out, argv, header, result, note, {
+      "task": args.task, "steps": args.steps, "devices": world, "batch_size": args.batch_size,
+      "seed": args.seed, "link": args.link, "target": target, "alpha": network.ALPHA,
+      "modelled_to_target": [{"gbits": g, "seconds": modelled[g]} for g in args.gbits],
+      "runs": [dataclasses.asdict(r) for r in runs]})
   plot(runs, os.path.join(args.out, "loss.png"), f"{args.task}, {world} devices", world,
        args.gbits)
   print(f"wrote {args.out}/results.md, results.json, loss.png")

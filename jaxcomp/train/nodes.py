@@ -287,11 +287,6 @@ def main(args, argv: Optional[Sequence[str]] = None) -> int:
           "collectives).)")
   print(text)
   print(note)
-  os.makedirs(args.out, exist_ok=True)
-  command = "python -m jaxcomp.train " + " ".join(sys.argv[1:] if argv is None else argv)
-  with open(os.path.join(args.out, "results.md"), "w") as f:
-    f.write(f"`{command.strip()}`\n\n{header}\n\n{text}\n\n{note}\n")
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump({"command": command.strip(), "job": dataclasses.asdict(job), **result}, f)
+  runs.write_results(args.out, argv, header, text, note, {"job": dataclasses.asdict(job), **result})
   print(f"wrote {args.out}/results.md, results.json")
   return 0

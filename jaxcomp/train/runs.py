@@ -4,13 +4,17 @@
 time, the held-out evaluations); ``target_of`` picks the baseline and its final held-out loss (the
 target); ``modelled_to_target`` models the wall-clock until the target at a link speed (the step
 measured in the run plus its collectives through the α-β model of ``jaxcomp.train.network``, phase
-by phase); ``table`` is the job's Markdown table. A run's phases are keyed by the steady-state
-program they behave like (``program_key``; ``phase_programs`` lists those of the recipes).
+by phase); ``table`` is the job's Markdown table; ``write_results`` writes a job's
+``OUT/results.md`` and ``OUT/results.json``. A run's phases are keyed by the steady-state program
+they behave like (``program_key``; ``phase_programs`` lists those of the recipes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -228,3 +232,19 @@ def _clock(seconds: Optional[float], base: Optional[float]) -> str:
   value = f"{seconds:.0f}" if seconds >= 100 else f"{seconds:#.3g}"
   return f"{value} s ({_ratio(seconds, base)})"
 
+
+def command_line(argv: Optional[Sequence[str]]) -> str:
+  """The ``python -m jaxcomp.train`` command that ran with ``argv`` (None: this process's own)."""
+  return ("python -m jaxcomp.train " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+
+
+def write_results(out: str, argv: Optional[Sequence[str]], header: str, table: str, note: str,
+                  record: dict) -> None:
+  """Writes a job's ``OUT/results.md`` (its command, ``header``, ``table`` and ``note``) and
+  ``OUT/results.json`` (its command and ``record``)."""
+  os.makedirs(out, exist_ok=True)
+  command = command_line(argv)
+  with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
+    f.write(f"`{command}`\n\n{header}\n\n{table}\n\n{note}\n")
+  with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
+    json.dump({"command": command, **record}, f, indent=1)
