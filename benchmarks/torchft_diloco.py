@@ -304,10 +304,30 @@ def summary(label: str, steps_seconds: list, evals: list, link: float, peaks: li
             steps: int, target: float) -> dict:
   """One row's numbers: wall-clock and steps to ``target``, the held-out loss after ``steps``."""
   reached = next((e[0] for e in evals[1:] if _held_out(evals, e[0]) <= target), None)
+  median = float(np.median(steps_seconds[2:] or steps_seconds))
+  to_target = float(np.sum(steps_seconds[:reached])) if reached else None
   return {"system": label, "reached": reached, "steps_run": len(steps_seconds),
-          "to_target": float(np.sum(steps_seconds[:reached])) if reached else None,
-          "median_step": float(np.median(steps_seconds[2:] or steps_seconds)),
+          "to_target": to_target, "median_step": median,
+          "beyond_median": to_target - reached * median if reached else None,
           "loss": _held_out(evals, steps), "link": link, "peak": max(peaks)}
+
+
+def where_the_time_goes(rows: list) -> str:
+  """For each jaxcomp row beside its torch row: the difference in wall-clock to target, split into
+  the steps at their median (the compute of a step) and the time above it (the exchanges and
+  whatever else makes a step slower than the median)."""
+  lines = []
+  for ours, theirs in zip(rows[::2], rows[1::2]):
+    if ours["to_target"] is None or theirs["to_target"] is None:
+      continue
+    at_median = (ours["reached"] * ours["median_step"]
+                 - theirs["reached"] * theirs["median_step"])
+    difference = ours["to_target"] - theirs["to_target"]
+    lines.append(f"{ours['system']}: {ours['to_target'] / theirs['to_target']:.2f}x "
+                 f"{theirs['system']}'s wall-clock to target ({difference:+.1f} s: "
+                 f"{at_median:+.1f} s in the steps at their median, "
+                 f"{ours['beyond_median'] - theirs['beyond_median']:+.1f} s above it)")
+  return "; ".join(lines) + "."
 
 
 def run_jaxcomp(system: str, args, target: Optional[float]) -> dict:
@@ -341,9 +361,11 @@ def table(rows: list, steps: int) -> str:
   cells = [[r["system"], f"{r['reached']}" if r["reached"] else f"not in {r['steps_run']}",
             f"{r['to_target']:.1f} s" if r["to_target"] else "-",
             f"{1e3 * r['median_step']:.0f} ms",
+            f"{r['beyond_median']:.1f} s" if r["to_target"] else "-",
             f"{r['loss']:.3f}", common.human(r["link"]), common.human(r["peak"])] for r in rows]
   return common.markdown_table(["system", "steps to target", "wall-clock to target",
-                                "median step", f"held-out loss after {steps} steps",
+                                "median step", "above the median, to target",
+                                f"held-out loss after {steps} steps",
                                 "over the links", "peak memory / process"], cells)
 
 
@@ -379,7 +401,8 @@ def main(argv=None) -> int:
         rows.append(summary(label, got["seconds"], got["evals"], got["link"], got["peaks"],
                             args.steps, target))
     tables.append(f"**Run {r + 1}** (target: jaxcomp allreduce's held-out loss after "
-                  f"{args.steps} steps, {target:.3f}):\n\n" + table(rows, args.steps))
+                  f"{args.steps} steps, {target:.3f}):\n\n" + table(rows, args.steps)
+                  + "\n\n" + where_the_time_goes(rows))
   body = "\n\n".join([
       f"The chars transformer, 2 nodes (one process each) over links of {args.rate} each way "
       "(a network namespace per node, tc tbf), global batch 32; jaxcomp with "
@@ -387,7 +410,9 @@ def main(argv=None) -> int:
       "per node, each process's threads the machine's cores shared out; "
       f"{time.perf_counter() - started:.0f} s in all. Wall-clock to target: the timed steps "
       "until the held-out loss (mean of the last 5 evaluations) first reaches the target, "
-      "evaluations left out; over the links: the nodes' transmit counters during training.",
+      "evaluations left out; above the median, to target: that wall-clock less the steps to "
+      "target at the median step, the time the exchanges add (and any step slower than the "
+      "median); over the links: the nodes' transmit counters during training.",
       *tables])
   common.emit(args, "several_nodes", "Several nodes over a slow link (against torchft)",
               "torchft_diloco.py", body)

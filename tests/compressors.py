@@ -84,6 +84,14 @@ COMPRESSORS = {name: functools.partial(entry.make, steps=30, **SMALL.get(name, {
 COMPRESSORS.update({name: functools.partial(optimizer, name, optax.sgd(INNER_LEARNING_RATE))
                     for name in WRAPPERS})
 
+# The papers' presets that are another entry's algorithm with other hyperparameters (a period, a
+# learning rate, a codec that another entry's exchange or tests/test_quantized_low_bit.py runs): at
+# the tests' scale each is that entry again. The registry-wide loop test (test_registry.py) runs
+# every entry, these included; the other cross-cutting tests run ALGORITHMS, every entry but these.
+PRESETS = ("diloco_maxtext", "diloco_paper", "intellect1", "sparseloco_covenant",
+           "streaming_diloco_fp4")
+ALGORITHMS = tuple(sorted(set(COMPRESSORS) - set(PRESETS)))
+
 
 def synced(name, state, step) -> bool:
   """Whether every device holds the same parameters (a wrapper) or output (a compressor) after the

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp._src import axis
-from compressors import COMPRESSORS, optimizer
+from compressors import ALGORITHMS, optimizer
 from helpers import replicate
 
 W = 4
@@ -39,7 +39,7 @@ def setup(name):
   return tx, grads, replicate((tx.init(params), params), W)
 
 
-@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_pmap_over_another_axis_raises_naming_both(name):
   tx, grads, state = setup(name)
   step = jax.pmap(lambda g, s: tx.update(g, *s), axis_name="data", devices=jax.devices()[:W])
@@ -59,14 +59,14 @@ def test_pmap_without_an_axis_name_says_which_to_pass(make):
     jax.pmap(lambda p: tx.update(p, tx.init(p), p), devices=jax.devices()[:W])(params)
 
 
-@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_vmap_with_an_axis_name_raises_naming_both(name):
   tx, grads, state = setup(name)
   with pytest.raises(jaxcomp.UnboundAxisError, match=MESSAGE):
     jax.vmap(lambda g, s: tx.update(g, *s), axis_name="data")(grads, state)
 
 
-@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_shard_map_over_another_axis_raises_naming_both(name):
   tx, grads, state = setup(name)
   mesh = jax.make_mesh((W,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:W])

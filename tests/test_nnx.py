@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import hooks
-from compressors import COMPRESSORS, optimizer
+from compressors import ALGORITHMS, optimizer
 from helpers import rounding_tol
 
 W = 4
@@ -61,7 +61,7 @@ def _with_sgd(make):
 
 # Each as a whole optimizer around momentum SGD: a compressor chained before it, local SGD and
 # DiLoCo around it, 1-bit Adam alone.
-OPTIMIZERS = {**{f"registry:{name}": functools.partial(optimizer, name) for name in COMPRESSORS},
+OPTIMIZERS = {**{f"registry:{name}": functools.partial(optimizer, name) for name in ALGORITHMS},
               **{f"hook:{name}": _with_sgd(make) for name, make in HOOKS.items()},
               "accumulate(powersgd)": _with_sgd(lambda: jaxcomp.accumulate(
                   jaxcomp.powersgd(1, start_iter=1, min_compression_rate=1.0), every_k=2))}

@@ -14,7 +14,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import hooks
-from compressors import COMPRESSORS, OPTIMIZERS, WRAPPERS, optimizer, synced_leaves
+from compressors import (ALGORITHMS, COMPRESSORS, OPTIMIZERS, PRESETS, WRAPPERS, optimizer,
+                         synced_leaves)
 from helpers import assert_identical_across_devices, replicate, rounding_tol
 
 pytestmark = pytest.mark.numeric
@@ -191,6 +192,13 @@ LOOPS = {"shard_map": run_shard_map, "data_parallel loss form": run_loss_form,
 # all.
 STEP_FORM = ("allreduce", "powersgd_r1", "dgc", "quantized_int8", "onebit_adam", "diloco_h20",
              "streaming_diloco_h20_p2", "dgc_hook")
+
+
+def test_the_presets_left_to_this_file_are_papers_recipes_of_algorithms_tested_everywhere():
+  from jaxcomp.train import papers
+  assert set(PRESETS) <= {entry.name for entry in papers.ENTRIES}
+  assert set(ALGORITHMS) | set(PRESETS) == set(COMPRESSORS)
+  assert {"diloco_h20", "sparseloco_h30", "streaming_diloco_h100_p4_int8", "muloco"} <= set(ALGORITHMS)
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS) + sorted(HOOKS))

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from compressors import COMPRESSORS, synced_leaves
+from compressors import ALGORITHMS, synced_leaves
 from training import W, make_step, mean_losses, run, start
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "resume.py"
@@ -31,7 +31,7 @@ def all_finite(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_2000_steps_with_random_faults_never_drift_or_poison_the_state(name):
   rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same faults on every run
   faults = [(int(s), int(d), float(v)) for s, d, v in zip(
@@ -73,6 +73,6 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
          "--out", str(tmp_path / "resumed.npz"))
   full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
   assert sorted(full.files) == sorted(resumed.files)
-  assert {k.split("/")[0] for k in full.files} == set(COMPRESSORS)
+  assert {k.split("/")[0] for k in full.files} == set(ALGORITHMS)
   for key in full.files:
     np.testing.assert_array_equal(resumed[key], full[key], err_msg=key)

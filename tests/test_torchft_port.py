@@ -1,6 +1,6 @@
 """The torch side of ``benchmarks/torchft_diloco.py``: its port of the main job's chars transformer
 computes the Flax model's logits from the same parameters, and its fragments hold every parameter
-once."""
+once; and its table's split of a difference in wall-clock to target."""
 
 import numpy as np
 import pytest
@@ -29,3 +29,15 @@ def test_the_torch_port_computes_the_flax_models_logits(quick):
   for count in (1, 2):
     held = [id(p) for f in model.fragments(count) for p in f.parameters()]
     assert sorted(held) == sorted(id(p) for p in model.parameters())
+
+
+def test_a_difference_to_target_is_split_into_steps_at_the_median_and_the_time_above_it():
+  evals = [(0, 3.0), (10, 2.0), (20, 1.0)]  # held out: 2.0 at step 10, 1.5 at step 20
+  ours = torchft_diloco.summary("jaxcomp diloco", [0.1] * 18 + [0.5, 0.5], evals, 10, [1], 20, 1.5)
+  theirs = torchft_diloco.summary("torchft DiLoCo", [0.08] * 20, evals, 10, [1], 20, 1.5)
+  assert (ours["reached"], theirs["reached"]) == (20, 20)
+  np.testing.assert_allclose([ours["to_target"], ours["beyond_median"], theirs["beyond_median"]],
+                             [2.8, 0.8, 0.0], atol=1e-9)
+  text = torchft_diloco.where_the_time_goes([ours, theirs])
+  assert text == ("jaxcomp diloco: 1.75x torchft DiLoCo's wall-clock to target (+1.2 s: +0.4 s in "
+                  "the steps at their median, +0.8 s above it).")

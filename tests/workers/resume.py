@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from compressors import COMPRESSORS  # noqa: E402
+from compressors import ALGORITHMS  # noqa: E402
 from training import make_step, run, start  # noqa: E402
 
 POISON = ((3, 5, float("nan")), (17, 2, float("inf")))  # (step, device, value)
@@ -33,7 +33,7 @@ def main():
   args = parser.parse_args()
   checkpointer = ocp.StandardCheckpointer()
   results = {}
-  for name in sorted(COMPRESSORS):
+  for name in ALGORITHMS:
     tx, pstep = make_step(name)
     params, opt_state = start(tx)
     first = args.resume_from or 0
