@@ -1,10 +1,14 @@
 """One process of a fault-tolerant DiLoCo job (``jaxcomp.train.fault_tolerant``): 2 CPU devices,
 ``jax.distributed`` with recoverability on 127.0.0.1, a small MLP on this process's own data, and a
-line of JSON per synchronization (the step, the members, the digests of θ and the outer state)."""
+line of JSON per synchronization (the step, the members, the digests of θ and the outer state, the
+loss of θ on held-out data). ``--die-in-sync-at STEP`` makes it SIGKILL itself as its round of the
+synchronization at STEP begins, once it has its plan: the others are then in the round's
+collectives without it."""
 
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -30,13 +34,15 @@ def main():
     parser.add_argument(name, type=int, required=True)
   parser.add_argument("--step-seconds", type=float, default=0.0,
                       help="sleep per inner step: the time a larger model would compute")
+  parser.add_argument("--checkpoint-dir", default=None)
+  parser.add_argument("--die-in-sync-at", type=int, default=None)
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", 2)
   jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_enable_recoverability", True)
-  jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes,
-                             process_id=args.process_id, heartbeat_timeout_seconds=HEARTBEAT)
+  fault_tolerant.initialize(args.coordinator, args.processes, args.process_id,
+                            heartbeat_timeout_seconds=HEARTBEAT)
   out = open(args.out, "a")
+  held_out = nodes_harness.batch(-1)
 
   def batch(step):
     time.sleep(args.step_seconds)
@@ -44,16 +50,22 @@ def main():
     return (rng.normal(size=(8, nodes_harness.IN)).astype(np.float32),
             rng.normal(size=(8, nodes_harness.OUT)).astype(np.float32))
 
+  def on_round(this_round):
+    if this_round.step == args.die_in_sync_at:
+      print(f"dying inside the synchronization at step {this_round.step}", flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
+
   def on_sync(synced):
     out.write(json.dumps({"pid": os.getpid(), "time": time.time(), "step": synced.step,
                           "members": synced.members,
                           "theta": fault_tolerant.digest(synced.theta),
-                          "outer": fault_tolerant.digest(synced.outer_state)}) + "\n")
+                          "outer": fault_tolerant.digest(synced.outer_state),
+                          "loss": float(nodes_harness.loss_fn(synced.theta, *held_out))}) + "\n")
     out.flush()
 
   fault_tolerant.train(nodes_harness.loss_fn, nodes_harness.init_params(), batch,
                        inner=nodes_harness.inner(), sync_every=args.sync_every, steps=args.steps,
-                       on_sync=on_sync)
+                       checkpoint_dir=args.checkpoint_dir, on_round=on_round, on_sync=on_sync)
   print("done", flush=True)
 
 
