@@ -26,8 +26,8 @@ import helpers
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_tolerant.py"
 PROCESSES, SYNC_EVERY, STEPS, KILL_AFTER, DIE_IN_SYNC_AT = 3, 5, 150, 10, 110
+KILL_0_AFTER, RESUMED_STEPS = 20, 50  # process 0's death, and the step count of the job it ends
 DEADLINE = 240  # seconds for a whole job; it takes about a fifth of that
-LOST = "the coordination service on process 0 is gone"  # fault_tolerant's line when process 0 dies
 
 
 def free_port():
@@ -109,7 +109,7 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
       assert job.wait(p) == 0, job.logs()
     assert job.wait(first[1]) == -signal.SIGKILL, job.logs()
     by_process = [job.records(i) for i in range(PROCESSES)]
-    died_in_sync = f"dying inside the synchronization at step {DIE_IN_SYNC_AT}" in job.text(1, "log")
+    died_in_sync = f"inside the synchronization at step {DIE_IN_SYNC_AT}" in job.text(1, "log")
     retried = "did not count; retrying" in job.text(0, "err")
 
   expected_steps = list(range(0, STEPS + 1, SYNC_EVERY))
@@ -141,6 +141,53 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
   print(f"members by synchronization: {members}; the survivors synchronized without process 2 "
         f"{went_on:.1f} s after the kill, and with it again {back:.1f} s after; the "
         f"synchronization process 1 died in counted {after:.1f} s after its previous one")
+
+
+@pytest.mark.slow
+def test_process_0s_death_ends_the_job_in_one_line_and_2_processes_resume_from_its_checkpoint(
+    tmp_path):
+  """3 processes write a checkpoint at every synchronization (process 0, with orbax); process 0 is
+  killed; the others end within a minute, each with one line on stderr. The same job restarted on
+  2 processes resumes from the newest checkpoint: the same step, θ and outer state bit for bit
+  (so the same held-out loss), and trains on to its step count."""
+  flags = ("--checkpoint-dir", str(tmp_path / "checkpoints"))
+  with Job(tmp_path / "on3", PROCESSES, RESUMED_STEPS, *flags) as on3:
+    first = [on3.start(i) for i in range(PROCESSES)]
+    on3.wait_for(lambda: any(r["step"] >= KILL_0_AFTER for r in on3.records(0)), first)
+    os.killpg(first[0].pid, signal.SIGKILL)
+    killed = time.time()
+    for p in first[1:]:
+      assert p.wait(timeout=60) == 1, on3.logs()
+    ended = time.time() - killed
+    before = on3.records(0)
+    for i in range(1, PROCESSES):
+      assert on3.text(i, "err").strip().splitlines() == [
+          f"jaxcomp.train.fault_tolerant: process {i} stops: {fault_tolerant.LOST}; the job "
+          f"cannot go on without process 0: restart every process, and "
+          f"train(checkpoint_dir=...) resumes from the last synchronization's checkpoint"], \
+          on3.logs()
+  with Job(tmp_path / "on2", 2, RESUMED_STEPS, *flags) as on2:
+    resumed = [on2.start(i) for i in range(2)]
+    for p in resumed:
+      assert on2.wait(p) == 0, on2.logs()
+    after = [on2.records(i) for i in range(2)]
+    assert "resuming from the checkpoint of step" in on2.text(0, "err"), on2.logs()
+
+  # The newest checkpoint is the last synchronization's, or the one before where process 0 died
+  # while writing it.
+  start = after[0][0]["step"]
+  assert start in (before[-1]["step"], before[-1]["step"] - SYNC_EVERY), (start, before)
+  checkpointed = next(r for r in before if r["step"] == start)
+  assert {k: after[0][0][k] for k in ("theta", "outer", "loss")} == {
+      k: checkpointed[k] for k in ("theta", "outer", "loss")}
+  assert after[0][0]["members"] == [0, 1]
+  for i in range(2):
+    assert [r["step"] for r in after[i]] == list(range(start, RESUMED_STEPS + 1, SYNC_EVERY))
+  assert [(r["theta"], r["outer"]) for r in after[0]] == [
+      (r["theta"], r["outer"]) for r in after[1]]
+  print(f"the others ended {ended:.1f} s after process 0's death; held-out loss by "
+        f"synchronization: {[round(r['loss'], 4) for r in before]} before, "
+        f"{[round(r['loss'], 4) for r in after[0]]} after the restart on 2")
 
 
 @pytest.mark.numeric

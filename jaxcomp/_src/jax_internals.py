@@ -17,17 +17,12 @@ weaker, where a later JAX moves it:
 * ``distributed_client``: this process's client of ``jax.distributed``'s coordination service (its
   key-value store and ``get_live_nodes``, the barrier that ``multihost_utils.live_devices`` is
   built on); without it, None (``jaxcomp.train.membership`` then refuses to start).
-* ``initialize_distributed``: ``jax.distributed.initialize`` whose client calls a function of
-  jaxcomp's, instead of aborting the process with a stack trace, when the coordination service
-  is lost (``initialize`` has no argument for it: the client factory it calls is wrapped while
-  it runs); without it, JAX's abort.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-import jax
 from jax import lax
 
 
@@ -90,31 +85,3 @@ def distributed_client():
     return distributed.global_state.client
   except (ImportError, AttributeError):
     return None
-
-
-def initialize_distributed(on_service_lost: Callable[[str], None], **kwargs) -> None:
-  """``jax.distributed.initialize(**kwargs)``, whose client calls ``on_service_lost(message)`` where
-  it would abort the process: the service reports a fatal error, or cannot be reached (its
-  process died). ``on_service_lost`` runs on one of the client's threads and should end the
-  process."""
-  try:
-    from jax._src import distributed
-    lib = distributed._jax
-  except (ImportError, AttributeError):
-    jax.distributed.initialize(**kwargs)
-    return
-
-  class WithCallback:
-    def __getattr__(self, name):
-      return getattr(lib, name)
-
-    def get_distributed_runtime_client(self, *args, **client_kwargs):
-      return lib.get_distributed_runtime_client(
-          *args, missed_heartbeat_callback=lambda *status: on_service_lost(
-              " ".join(map(str, status))), **client_kwargs)
-
-  distributed._jax = WithCallback()
-  try:
-    jax.distributed.initialize(**kwargs)
-  finally:
-    distributed._jax = lib

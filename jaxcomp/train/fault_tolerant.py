@@ -34,7 +34,6 @@ import functools
 import hashlib
 import logging
 import os
-import sys
 from typing import Callable, NamedTuple
 
 import jax
@@ -45,18 +44,20 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxcomp
-
-from jaxcomp._src import jax_internals
+from jaxcomp._src import membership
 
 log = logging.getLogger(__name__)
 SOURCE = 0  # the process θ is sent from: it hosts the coordination service, so it never rejoins
+LOST = (f"the coordination service on process {SOURCE} is gone (process {SOURCE} died, or cannot "
+        f"be reached)")
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                heartbeat_timeout_seconds: int = 10) -> None:
-  """``jax.distributed.initialize`` for ``train``: with ``jax_enable_recoverability``, and, when
-  process 0 (which hosts the coordination service) dies, one line on stderr and exit status 1
-  instead of JAX's abort with a stack trace.
+  """``jax.distributed.initialize`` for ``train``: with ``jax_enable_recoverability``; and when
+  process 0, which hosts the coordination service, dies, every other process ends with one line
+  on stderr and exit status 1, in place of JAX's abort with a stack trace
+  (``jaxcomp._src.membership.one_line_on_service_loss`` says how).
 
   Args:
     coordinator_address, num_processes, process_id: ``jax.distributed.initialize``'s.
@@ -64,21 +65,15 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
       from the synchronizations (a process that dies is usually noticed sooner, by its closed
       connection).
   """
+  if process_id != SOURCE:
+    membership.one_line_on_service_loss(
+        f"jaxcomp.train.fault_tolerant: process {process_id} stops: {LOST}; the job cannot go on "
+        f"without process {SOURCE}: restart every process, and train(checkpoint_dir=...) resumes "
+        f"from the last synchronization's checkpoint")
   jax.config.update("jax_enable_recoverability", True)
-  jax_internals.initialize_distributed(
-      _service_lost, coordinator_address=coordinator_address, num_processes=num_processes,
-      process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_seconds)
-
-
-def _service_lost(status: str) -> None:
-  reason = status.strip().splitlines()[0][:200] if status.strip() else "no reason given"
-  sys.stderr.write(
-      f"jaxcomp.train.fault_tolerant: process {jax.process_index()} stops: the coordination "
-      f"service on process {SOURCE} is gone ({reason}); the job cannot go on without process "
-      f"{SOURCE}: restart every process, and train(checkpoint_dir=...) resumes from the last "
-      f"synchronization's checkpoint\n")
-  sys.stderr.flush()
-  os._exit(1)
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id,
+                             heartbeat_timeout_seconds=heartbeat_timeout_seconds)
 
 
 class Synced(NamedTuple):
@@ -222,7 +217,7 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
     theta, outer_state, step = synced.theta, synced.outer_state, synced.step
     if checkpoints and step != saved:  # 5
       checkpoints.save(step, args=_orbax().args.StandardSave(
-          {"theta": theta, "outer_state": outer_state}))
+          jax.tree.map(np.asarray, {"theta": theta, "outer_state": outer_state})))
       saved = step
     if step >= steps:
       if checkpoints:
@@ -272,7 +267,7 @@ def _resume(checkpoints, step: int, theta, outer_state):
   if newest is None:
     return step, theta, outer_state
   restored = checkpoints.restore(newest, args=_orbax().args.StandardRestore(
-      {"theta": theta, "outer_state": outer_state}))
+      jax.tree.map(np.asarray, {"theta": theta, "outer_state": outer_state})))
   log.warning("resuming from the checkpoint of step %d in %s: θ and the outer optimizer's state "
               "restored; every process's inner optimizer state starts afresh", newest,
               checkpoints.directory)
