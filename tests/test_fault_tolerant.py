@@ -25,7 +25,7 @@ import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_tolerant.py"
-PROCESSES, SYNC_EVERY, STEPS, KILL_AFTER, DIE_IN_SYNC_AT = 3, 5, 150, 10, 110
+PROCESSES, SYNC_EVERY, STEPS, KILL_AFTER, DIE_IN_SYNC_AT = 3, 5, 100, 10, 75
 KILL_0_AFTER, RESUMED_STEPS = 20, 50  # process 0's death, and the step count of the job it ends
 DEADLINE = 240  # seconds for a whole job; it takes about a fifth of that
 

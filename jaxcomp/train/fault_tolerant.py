@@ -53,18 +53,25 @@ LOST = (f"the coordination service on process {SOURCE} is gone (process {SOURCE}
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
-               heartbeat_timeout_seconds: int = 10) -> None:
-  """``jax.distributed.initialize`` for ``train``: with ``jax_enable_recoverability``; and when
-  process 0, which hosts the coordination service, dies, every other process ends with one line
-  on stderr and exit status 1, in place of JAX's abort with a stack trace
-  (``jaxcomp._src.membership.one_line_on_service_loss`` says how).
+               heartbeat_timeout_seconds: int = 10, collective_timeout_seconds: int = 30) -> None:
+  """``jax.distributed.initialize`` for ``train``, before any other use of JAX: with
+  ``jax_enable_recoverability`` and a bounded collective; and when process 0, which hosts the
+  coordination service, dies, every other process ends with one line on stderr and exit status
+  1, in place of JAX's abort with a stack trace (``jaxcomp._src.membership``'s
+  ``one_line_on_service_loss`` says how).
 
   Args:
     coordinator_address, num_processes, process_id: ``jax.distributed.initialize``'s.
     heartbeat_timeout_seconds: how long the service waits for a silent process before dropping it
       from the synchronizations (a process that dies is usually noticed sooner, by its closed
       connection).
+    collective_timeout_seconds: how long a synchronization's collective waits for a member that
+      hangs (XLA:CPU's ``--xla_cpu_collective_timeout_seconds``; gloo's default is 1,800 s); more
+      than the members take to reach a synchronization one after another, a compilation
+      included, and less than ``train``'s ``vote_timeout``.
   """
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_cpu_collective_timeout_seconds={collective_timeout_seconds}")
   if process_id != SOURCE:
     membership.one_line_on_service_loss(
         f"jaxcomp.train.fault_tolerant: process {process_id} stops: {LOST}; the job cannot go on "

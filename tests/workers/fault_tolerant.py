@@ -12,18 +12,16 @@ import signal
 import sys
 import time
 
-HEARTBEAT = 5  # seconds before the coordination service drops a silent process
-COLLECTIVE_TIMEOUT = 20  # seconds before a collective with a dead member fails (gloo: 1,800)
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT}")
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import nodes_harness  # noqa: E402
 
 from jaxcomp.train import fault_tolerant  # noqa: E402
+
+HEARTBEAT = 5  # seconds before the coordination service drops a silent process
+COLLECTIVE_TIMEOUT = 20  # seconds before a collective with a hung member fails (gloo: 1,800)
 
 
 def main():
@@ -40,7 +38,8 @@ def main():
   jax.config.update("jax_num_cpu_devices", 2)
   jax.config.update("jax_platforms", "cpu")
   fault_tolerant.initialize(args.coordinator, args.processes, args.process_id,
-                            heartbeat_timeout_seconds=HEARTBEAT)
+                            heartbeat_timeout_seconds=HEARTBEAT,
+                            collective_timeout_seconds=COLLECTIVE_TIMEOUT)
   out = open(args.out, "a")
   held_out = nodes_harness.batch(-1)
 
