@@ -44,7 +44,6 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxcomp
-from jaxcomp._src import membership
 
 log = logging.getLogger(__name__)
 SOURCE = 0  # the process θ is sent from: it hosts the coordination service, so it never rejoins
@@ -57,8 +56,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
   """``jax.distributed.initialize`` for ``train``, before any other use of JAX: with
   ``jax_enable_recoverability`` and a bounded collective; and when process 0, which hosts the
   coordination service, dies, every other process ends with one line on stderr and exit status
-  1, in place of JAX's abort with a stack trace (``jaxcomp._src.membership``'s
-  ``one_line_on_service_loss`` says how).
+  1, in place of JAX's abort with a stack trace (``jaxcomp.Membership.one_line_on_service_loss``
+  says how).
 
   Args:
     coordinator_address, num_processes, process_id: ``jax.distributed.initialize``'s.
@@ -73,7 +72,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_cpu_collective_timeout_seconds={collective_timeout_seconds}")
   if process_id != SOURCE:
-    membership.one_line_on_service_loss(
+    jaxcomp.Membership.one_line_on_service_loss(
         f"jaxcomp.train.fault_tolerant: process {process_id} stops: {LOST}; the job cannot go on "
         f"without process {SOURCE}: restart every process, and train(checkpoint_dir=...) resumes "
         f"from the last synchronization's checkpoint")
