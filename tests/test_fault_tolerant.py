@@ -27,6 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_tolerant.py"
 PROCESSES, SYNC_EVERY, STEPS, KILL_AFTER, DIE_IN_SYNC_AT = 3, 5, 100, 10, 75
 KILL_0_AFTER, RESUMED_STEPS = 20, 50  # process 0's death, and the step count of the job it ends
+HANG_AT, HANG_STEPS = 15, 30  # a process hangs in the synchronization at HANG_AT of a shorter job
+COLLECTIVE_TIMEOUT, VOTE_TIMEOUT = 20, 60  # seconds: the worker's, and train's default
 DEADLINE = 240  # seconds for a whole job; it takes about a fifth of that
 
 
@@ -60,6 +62,7 @@ class Job:
         [sys.executable, "-u", str(WORKER), "--coordinator", f"127.0.0.1:{self.port}",
          "--process-id", str(i), "--processes", str(self.processes), "--steps", str(self.steps),
          "--sync-every", str(SYNC_EVERY), "--step-seconds", "0.1",
+         "--collective-timeout", str(COLLECTIVE_TIMEOUT),
          "--out", str(self.folder / f"process{i}.jsonl"), *self.flags, *flags],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
         stdout=open(self.folder / f"process{i}.log", "a"),
@@ -88,13 +91,20 @@ class Job:
     return process.wait(timeout=max(1, self.deadline - time.time()))
 
 
+def assert_bit_identical(by_process, steps):
+  """Every process's copy of θ and the outer state after each synchronization is the same bits."""
+  for step in steps:
+    copies = {(r["theta"], r["outer"]) for rs in by_process for r in rs if r["step"] == step}
+    assert len(copies) == 1, (step, copies)
+
+
 @pytest.mark.slow
 def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path):
   """Process 2 is killed during its inner steps and restarted; later, process 1 dies inside the
   synchronization at step DIE_IN_SYNC_AT. The job reaches its step count, every synchronization
   counts on the survivors, and every copy of θ and the outer state is the same bits."""
   with Job(tmp_path, PROCESSES, STEPS) as job:
-    first = [job.start(i, *(["--die-in-sync-at", str(DIE_IN_SYNC_AT)] if i == 1 else []))
+    first = [job.start(i, *(["--signal-in-sync", f"{DIE_IN_SYNC_AT}:SIGKILL"] if i == 1 else []))
              for i in range(PROCESSES)]
     # Kill process 2 right after a synchronization: during its inner steps.
     job.wait_for(lambda: any(r["step"] >= KILL_AFTER for r in job.records(2)), first)
@@ -109,7 +119,8 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
       assert job.wait(p) == 0, job.logs()
     assert job.wait(first[1]) == -signal.SIGKILL, job.logs()
     by_process = [job.records(i) for i in range(PROCESSES)]
-    died_in_sync = f"inside the synchronization at step {DIE_IN_SYNC_AT}" in job.text(1, "log")
+    died_in_sync = f"SIGKILL inside the synchronization at step {DIE_IN_SYNC_AT}" in job.text(
+        1, "log")
     retried = "did not count; retrying" in job.text(0, "err")
 
   expected_steps = list(range(0, STEPS + 1, SYNC_EVERY))
@@ -130,9 +141,7 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
   assert tuple(second_life[0]["members"]) == (0, 1, 2) and second_life[-1]["step"] == STEPS
   # Bit-identical: every copy of θ and the outer state after each synchronization, the rejoined
   # process's first one included.
-  for step in expected_steps:
-    copies = {(r["theta"], r["outer"]) for rs in by_process for r in rs if r["step"] == step}
-    assert len(copies) == 1, (step, copies)
+  assert_bit_identical(by_process, expected_steps)
   assert len({r["theta"] for r in by_process[0]}) == len(expected_steps)  # θ moved every time
   went_on = next(r["time"] for r in by_process[0] if r["members"] == [0, 1]) - killed
   back = second_life[0]["time"] - killed
@@ -188,6 +197,34 @@ def test_process_0s_death_ends_the_job_in_one_line_and_2_processes_resume_from_i
   print(f"the others ended {ended:.1f} s after process 0's death; held-out loss by "
         f"synchronization: {[round(r['loss'], 4) for r in before]} before, "
         f"{[round(r['loss'], 4) for r in after[0]]} after the restart on 2")
+
+
+@pytest.mark.slow
+def test_a_process_that_hangs_inside_a_synchronization_is_timed_out_and_left_behind(tmp_path):
+  """Process 1 stops (SIGSTOP) as its round of the synchronization at HANG_AT begins: its
+  connections stay open, so only the collective timeout ends the others' wait. The round is
+  retried over processes 0 and 2, bit-identical, and they reach the job's step count."""
+  with Job(tmp_path, PROCESSES, HANG_STEPS) as job:
+    started = [job.start(i, *(["--signal-in-sync", f"{HANG_AT}:SIGSTOP"] if i == 1 else []))
+               for i in range(PROCESSES)]
+    for i in (0, 2):
+      assert job.wait(started[i]) == 0, job.logs()
+    hung = started[1].poll() is None  # stopped, until leaving the block kills it
+    by_process = [job.records(i) for i in range(PROCESSES)]
+    failed = [line for line in job.text(0, "err").splitlines() if "failed:" in line]
+
+  steps = list(range(0, HANG_STEPS + 1, SYNC_EVERY))
+  at = steps.index(HANG_AT)
+  assert hung and failed, failed
+  assert [r["step"] for r in by_process[0]] == [r["step"] for r in by_process[2]] == steps
+  assert [r["step"] for r in by_process[1]] == steps[:at]
+  assert [tuple(r["members"]) for r in by_process[0]] == [(0, 1, 2)] * at + [(0, 2)] * (
+      len(steps) - at)
+  assert_bit_identical(by_process, steps)
+  waited = by_process[0][at]["time"] - by_process[0][at - 1]["time"]
+  assert COLLECTIVE_TIMEOUT <= waited < VOTE_TIMEOUT, waited
+  print(f"the synchronization process 1 hung in counted {waited:.1f} s after the one before it; "
+        f"process 0's round failed with: {failed[0][:200]}")
 
 
 @pytest.mark.numeric

@@ -1,9 +1,9 @@
 """One process of a fault-tolerant DiLoCo job (``jaxcomp.train.fault_tolerant``): 2 CPU devices,
 ``jax.distributed`` with recoverability on 127.0.0.1, a small MLP on this process's own data, and a
 line of JSON per synchronization (the step, the members, the digests of θ and the outer state, the
-loss of θ on held-out data). ``--die-in-sync-at STEP`` makes it SIGKILL itself as its round of the
-synchronization at STEP begins, once it has its plan: the others are then in the round's
-collectives without it."""
+loss of θ on held-out data). ``--signal-in-sync STEP:SIGNAL`` makes it send itself SIGNAL (SIGKILL:
+it dies; SIGSTOP: it hangs) as its round of the synchronization at STEP begins, once it has its
+plan: the others are then in the round's collectives without it."""
 
 import argparse
 import json
@@ -21,25 +21,24 @@ import nodes_harness  # noqa: E402
 from jaxcomp.train import fault_tolerant  # noqa: E402
 
 HEARTBEAT = 5  # seconds before the coordination service drops a silent process
-COLLECTIVE_TIMEOUT = 20  # seconds before a collective with a hung member fails (gloo: 1,800)
 
 
 def main():
   parser = argparse.ArgumentParser()
   for name in ("--coordinator", "--out"):
     parser.add_argument(name, required=True)
-  for name in ("--process-id", "--processes", "--steps", "--sync-every"):
+  for name in ("--process-id", "--processes", "--steps", "--sync-every", "--collective-timeout"):
     parser.add_argument(name, type=int, required=True)
   parser.add_argument("--step-seconds", type=float, default=0.0,
                       help="sleep per inner step: the time a larger model would compute")
   parser.add_argument("--checkpoint-dir", default=None)
-  parser.add_argument("--die-in-sync-at", type=int, default=None)
+  parser.add_argument("--signal-in-sync", default=None, help="STEP:SIGNAL, e.g. 75:SIGKILL")
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", 2)
   jax.config.update("jax_platforms", "cpu")
   fault_tolerant.initialize(args.coordinator, args.processes, args.process_id,
                             heartbeat_timeout_seconds=HEARTBEAT,
-                            collective_timeout_seconds=COLLECTIVE_TIMEOUT)
+                            collective_timeout_seconds=args.collective_timeout)
   out = open(args.out, "a")
   held_out = nodes_harness.batch(-1)
 
@@ -49,10 +48,12 @@ def main():
     return (rng.normal(size=(8, nodes_harness.IN)).astype(np.float32),
             rng.normal(size=(8, nodes_harness.OUT)).astype(np.float32))
 
+  step, name = (args.signal_in_sync or "-1:SIGKILL").split(":")
+
   def on_round(this_round):
-    if this_round.step == args.die_in_sync_at:
-      print(f"dying inside the synchronization at step {this_round.step}", flush=True)
-      os.kill(os.getpid(), signal.SIGKILL)
+    if this_round.step == int(step):
+      print(f"{name} inside the synchronization at step {this_round.step}", flush=True)
+      os.kill(os.getpid(), signal.Signals[name])
 
   def on_sync(synced):
     out.write(json.dumps({"pid": os.getpid(), "time": time.time(), "step": synced.step,
