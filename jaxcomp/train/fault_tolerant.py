@@ -155,7 +155,7 @@ def _local(tree):
 def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: int, theta,
                 outer_state, local, on_round: Callable = lambda this_round: None) -> Synced:
   """Steps 1–4: rounds until one counts. ``local`` is this period's θᵢ, or None if this process
-  has not trained since it (re)joined; ``on_round`` is called with each ``jaxcomp.Round`` before
+  has not trained since it (re)joined; ``on_round`` is called with each round before
   its collectives. Returns the round's result."""
   while True:
     this_round = rounds.next_round(step)  # 1
@@ -198,7 +198,8 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
     checkpoint_dir: where process 0 writes θ, the outer state and the step after every round
       that counted, and resumes from the newest one at the start (the others receive it at the
       first synchronization, so any number of processes resumes); None: no checkpoints.
-    on_round: called with each ``jaxcomp.Round`` before its collectives.
+    on_round: called with each round (``jaxcomp.Membership.next_round``'s) before its
+      collectives: who takes part, on which devices, at which step.
     on_sync: called with the ``Synced`` result of every round that counted.
 
   Returns:
