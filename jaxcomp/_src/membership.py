@@ -1,7 +1,7 @@
 """Who takes part in each synchronization of a job that survives its processes' deaths, and on which
 devices, on JAX's own coordination service (``jax.distributed``).
 
-Every workaround for what JAX does not yet do on CPU is here, and only here. Checked on jax 0.10.2
+Every workaround for what JAX does not yet do (on CPU, or at all) is here, and only here. Checked on jax 0.10.2
 (CPU, gloo collectives, processes on 127.0.0.1):
 
 * ``jax_enable_recoverability`` lets the other processes go on when one dies, and the service's
