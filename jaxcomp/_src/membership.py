@@ -1,8 +1,8 @@
 """Who takes part in each synchronization of a job that survives its processes' deaths, and on which
 devices, on JAX's own coordination service (``jax.distributed``).
 
-Every workaround for what JAX does not yet do (on CPU, or at all) is here, and only here. Checked on jax 0.10.2
-(CPU, gloo collectives, processes on 127.0.0.1):
+Every workaround for what JAX does not yet do (on CPU, or at all) is here, and only here. Checked
+on jax 0.10.2 (CPU, gloo collectives, processes on 127.0.0.1):
 
 * ``jax_enable_recoverability`` lets the other processes go on when one dies, and the service's
   ``get_live_nodes`` (what ``multihost_utils.live_devices`` is built on) is a barrier over the live
