@@ -1,7 +1,9 @@
-"""Fault-tolerant DiLoCo (``jaxcomp.train.fault_tolerant``): across 3 processes x 2 CPU devices, a
-process killed during its inner steps and restarted rejoins at the next synchronization, and every
-process's θ and outer state are bit-identical after every synchronization (slow tier); and one
-synchronization's program on simulated devices against NumPy (fast tier)."""
+"""Fault-tolerant DiLoCo (``jaxcomp.train.fault_tolerant``), across processes x 2 CPU devices (slow
+tier): a process killed during its inner steps and restarted rejoins at the next synchronization,
+another one dies inside a synchronization, and every process's θ and outer state are bit-identical
+after every synchronization; process 0's death ends the others with one line, and a restart on 2
+processes resumes from the last synchronization's checkpoint. And one synchronization's program
+on simulated devices against NumPy (fast tier)."""
 
 import json
 import os
@@ -23,8 +25,11 @@ import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_tolerant.py"
-PROCESSES, SYNC_EVERY, STEPS, KILL_AFTER = 3, 5, 150, 10
-DEADLINE = 240  # seconds for the whole job; it takes about a third of that
+PROCESSES, SYNC_EVERY, STEPS, KILL_AFTER, DIE_IN_SYNC_AT = 3, 5, 100, 10, 75
+KILL_0_AFTER, RESUMED_STEPS = 20, 50  # process 0's death, and the step count of the job it ends
+HANG_AT, HANG_STEPS = 15, 30  # a process hangs in the synchronization at HANG_AT of a shorter job
+COLLECTIVE_TIMEOUT, VOTE_TIMEOUT = 20, 60  # seconds: the worker's, and train's default
+DEADLINE = 240  # seconds for a whole job; it takes about a fifth of that
 
 
 def free_port():
@@ -33,75 +38,193 @@ def free_port():
     return s.getsockname()[1]
 
 
-def records(path):
-  """The worker's lines of JSON (one per synchronization that counted)."""
-  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+class Job:
+  """Workers of one job on 127.0.0.1, their files in ``folder``; leaving the ``with`` block kills
+  the ones still running, whatever happened."""
 
+  def __init__(self, folder, processes, steps, *flags):
+    self.folder, self.processes, self.steps, self.flags = folder, processes, steps, flags
+    self.port, self.started, self.deadline = free_port(), [], time.time() + DEADLINE
+    folder.mkdir(parents=True, exist_ok=True)
 
-@pytest.mark.slow
-def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path):
-  port, started = free_port(), []
+  def __enter__(self):
+    return self
 
-  def start(i):
-    log = open(tmp_path / f"process{i}.log", "a")
-    started.append(subprocess.Popen(
-        [sys.executable, "-u", str(WORKER), "--coordinator", f"127.0.0.1:{port}",
-         "--process-id", str(i), "--processes", str(PROCESSES), "--steps", str(STEPS),
-         "--sync-every", str(SYNC_EVERY), "--step-seconds", "0.1",
-         "--out", str(tmp_path / f"process{i}.jsonl")],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True))
-    return started[-1]
-
-  def logs():
-    return "\n".join(f"--- process {i}\n" + (tmp_path / f"process{i}.log").read_text()[-3000:]
-                     for i in range(PROCESSES))
-
-  deadline = time.time() + DEADLINE
-  try:
-    first = [start(i) for i in range(PROCESSES)]
-    # Kill process 2 right after a synchronization: during its inner steps.
-    while not any(r["step"] >= KILL_AFTER for r in records(tmp_path / "process2.jsonl")):
-      assert time.time() < deadline and all(p.poll() is None for p in first), logs()
-      time.sleep(0.02)
-    os.killpg(first[2].pid, signal.SIGKILL)
-    killed = time.time()
-    first[2].wait()
-    killed_at = len(records(tmp_path / "process2.jsonl"))
-    # Restart it once the survivors have synchronized without it.
-    while not any(r["members"] == [0, 1] for r in records(tmp_path / "process0.jsonl")):
-      assert time.time() < deadline and all(p.poll() is None for p in first[:2]), logs()
-      time.sleep(0.02)
-    rejoined = start(2)
-    for p in first[:2] + [rejoined]:
-      assert p.wait(timeout=max(1, deadline - time.time())) == 0, logs()
-  finally:
-    for p in started:
+  def __exit__(self, *exc):
+    for p in self.started:
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
-  by_process = [records(tmp_path / f"process{i}.jsonl") for i in range(PROCESSES)]
+  def start(self, i, *flags):
+    """Process ``i``: stdout to process{i}.log, stderr to process{i}.err (appended on a restart)."""
+    self.started.append(subprocess.Popen(
+        [sys.executable, "-u", str(WORKER), "--coordinator", f"127.0.0.1:{self.port}",
+         "--process-id", str(i), "--processes", str(self.processes), "--steps", str(self.steps),
+         "--sync-every", str(SYNC_EVERY), "--step-seconds", "0.1",
+         "--collective-timeout", str(COLLECTIVE_TIMEOUT),
+         "--out", str(self.folder / f"process{i}.jsonl"), *self.flags, *flags],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=open(self.folder / f"process{i}.log", "a"),
+        stderr=open(self.folder / f"process{i}.err", "a"), start_new_session=True))
+    return self.started[-1]
+
+  def records(self, i):
+    """Process ``i``'s lines of JSON (one per synchronization that counted)."""
+    path = self.folder / f"process{i}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+  def text(self, i, kind):
+    path = self.folder / f"process{i}.{kind}"
+    return path.read_text() if path.exists() else ""
+
+  def logs(self):
+    return "\n".join(f"--- process {i} {kind}\n" + self.text(i, kind)[-3000:]
+                     for i in range(self.processes) for kind in ("log", "err"))
+
+  def wait_for(self, condition, running):
+    while not condition():
+      assert time.time() < self.deadline and all(p.poll() is None for p in running), self.logs()
+      time.sleep(0.02)
+
+  def wait(self, process):
+    return process.wait(timeout=max(1, self.deadline - time.time()))
+
+
+def assert_bit_identical(by_process, steps):
+  """Every process's copy of θ and the outer state after each synchronization is the same bits."""
+  for step in steps:
+    copies = {(r["theta"], r["outer"]) for rs in by_process for r in rs if r["step"] == step}
+    assert len(copies) == 1, (step, copies)
+
+
+@pytest.mark.slow
+def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path):
+  """Process 2 is killed during its inner steps and restarted; later, process 1 dies inside the
+  synchronization at step DIE_IN_SYNC_AT. The job reaches its step count, every synchronization
+  counts on the survivors, and every copy of θ and the outer state is the same bits."""
+  with Job(tmp_path, PROCESSES, STEPS) as job:
+    first = [job.start(i, *(["--signal-in-sync", f"{DIE_IN_SYNC_AT}:SIGKILL"] if i == 1 else []))
+             for i in range(PROCESSES)]
+    # Kill process 2 right after a synchronization: during its inner steps.
+    job.wait_for(lambda: any(r["step"] >= KILL_AFTER for r in job.records(2)), first)
+    os.killpg(first[2].pid, signal.SIGKILL)
+    killed = time.time()
+    first[2].wait()
+    killed_at = len(job.records(2))
+    # Restart it once the survivors have synchronized without it.
+    job.wait_for(lambda: any(r["members"] == [0, 1] for r in job.records(0)), first[:2])
+    rejoined = job.start(2)
+    for p in (first[0], rejoined):
+      assert job.wait(p) == 0, job.logs()
+    assert job.wait(first[1]) == -signal.SIGKILL, job.logs()
+    by_process = [job.records(i) for i in range(PROCESSES)]
+    died_in_sync = f"SIGKILL inside the synchronization at step {DIE_IN_SYNC_AT}" in job.text(
+        1, "log")
+    retried = "did not count; retrying" in job.text(0, "err")
+
   expected_steps = list(range(0, STEPS + 1, SYNC_EVERY))
-  for survivor in by_process[:2]:  # every synchronization counted, to the job's step count
-    assert [r["step"] for r in survivor] == expected_steps
-  # The survivors went on without process 2, then took it back.
+  # Every synchronization counted on process 0, to the job's step count; process 1's last one was
+  # the one before it died in.
+  assert [r["step"] for r in by_process[0]] == expected_steps
+  assert [r["step"] for r in by_process[1]] == list(range(0, DIE_IN_SYNC_AT, SYNC_EVERY))
+  assert died_in_sync and retried, job.logs()
+  # The survivors went on without process 2, took it back, then went on without process 1 from
+  # the synchronization it died in.
   members = [tuple(r["members"]) for r in by_process[0]]
   assert (0, 1) in members, members
-  assert members[-1] == (0, 1, 2), members
+  assert members[expected_steps.index(DIE_IN_SYNC_AT) - 1] == (0, 1, 2), members
+  assert members[expected_steps.index(DIE_IN_SYNC_AT):] == [(0, 2)] * (
+      len(expected_steps) - expected_steps.index(DIE_IN_SYNC_AT)), members
   second_life = by_process[2][killed_at:]
   assert second_life and second_life[0]["pid"] != by_process[2][0]["pid"]
   assert tuple(second_life[0]["members"]) == (0, 1, 2) and second_life[-1]["step"] == STEPS
   # Bit-identical: every copy of θ and the outer state after each synchronization, the rejoined
   # process's first one included.
-  for step in expected_steps:
-    copies = {(r["theta"], r["outer"]) for rs in by_process for r in rs if r["step"] == step}
-    assert len(copies) == 1, (step, copies)
+  assert_bit_identical(by_process, expected_steps)
   assert len({r["theta"] for r in by_process[0]}) == len(expected_steps)  # θ moved every time
   went_on = next(r["time"] for r in by_process[0] if r["members"] == [0, 1]) - killed
   back = second_life[0]["time"] - killed
+  died = by_process[1][-1]["time"]
+  after = by_process[0][expected_steps.index(DIE_IN_SYNC_AT)]["time"] - died
   print(f"members by synchronization: {members}; the survivors synchronized without process 2 "
-        f"{went_on:.1f} s after the kill, and with it again {back:.1f} s after")
+        f"{went_on:.1f} s after the kill, and with it again {back:.1f} s after; the "
+        f"synchronization process 1 died in counted {after:.1f} s after its previous one")
+
+
+@pytest.mark.slow
+def test_process_0s_death_ends_the_job_in_one_line_and_2_processes_resume_from_its_checkpoint(
+    tmp_path):
+  """3 processes write a checkpoint at every synchronization (process 0, with orbax); process 0 is
+  killed; the others end within a minute, each with one line on stderr. The same job restarted on
+  2 processes resumes from the newest checkpoint: the same step, θ and outer state bit for bit
+  (so the same held-out loss), and trains on to its step count."""
+  flags = ("--checkpoint-dir", str(tmp_path / "checkpoints"))
+  with Job(tmp_path / "on3", PROCESSES, RESUMED_STEPS, *flags) as on3:
+    first = [on3.start(i) for i in range(PROCESSES)]
+    on3.wait_for(lambda: any(r["step"] >= KILL_0_AFTER for r in on3.records(0)), first)
+    os.killpg(first[0].pid, signal.SIGKILL)
+    killed = time.time()
+    for p in first[1:]:
+      assert p.wait(timeout=60) == 1, on3.logs()
+    ended = time.time() - killed
+    before = on3.records(0)
+    for i in range(1, PROCESSES):
+      assert on3.text(i, "err").strip().splitlines() == [
+          f"jaxcomp.train.fault_tolerant: process {i} stops: {fault_tolerant.LOST}; the job "
+          f"cannot go on without process 0: restart every process, and "
+          f"train(checkpoint_dir=...) resumes from the last synchronization's checkpoint"], \
+          on3.logs()
+  with Job(tmp_path / "on2", 2, RESUMED_STEPS, *flags) as on2:
+    resumed = [on2.start(i) for i in range(2)]
+    for p in resumed:
+      assert on2.wait(p) == 0, on2.logs()
+    after = [on2.records(i) for i in range(2)]
+    assert "resuming from the checkpoint of step" in on2.text(0, "err"), on2.logs()
+
+  # The newest checkpoint is the last synchronization's, or the one before where process 0 died
+  # while writing it.
+  start = after[0][0]["step"]
+  assert start in (before[-1]["step"], before[-1]["step"] - SYNC_EVERY), (start, before)
+  checkpointed = next(r for r in before if r["step"] == start)
+  assert {k: after[0][0][k] for k in ("theta", "outer", "loss")} == {
+      k: checkpointed[k] for k in ("theta", "outer", "loss")}
+  assert after[0][0]["members"] == [0, 1]
+  for i in range(2):
+    assert [r["step"] for r in after[i]] == list(range(start, RESUMED_STEPS + 1, SYNC_EVERY))
+  assert [(r["theta"], r["outer"]) for r in after[0]] == [
+      (r["theta"], r["outer"]) for r in after[1]]
+  print(f"the others ended {ended:.1f} s after process 0's death; held-out loss by "
+        f"synchronization: {[round(r['loss'], 4) for r in before]} before, "
+        f"{[round(r['loss'], 4) for r in after[0]]} after the restart on 2")
+
+
+@pytest.mark.slow
+def test_a_process_that_hangs_inside_a_synchronization_is_timed_out_and_left_behind(tmp_path):
+  """Process 1 stops (SIGSTOP) as its round of the synchronization at HANG_AT begins: its
+  connections stay open, so only the collective timeout ends the others' wait. The round is
+  retried over processes 0 and 2, bit-identical, and they reach the job's step count."""
+  with Job(tmp_path, PROCESSES, HANG_STEPS) as job:
+    started = [job.start(i, *(["--signal-in-sync", f"{HANG_AT}:SIGSTOP"] if i == 1 else []))
+               for i in range(PROCESSES)]
+    for i in (0, 2):
+      assert job.wait(started[i]) == 0, job.logs()
+    hung = started[1].poll() is None  # stopped, until leaving the block kills it
+    by_process = [job.records(i) for i in range(PROCESSES)]
+    failed = [line for line in job.text(0, "err").splitlines() if "failed:" in line]
+
+  steps = list(range(0, HANG_STEPS + 1, SYNC_EVERY))
+  at = steps.index(HANG_AT)
+  assert hung and failed, failed
+  assert [r["step"] for r in by_process[0]] == [r["step"] for r in by_process[2]] == steps
+  assert [r["step"] for r in by_process[1]] == steps[:at]
+  assert [tuple(r["members"]) for r in by_process[0]] == [(0, 1, 2)] * at + [(0, 2)] * (
+      len(steps) - at)
+  assert_bit_identical(by_process, steps)
+  waited = by_process[0][at]["time"] - by_process[0][at - 1]["time"]
+  assert COLLECTIVE_TIMEOUT <= waited < VOTE_TIMEOUT, waited
+  print(f"the synchronization process 1 hung in counted {waited:.1f} s after the one before it; "
+        f"process 0's round failed with: {failed[0][:200]}")
 
 
 @pytest.mark.numeric

@@ -1,8 +1,8 @@
 """Who takes part in each synchronization of a job that survives its processes' deaths, and on which
 devices, on JAX's own coordination service (``jax.distributed``).
 
-Every workaround for what JAX does not yet do on CPU is here, and only here. Checked on jax 0.10.2
-(CPU, gloo collectives, processes on 127.0.0.1):
+Every workaround for what JAX does not yet do (on CPU, or at all) is here, and only here. Checked
+on jax 0.10.2 (CPU, gloo collectives, processes on 127.0.0.1):
 
 * ``jax_enable_recoverability`` lets the other processes go on when one dies, and the service's
   ``get_live_nodes`` (what ``multihost_utils.live_devices`` is built on) is a barrier over the live
@@ -17,6 +17,12 @@ Every workaround for what JAX does not yet do on CPU is here, and only here. Che
 * Process 0 hosts the service; its death ends the job. So process 0 also decides: it plans every
   round (members, devices, the step) into each member's key in the store, and decides from the
   members' votes whether the round counts, so that every member takes the same decision.
+* When the service is lost, the client aborts its process with a fatal log line and a C++ stack
+  trace, within a second; its Python callback for that event (``missed_heartbeat_callback`` of
+  the client factory) cannot be used: it is called with an ``absl::Status``, which has no Python
+  type, and the process ends in ``std::bad_cast``. So ``Membership.one_line_on_service_loss``
+  forks: the parent relays the stderr of the child, which runs the job, and puts one line of its
+  own in place of that report.
 
 The steps of a round, per process (the ``# n:`` comments point here):
 
@@ -33,12 +39,20 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import select
+import signal
+import sys
 import time
 from typing import NamedTuple
 
 import jax
 
 from jaxcomp._src import jax_internals
+
+
+SERVICE_LOST = b"the JAX distributed service detected fatal errors"  # the client's fatal log line
+HOLD = 0.5  # seconds the parent holds a line of stderr: JAX's report comes faster than that
 
 
 class Round(NamedTuple):
@@ -139,6 +153,53 @@ class Membership:
       return
     while len(self.client.get_live_nodes(list(range(self.processes)))) > 1:
       time.sleep(0.1)
+
+  @staticmethod
+  def one_line_on_service_loss(message: str) -> None:
+    """Forks. The child returns and runs the job, its stderr a pipe to the parent. The parent relays
+    each line of it ``HOLD`` seconds late and ends as the child did, except when the child is
+    aborted because the coordination service was lost: then it writes ``message`` in place of the
+    lines it holds (JAX's report) and exits with status 1. The child dies with the parent.
+
+    Call it before ``jax.distributed.initialize``, in the processes other than the service's
+    (``jaxcomp.train.fault_tolerant.initialize`` does).
+    """
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+      os.close(read)
+      os.dup2(write, 2)
+      os.close(write)
+      if sys.platform.startswith("linux"):  # PR_SET_PDEATHSIG: end with the parent
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+      return
+    os.close(write)
+    signal.signal(signal.SIGTERM, lambda number, frame: os.kill(child, number))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the child directly
+    held, partial, out = [], b"", sys.stderr.buffer
+    while True:
+      ready, _, _ = select.select([read], [], [], 0.1)
+      chunk = os.read(read, 65536) if ready else b""
+      if ready and not chunk:  # the end of the pipe: the child has gone
+        break
+      *lines, partial = (partial + chunk).split(b"\n")
+      held += [(time.monotonic(), line + b"\n") for line in lines]
+      while held and held[0][0] < time.monotonic() - HOLD:
+        out.write(held.pop(0)[1])
+      out.flush()
+    _, status = os.waitpid(child, 0)
+    tail = b"".join(line for _, line in held) + partial
+    if os.WIFSIGNALED(status) and SERVICE_LOST in tail:
+      tail, status = message.encode() + b"\n", 1 << 8
+    out.write(tail)
+    out.flush()
+    if os.WIFSIGNALED(status):  # end as the child did
+      number = os.WTERMSIG(status)
+      if number != signal.SIGKILL:
+        signal.signal(number, signal.SIG_DFL)
+      os.kill(os.getpid(), number)
+    os._exit(os.WEXITSTATUS(status))
 
   def _vote(self, number: int, process: int) -> bool:
     try:

@@ -17,10 +17,15 @@ The steps, per process (the ``# n:`` comments below point here):
 4. the members vote and process 0 decides (``Membership.agree``): if any member failed (died,
    or its collective timed out), every member drops the round's result and tries again with the
    survivors, from the same θ and its own θᵢ;
-5. every member sets its parameters to θ and trains ``sync_every`` inner steps on its own data; a
+5. process 0 writes θ, the outer state and the step to ``checkpoint_dir`` (orbax, in the
+   background, process 0 alone);
+6. every member sets its parameters to θ and trains ``sync_every`` inner steps on its own data; a
    process that joined starts its inner optimizer's state afresh.
 
-A process that dies loses its current period's inner steps; the survivors lose nothing.
+A process that dies loses its current period's inner steps; the survivors lose nothing. Process 0
+hosts the coordination service: when it dies, every process ends with one line on stderr, and a
+restart of the job (on any number of processes) resumes from the last synchronization's
+checkpoint, every inner optimizer's state started afresh.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -41,6 +47,39 @@ import jaxcomp
 
 log = logging.getLogger(__name__)
 SOURCE = 0  # the process θ is sent from: it hosts the coordination service, so it never rejoins
+LOST = (f"the coordination service on process {SOURCE} is gone (process {SOURCE} died, or cannot "
+        f"be reached)")
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
+               heartbeat_timeout_seconds: int = 10, collective_timeout_seconds: int = 30) -> None:
+  """``jax.distributed.initialize`` for ``train``, before any other use of JAX: with
+  ``jax_enable_recoverability`` and a bounded collective; and when process 0, which hosts the
+  coordination service, dies, every other process ends with one line on stderr and exit status
+  1, in place of JAX's abort with a stack trace (``jaxcomp.Membership.one_line_on_service_loss``
+  says how).
+
+  Args:
+    coordinator_address, num_processes, process_id: ``jax.distributed.initialize``'s.
+    heartbeat_timeout_seconds: how long the service waits for a silent process before dropping it
+      from the synchronizations (a process that dies is usually noticed sooner, by its closed
+      connection).
+    collective_timeout_seconds: how long a synchronization's collective waits for a member that
+      hangs (XLA:CPU's ``--xla_cpu_collective_timeout_seconds``; gloo's default is 1,800 s); more
+      than the members take to reach a synchronization one after another, a compilation
+      included, and less than ``train``'s ``vote_timeout``.
+  """
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_cpu_collective_timeout_seconds={collective_timeout_seconds}")
+  if process_id != SOURCE:
+    jaxcomp.Membership.one_line_on_service_loss(
+        f"jaxcomp.train.fault_tolerant: process {process_id} stops: {LOST}; the job cannot go on "
+        f"without process {SOURCE}: restart every process, and train(checkpoint_dir=...) resumes "
+        f"from the last synchronization's checkpoint")
+  jax.config.update("jax_enable_recoverability", True)
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id,
+                             heartbeat_timeout_seconds=heartbeat_timeout_seconds)
 
 
 class Synced(NamedTuple):
@@ -114,11 +153,13 @@ def _local(tree):
 
 
 def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: int, theta,
-                outer_state, local) -> Synced:
+                outer_state, local, on_round: Callable = lambda this_round: None) -> Synced:
   """Steps 1–4: rounds until one counts. ``local`` is this period's θᵢ, or None if this process
-  has not trained since it (re)joined. Returns the round's result."""
+  has not trained since it (re)joined; ``on_round`` is called with each round before
+  its collectives. Returns the round's result."""
   while True:
     this_round = rounds.next_round(step)  # 1
+    on_round(this_round)
     weight = np.float32(local is not None)
     try:
       program = _sync_program(config, this_round.devices)
@@ -140,12 +181,12 @@ def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: 
 def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTransformation,
           sync_every: int, steps: int, outer_learning_rate: float = 0.7,
           outer_momentum: float = 0.9, nesterov: bool = True, vote_timeout: float = 60.0,
+          checkpoint_dir: str | None = None, on_round: Callable = lambda this_round: None,
           on_sync: Callable = lambda synced: None) -> Synced:
   """Fault-tolerant DiLoCo of this process, until the job's step count reaches ``steps``.
 
-  Call it in every process after ``jax.distributed.initialize`` with
-  ``jax_enable_recoverability``; a restarted process calls it again and joins at the next
-  synchronization. The module docstring numbers the steps.
+  Call it in every process after ``initialize``; a restarted process calls it again and joins at
+  the next synchronization. The module docstring numbers the steps.
 
   Args:
     loss_fn: ``loss_fn(params, *batch) -> scalar``.
@@ -154,6 +195,11 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
     inner: the inner optimizer; sync_every: H; steps: the job's step count.
     outer_learning_rate, outer_momentum, nesterov: DiLoCo's outer SGD (``jaxcomp.diloco``).
     vote_timeout: seconds process 0 waits for a member's vote after a round's collective.
+    checkpoint_dir: where process 0 writes θ, the outer state and the step after every round
+      that counted, and resumes from the newest one at the start (the others receive it at the
+      first synchronization, so any number of processes resumes); None: no checkpoints.
+    on_round: called with each round (``jaxcomp.Membership.next_round``'s) before its
+      collectives: who takes part, on which devices, at which step.
     on_sync: called with the ``Synced`` result of every round that counted.
 
   Returns:
@@ -167,14 +213,26 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
   theta = jax.device_put(params, jax.local_devices()[0])
   outer_state = config.outer_optimizer().init(theta)
   local, inner_state, step = None, None, 0
+  checkpoints = None
+  if checkpoint_dir is not None and jax.process_index() == SOURCE:
+    checkpoints = _checkpoints(checkpoint_dir)
+    step, theta, outer_state = _resume(checkpoints, step, theta, outer_state)
+  saved = checkpoints.latest_step() if checkpoints else None  # the step resumed from
   while True:
-    synced = synchronize(rounds, config, step, theta, outer_state, local)  # 1-4
+    synced = synchronize(rounds, config, step, theta, outer_state, local, on_round)  # 1-4
     on_sync(synced)
     theta, outer_state, step = synced.theta, synced.outer_state, synced.step
+    if checkpoints and step != saved:  # 5
+      checkpoints.save(step, args=_orbax().args.StandardSave(
+          jax.tree.map(np.asarray, {"theta": theta, "outer_state": outer_state})))
+      saved = step
     if step >= steps:
+      if checkpoints:
+        checkpoints.wait_until_finished()
+        checkpoints.close()
       rounds.finish()
       return synced
-    # 5: a period of inner steps from θ; a process that joined starts its inner state afresh.
+    # 6: a period of inner steps from θ; a process that joined starts its inner state afresh.
     local = theta
     inner_state = config.inner.init(theta) if inner_state is None else inner_state
     for _ in range(sync_every):
@@ -187,3 +245,38 @@ def _inner_step(loss_fn, inner, params, state, *batch):
   loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
   updates, state = inner.update(grads, state, params)
   return optax.apply_updates(params, updates), state, loss
+
+
+def _orbax():
+  try:
+    import orbax.checkpoint
+  except ImportError as e:
+    raise ImportError("fault_tolerant.train(checkpoint_dir=...) needs orbax: pip install "
+                      "orbax-checkpoint, or pass checkpoint_dir=None") from e
+  return orbax.checkpoint
+
+
+def _checkpoints(directory: str):
+  """Process 0's orbax ``CheckpointManager`` over ``directory``: it saves in the background, and
+  process 0 alone takes part (a dead process must not hold up a barrier)."""
+  ocp = _orbax()
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)  # orbax does not create it for a subset of processes
+  return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+      max_to_keep=3, enable_async_checkpointing=True, create=False,
+      multiprocessing_options=ocp.options.MultiprocessingOptions(
+          primary_host=SOURCE, active_processes={SOURCE})))
+
+
+def _resume(checkpoints, step: int, theta, outer_state):
+  """The newest checkpoint's step, θ and outer state; the given ones where there is none."""
+  newest = checkpoints.latest_step()
+  if newest is None:
+    return step, theta, outer_state
+  restored = checkpoints.restore(newest, args=_orbax().args.StandardRestore(
+      jax.tree.map(np.asarray, {"theta": theta, "outer_state": outer_state})))
+  log.warning("resuming from the checkpoint of step %d in %s: θ and the outer optimizer's state "
+              "restored; every process's inner optimizer state starts afresh", newest,
+              checkpoints.directory)
+  return newest, *jax.device_put((restored["theta"], restored["outer_state"]),
+                                 jax.local_devices()[0])

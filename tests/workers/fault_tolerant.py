@@ -1,42 +1,46 @@
 """One process of a fault-tolerant DiLoCo job (``jaxcomp.train.fault_tolerant``): 2 CPU devices,
 ``jax.distributed`` with recoverability on 127.0.0.1, a small MLP on this process's own data, and a
-line of JSON per synchronization (the step, the members, the digests of θ and the outer state)."""
+line of JSON per synchronization (the step, the members, the digests of θ and the outer state, the
+loss of θ on held-out data). ``--signal-in-sync STEP:SIGNAL`` makes it send itself SIGNAL (SIGKILL:
+it dies; SIGSTOP: it hangs) as its round of the synchronization at STEP begins, once it has its
+plan: the others are then in the round's collectives without it."""
 
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
-HEARTBEAT = 5  # seconds before the coordination service drops a silent process
-COLLECTIVE_TIMEOUT = 20  # seconds before a collective with a dead member fails (gloo: 1,800)
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT}")
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import nodes_harness  # noqa: E402
 
 from jaxcomp.train import fault_tolerant  # noqa: E402
 
+HEARTBEAT = 5  # seconds before the coordination service drops a silent process
+
 
 def main():
   parser = argparse.ArgumentParser()
   for name in ("--coordinator", "--out"):
     parser.add_argument(name, required=True)
-  for name in ("--process-id", "--processes", "--steps", "--sync-every"):
+  for name in ("--process-id", "--processes", "--steps", "--sync-every", "--collective-timeout"):
     parser.add_argument(name, type=int, required=True)
   parser.add_argument("--step-seconds", type=float, default=0.0,
                       help="sleep per inner step: the time a larger model would compute")
+  parser.add_argument("--checkpoint-dir", default=None)
+  parser.add_argument("--signal-in-sync", default=None, help="STEP:SIGNAL, e.g. 75:SIGKILL")
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", 2)
   jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_enable_recoverability", True)
-  jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes,
-                             process_id=args.process_id, heartbeat_timeout_seconds=HEARTBEAT)
+  fault_tolerant.initialize(args.coordinator, args.processes, args.process_id,
+                            heartbeat_timeout_seconds=HEARTBEAT,
+                            collective_timeout_seconds=args.collective_timeout)
   out = open(args.out, "a")
+  held_out = nodes_harness.batch(-1)
 
   def batch(step):
     time.sleep(args.step_seconds)
@@ -44,16 +48,24 @@ def main():
     return (rng.normal(size=(8, nodes_harness.IN)).astype(np.float32),
             rng.normal(size=(8, nodes_harness.OUT)).astype(np.float32))
 
+  step, name = (args.signal_in_sync or "-1:SIGKILL").split(":")
+
+  def on_round(this_round):
+    if this_round.step == int(step):
+      print(f"{name} inside the synchronization at step {this_round.step}", flush=True)
+      os.kill(os.getpid(), signal.Signals[name])
+
   def on_sync(synced):
     out.write(json.dumps({"pid": os.getpid(), "time": time.time(), "step": synced.step,
                           "members": synced.members,
                           "theta": fault_tolerant.digest(synced.theta),
-                          "outer": fault_tolerant.digest(synced.outer_state)}) + "\n")
+                          "outer": fault_tolerant.digest(synced.outer_state),
+                          "loss": float(nodes_harness.loss_fn(synced.theta, *held_out))}) + "\n")
     out.flush()
 
   fault_tolerant.train(nodes_harness.loss_fn, nodes_harness.init_params(), batch,
                        inner=nodes_harness.inner(), sync_every=args.sync_every, steps=args.steps,
-                       on_sync=on_sync)
+                       checkpoint_dir=args.checkpoint_dir, on_round=on_round, on_sync=on_sync)
   print("done", flush=True)
 
 
