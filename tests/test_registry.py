@@ -198,7 +198,8 @@ def test_the_presets_left_to_this_file_are_papers_recipes_of_algorithms_tested_e
   from jaxcomp.train import papers
   assert set(PRESETS) <= {entry.name for entry in papers.ENTRIES}
   assert set(ALGORITHMS) | set(PRESETS) == set(COMPRESSORS)
-  assert {"diloco_h20", "sparseloco_h30", "streaming_diloco_h100_p4_int8", "muloco"} <= set(ALGORITHMS)
+  algorithms = {"diloco_h20", "sparseloco_h30", "streaming_diloco_h100_p4_int8", "muloco"}
+  assert algorithms <= set(ALGORITHMS)
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS) + sorted(HOOKS))
