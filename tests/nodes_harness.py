@@ -64,8 +64,23 @@ def exact_inside(name, mesh, steps, place=None):
   """``steps`` steps of algorithm ``name`` over ``"replica"``, exact inside a node: the parameters
   after each (global arrays, one copy per replica). ``place(global_array, sharding)`` puts a batch
   on the mesh (default ``jax.device_put``; several processes pass their own rows)."""
-  place = place or jax.device_put
   dp = jaxcomp.data_parallel(loss_fn, mesh, axis_name="replica", tx=ALGORITHMS[name]("replica"))
+  return run(dp, mesh, steps, place)
+
+
+def through_the_hierarchical_mean(mesh):
+  """DiLoCo over ``"replica"``, its inner step averaging the gradient over ``"data"`` and its
+  pseudo-gradient averaged by ``jaxcomp.hierarchical``: the step, over both axes."""
+  tx = jaxcomp.diloco(optax.chain(jaxcomp.allreduce(axis_name="data"), inner()), sync_every=3,
+                      axis_name="replica", compressor=jaxcomp.hierarchical(
+                          jaxcomp.allreduce(axis_name="replica"), fast_axis="data"))
+  return jaxcomp.data_parallel(loss_fn, mesh, axis_name=("replica", "data"), tx=tx)
+
+
+def run(dp, mesh, steps, place=None):
+  """``steps`` steps of ``dp`` from ``init_params()``, each replica fed its rows (``place``, as
+  ``exact_inside``): the parameters after each."""
+  place = place or jax.device_put
   opt_state, params = dp.make_state(init_params()), dp.make_params(init_params())
   split = NamedSharding(mesh, P(("replica", "data")))
   history = []

@@ -88,6 +88,28 @@ def test_fully_sharded_inside_sends_a_node_share_of_the_pseudo_gradient_across_r
   assert sync.payload_bytes == 4 * numel / shape[1]  # every leaf splits evenly over 4
 
 
+@pytest.mark.numeric
+@pytest.mark.parametrize("shape", MESHES)
+def test_diloco_through_the_hierarchical_mean_equals_exact_inside_for_a_node_share_of_the_bytes(
+    shape):
+  steps, mesh = 7, harness.node_mesh(shape)
+  dp = harness.through_the_hierarchical_mean(mesh)
+  got, want = harness.run(dp, mesh, steps), harness.exact_inside("diloco", mesh, steps)
+  replicas, per_node = shape
+  for t, (params, expected) in enumerate(zip(got, want)):
+    for device in range(per_node):  # every device of a node holds its replica's parameters
+      chex.assert_trees_all_close(
+          jax.tree.map(lambda x: np.asarray(x).reshape((replicas, per_node) + x.shape[1:])[
+              :, device], params), jax.tree.map(np.asarray, expected),
+          **rounding_tol(64 * (t + 1)))
+  params = harness.init_params()
+  report = jaxcomp.comm_report(dp.step, dp.make_params(params), dp.make_state(params),
+                               *dp.shard(harness.batch(0))).by_axes(mesh)
+  numel = sum(x.size for x in jax.tree.leaves(params))
+  sync = report[("replica",)].phase("diloco.sync")
+  assert sync.payload_bytes == 4 * numel / per_node  # not the whole pseudo-gradient per device
+
+
 def _mean_step(exchange, mesh):
   """The update of one SGD(1) step through ``exchange`` over both axes, and its report by axes."""
   tx = optax.chain(exchange, optax.sgd(1.0))

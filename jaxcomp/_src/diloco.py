@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import axis, finite, interface, local_steps, phases, validate
+from jaxcomp._src import axis, finite, interface, local_steps, phases, spmd, validate
 from jaxcomp._src import tree as tree_lib
 
 
@@ -203,12 +203,16 @@ def step(config: DiLoCoConfig, state: DiLoCoState, grads, params,
 
 def same_axis(compressor: Optional[interface.Transformation], axis_name: axis.AxisName,
               name: str) -> None:
-  """Raises unless ``compressor`` (if any) averages over ``axis_name``, the optimizer's axis.
+  """Raises unless ``compressor`` (if any) averages over ``axis_name``, the optimizer's axis, and
+  perhaps over more: ``jaxcomp.hierarchical`` averages over the slow axis and, exactly, over the
+  devices of a node, where the pseudo-gradient is the same when the inner step averages the
+  gradient over them (each device then sends 1/F of it between nodes, not all of it).
 
   Raises:
     ValueError: naming both axes and the fix.
   """
-  if compressor is not None and compressor.axis_name != axis_name:
+  if compressor is not None and not set(spmd.axes(axis_name)) <= set(
+      spmd.axes(compressor.axis_name)):
     raise ValueError(
         f"{name}: its compressor averages over {compressor.axis_name!r}, but {name} synchronizes "
         f"over {axis_name!r}: pass axis_name={axis_name!r} to the compressor too")

@@ -11,10 +11,14 @@ mesh is ``("replica", "data")``: one row of devices per process. Each entry's st
   the compressor over ``"replica"`` on each device's shard, all-gather inside the node
   (``data_parallel`` maps both axes); the dense means and ``quantized`` packed into one vector,
   the others (PowerSGD's matrices) leaf by leaf;
-* an optimizer that owns the parameters (DiLoCo, Streaming DiLoCo, SparseLoCo, local SGD) or
-  averages itself (1-bit Adam, Dion, DeMo) runs over ``"replica"`` with ``data_parallel`` mapping
-  it alone: inside a node the batch is split over ``"data"`` and the partitioner averages the
-  gradient exactly (XLA's all-reduce between the node's devices).
+* DiLoCo and Streaming DiLoCo (the registry's ``_diloco`` entries) run over ``"replica"``, their
+  inner step averaging the gradient over ``"data"`` and their pseudo-gradient averaged by
+  ``jaxcomp.hierarchical`` (``data_parallel`` maps both axes): each device sends 1/F of it
+  between nodes;
+* another optimizer that owns the parameters (SparseLoCo, local SGD) or averages itself (1-bit
+  Adam, Dion, DeMo) runs over ``"replica"`` with ``data_parallel`` mapping it alone: inside a node
+  the batch is split over ``"data"`` and the partitioner averages the gradient exactly (XLA's
+  all-reduce between the node's devices); each device of a node sends its whole exchange.
 
 Every step is timed and blocks on the loss; process 0 evaluates on held-out data every few
 steps, and all processes agree on whether to go on (``agree``). Before training, each entry's
@@ -72,7 +76,12 @@ def make_step(task, entry, mesh, steps=None, **settings):
 
   import jaxcomp
 
-  if entry.wraps_optimizer or entry.is_optimizer:
+  from jaxcomp.train import registry
+
+  if registry.averages_hierarchically(entry):
+    tx = task.optimizer(entry, steps, axis_name="replica", fast_axis="data", **settings)
+    axes = ("replica", "data")
+  elif entry.wraps_optimizer or entry.is_optimizer:
     tx = task.optimizer(entry, steps, axis_name="replica", **settings)
     axes = "replica"
   else:

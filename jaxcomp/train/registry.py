@@ -46,6 +46,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import inspect
 from typing import Callable, Iterator, Sequence
 
 import optax
@@ -213,13 +214,27 @@ _ENTRIES += (
 def _diloco(compressor=None, wrapper=jaxcomp.diloco,
             **compressor_settings) -> Callable[..., optax.GradientTransformation]:
   """A factory for ``wrapper(inner, ...)`` (``diloco`` or ``streaming_diloco``) whose
-  pseudo-gradient goes through ``compressor`` on the same axis."""
+  pseudo-gradient goes through ``compressor`` on the same axis.
 
-  def factory(inner, axis_name, **settings):
+  With ``fast_axis`` (the several-nodes job's ``"data"``, the devices of a node), the inner step
+  averages the gradient over it and the pseudo-gradient, the same on a node's devices, is averaged
+  by ``jaxcomp.hierarchical``: each device sends 1/F of it between nodes, not all of it (elementwise
+  codecs packed into one vector, PowerSGD's matrices kept)."""
+
+  def factory(inner, axis_name, fast_axis=None, **settings):
     on_axis = None if compressor is None else compressor(axis_name=axis_name, **compressor_settings)
+    if fast_axis is not None:
+      inner = optax.chain(jaxcomp.allreduce(axis_name=fast_axis), inner)
+      on_axis = jaxcomp.hierarchical(on_axis or jaxcomp.allreduce(axis_name=axis_name),
+                                     fast_axis=fast_axis, pack=compressor is not jaxcomp.powersgd)
     return wrapper(inner, compressor=on_axis, axis_name=axis_name, **settings)
 
   return factory
+
+
+def averages_hierarchically(entry: Compressor) -> bool:
+  """Whether ``entry``'s factory takes ``fast_axis`` (``_diloco``'s)."""
+  return "fast_axis" in inspect.signature(entry.factory).parameters
 
 
 _ENTRIES += (
