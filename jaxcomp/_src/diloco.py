@@ -261,7 +261,9 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
       ``jaxcomp.fp16_compress()`` or ``jaxcomp.powersgd(4, start_iter=0, error_feedback=False)``
       (its ``start_iter`` counts outer steps; the outer momentum already carries what a step leaves
       out, and error feedback on top of it made DiLoCo much worse in tests/test_diloco_training.py's
-      setting); None sends the float32 mean.
+      setting); None sends the float32 mean. Between nodes of several devices,
+      ``jaxcomp.hierarchical(jaxcomp.allreduce(axis_name="replica"))`` (over the slow axis and the
+      node's, with ``inner`` averaging the gradient over the node's) sends 1/F of it per device.
 
   Returns:
     A ``GradientTransformation`` with a ``DiLoCoState``, whose update requires ``params``.

@@ -412,7 +412,8 @@ def streaming_diloco(inner: optax.GradientTransformation, *, sync_every: int, fr
     outer_learning_rate: η of the outer SGD.
     outer_momentum: μ of the outer SGD; 0 for none. Each fragment keeps its own momentum.
     nesterov: Nesterov momentum (the paper's) rather than heavy-ball.
-    compressor: a jaxcomp transformation that averages the pseudo-gradient over the same axis (the
+    compressor: a jaxcomp transformation that averages the pseudo-gradient over the same axis, or
+      over it and a node's (``jaxcomp.hierarchical``, as ``jaxcomp.diloco``'s) (the
       paper sends it in 4 bits: ``jaxcomp.quantized(...)`` sends 8); one state per piece of each
       fragment. A piece holds rows (first-axis slices) of the fragment's leaves, so a compressor
       that views leaves as matrices (PowerSGD) sees row blocks of them. None sends the float32 mean.
