@@ -48,6 +48,18 @@ def test_the_findings_name_the_best_frugal_entry_and_the_familys_trend():
   assert "muloco: +5.00% → +2.00%" in text and "would reach 1% at about" in text
 
 
+def test_the_seeds_spread_is_the_other_entries_and_stated_only_once_they_have_several_seeds():
+  names = ("allreduce_adamw", "muloco")
+  records = [record("allreduce_adamw", "a", 1000, 2.0, 800.0, seed=0),
+             record("allreduce_adamw", "a", 1000, 2.02, 800.0, seed=1, base=(2.02, 800.0)),
+             record("muloco", "a", 1000, 2.1, 4.0, seed=0)]
+  assert "no other entry has run more than one seed yet" in scaling_report.findings(records, names)
+  records.append(record("muloco", "a", 1000, 2.2220, 4.0, seed=1, base=(2.02, 800.0)))
+  # muloco's gaps +5% and +10%: standard deviation 3.54%, and 1% is 0.3 of them.
+  text = scaling_report.findings(records, names)
+  assert "median over the entries run with several (1), 3.54%: a gap of 1% there is 0.3 of" in text
+
+
 @pytest.mark.slow  # trains two tiny sizes end to end, twice
 def test_a_quick_study_writes_its_records_and_resumes_where_it_stopped(tmp_path):
   results = tmp_path / "results.jsonl"
