@@ -60,13 +60,14 @@ def _cell(values: list) -> str:
 def table(records: list, names: tuple) -> str:
   from benchmarks import common
   sizes, g = _sizes(records), gaps(records)
-  largest = sizes[-1][0]
   header = (["entry"] + [f"gap at {p:,} params" for _, p in sizes]
-            + ["fewer bytes (largest)", "steps to AdamW's loss (largest)"])
+            + ["fewer bytes (its largest)", "steps to AdamW's loss (its largest)"])
   rows = []
   for name in names:
-    if (largest, name) not in g:
+    measured = [s for s, _ in sizes if (s, name) in g]
+    if not measured:
       continue
+    largest = measured[-1]  # the largest size this entry has run (a study may stop part-way)
     r = _first(records, largest, name)
     reached = r["steps_to_allreduce_loss"]
     rows.append([name] + [_cell(g[(s, name)]) if (s, name) in g else "-" for s, _ in sizes]
