@@ -174,6 +174,19 @@ def test_hierarchical_exact_mean_is_the_flat_mean_to_rounding(shape, pack):
   assert numel / shape[1] <= across.payload_bytes / 4 <= numel / shape[1] + (0 if pack else 16)
 
 
+@pytest.mark.parametrize("compressor, packed", [(jaxcomp.quantized, True),
+                                                 (jaxcomp.powersgd, False)])
+def test_by_default_an_elementwise_codec_travels_packed_and_powersgd_keeps_its_matrices(
+    compressor, packed):
+  settings = {"rank": 1} if compressor is jaxcomp.powersgd else {"bits": 8}
+  with jax.set_mesh(harness.node_mesh((2, 4))):
+    default, chosen = (jaxcomp.hierarchical(compressor(axis_name="replica", **settings),
+                                            pack=pack).init(harness.init_params())
+                       for pack in (None, packed))
+  shapes = [[x.shape for x in jax.tree.leaves(s.inner)] for s in (default, chosen)]
+  assert shapes[0] == shapes[1]
+
+
 def test_by_axes_reads_groups_by_position_in_the_mesh_not_by_device_id():
   order = [3, 1, 7, 5, 0, 2, 4, 6]
   mesh = Mesh(np.asarray(jax.devices())[order].reshape(2, 4), ("replica", "data"),

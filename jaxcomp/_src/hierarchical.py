@@ -56,6 +56,10 @@ from jaxcomp._src import tree as tree_lib
 SLOW_AXIS = "replica"
 """The name of the mesh axis between nodes: the slow axis."""
 
+ELEMENTWISE = frozenset({"allreduce", "fp16_compress", "bf16_compress", "quantized"})
+"""The compressors (by name) that code each value alone or in blocks of values: they travel
+packed unless told otherwise."""
+
 
 class HierarchicalState(NamedTuple):
   """State of ``hierarchical``.
@@ -89,7 +93,7 @@ def fast_size(fast_axis) -> int:
 
 
 def hierarchical(compressor, *, fast_axis: axis.AxisName = "data",
-                 pack: bool = True) -> interface.Transformation:
+                 pack: bool | None = None) -> interface.Transformation:
   """The hierarchical mean: exact inside a node, ``compressor`` between nodes, 1/F of its message
   across the slow link.
 
@@ -120,8 +124,9 @@ def hierarchical(compressor, *, fast_axis: axis.AxisName = "data",
     compressor: a jaxcomp compressor over the slow axis, e.g. ``jaxcomp.quantized(8,
       axis_name="replica")``, ``jaxcomp.allreduce(axis_name="replica")``.
     fast_axis: the mesh axis (or axes) inside a node.
-    pack: the leaves of each dtype travel as one vector (for elementwise codecs), or each leaf's
-      shard keeps its rank (``False``: for PowerSGD, whose matrices they are).
+    pack: the leaves of each dtype travel as one vector (``True``), or each leaf's shard keeps its
+      rank (``False``: PowerSGD compresses matrices, and a packed vector it would send whole).
+      ``None``: packed for the elementwise codecs (``ELEMENTWISE``), by leaf for the others.
 
   Returns:
     A ``jaxcomp.Transformation`` whose output, the mean over both axes, is the same on every
@@ -140,7 +145,7 @@ def hierarchical(compressor, *, fast_axis: axis.AxisName = "data",
                      f"between nodes; fast_axis must be the axis inside a node (e.g. 'data'); got "
                      f"{fast_axis!r}")
   both = slow + fast
-  pack = validate.boolean(pack, "pack")
+  pack = compressor.name in ELEMENTWISE if pack is None else validate.boolean(pack, "pack")
 
   def init_fn(params):
     signature = tree_lib.TreeSignature.of(tree_lib.unwrap(params))

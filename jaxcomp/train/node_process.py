@@ -85,10 +85,9 @@ def make_step(task, entry, mesh, steps=None, **settings):
     tx = task.optimizer(entry, steps, axis_name="replica", **settings)
     axes = "replica"
   else:
-    # Elementwise codecs travel packed; a compressor of matrices (PowerSGD) keeps them.
-    factory, pack = entry.factory, entry.is_mean or entry.factory is jaxcomp.quantized
+    factory = entry.factory
     hierarchical = dataclasses.replace(entry, factory=lambda axis_name, **s: jaxcomp.hierarchical(
-        factory(axis_name=axis_name, **s), fast_axis="data", pack=pack))
+        factory(axis_name=axis_name, **s), fast_axis="data"))
     tx = task.optimizer(hierarchical, steps, axis_name="replica", **settings)
     axes = ("replica", "data")
   return jaxcomp.data_parallel(task.loss, mesh, axis_name=axes, tx=tx), tx

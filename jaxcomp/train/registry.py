@@ -226,7 +226,7 @@ def _diloco(compressor=None, wrapper=jaxcomp.diloco,
     if fast_axis is not None:
       inner = optax.chain(jaxcomp.allreduce(axis_name=fast_axis), inner)
       on_axis = jaxcomp.hierarchical(on_axis or jaxcomp.allreduce(axis_name=axis_name),
-                                     fast_axis=fast_axis, pack=compressor is not jaxcomp.powersgd)
+                                     fast_axis=fast_axis)
     return wrapper(inner, compressor=on_axis, axis_name=axis_name, **settings)
 
   return factory
