@@ -2,8 +2,9 @@
 tier): a process killed during its inner steps and restarted rejoins at the next synchronization,
 another one dies inside a synchronization, and every process's θ and outer state are bit-identical
 after every synchronization; process 0's death ends the others with one line, and a restart on 2
-processes resumes from the last synchronization's checkpoint. And one synchronization's program
-on simulated devices against NumPy (fast tier)."""
+processes resumes from the last synchronization's checkpoint, each process taking back its own
+inner optimizer's state. And one synchronization's program on simulated devices against NumPy
+(fast tier)."""
 
 import json
 import os
@@ -122,13 +123,14 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
     died_in_sync = f"SIGKILL inside the synchronization at step {DIE_IN_SYNC_AT}" in job.text(
         1, "log")
     retried = "did not count; retrying" in job.text(0, "err")
+    afresh = "process 2: its inner optimizer's state starts afresh" in job.text(2, "err")
 
   expected_steps = list(range(0, STEPS + 1, SYNC_EVERY))
   # Every synchronization counted on process 0, to the job's step count; process 1's last one was
   # the one before it died in.
   assert [r["step"] for r in by_process[0]] == expected_steps
   assert [r["step"] for r in by_process[1]] == list(range(0, DIE_IN_SYNC_AT, SYNC_EVERY))
-  assert died_in_sync and retried, job.logs()
+  assert died_in_sync and retried and afresh, job.logs()
   # The survivors went on without process 2, took it back, then went on without process 1 from
   # the synchronization it died in.
   members = [tuple(r["members"]) for r in by_process[0]]
@@ -163,6 +165,7 @@ def test_process_0s_death_ends_the_job_in_one_line_and_2_processes_resume_from_i
   with Job(tmp_path / "on3", PROCESSES, RESUMED_STEPS, *flags) as on3:
     first = [on3.start(i) for i in range(PROCESSES)]
     on3.wait_for(lambda: any(r["step"] >= KILL_0_AFTER for r in on3.records(0)), first)
+    time.sleep(0.2)  # into the inner steps: the synchronization's checkpoints written
     os.killpg(first[0].pid, signal.SIGKILL)
     killed = time.time()
     for p in first[1:]:
@@ -181,6 +184,8 @@ def test_process_0s_death_ends_the_job_in_one_line_and_2_processes_resume_from_i
       assert on2.wait(p) == 0, on2.logs()
     after = [on2.records(i) for i in range(2)]
     assert "resuming from the checkpoint of step" in on2.text(0, "err"), on2.logs()
+    inner_restored = [f"process {i}: its inner optimizer's state restored from step" in
+                      on2.text(i, "err") for i in range(2)]
 
   # The newest checkpoint is the last synchronization's, or the one before where process 0 died
   # while writing it.
@@ -190,6 +195,7 @@ def test_process_0s_death_ends_the_job_in_one_line_and_2_processes_resume_from_i
   assert {k: after[0][0][k] for k in ("theta", "outer", "loss")} == {
       k: checkpointed[k] for k in ("theta", "outer", "loss")}
   assert after[0][0]["members"] == [0, 1]
+  assert inner_restored == [True, True]  # processes 0 and 1 take back their own inner states
   for i in range(2):
     assert [r["step"] for r in after[i]] == list(range(start, RESUMED_STEPS + 1, SYNC_EVERY))
   assert [(r["theta"], r["outer"]) for r in after[0]] == [
@@ -262,3 +268,23 @@ def test_a_synchronization_averages_over_the_members_that_trained_and_sends_thet
   kept_theta, kept_momentum = run([0.0, 0.0, 0.0])
   assert kept_theta.view(np.int32).tolist() == theta["w"].view(np.int32).tolist()
   assert kept_momentum.view(np.int32).tolist() == momentum["w"].view(np.int32).tolist()
+
+
+def test_inner_states_keep_the_newest_files_and_refuse_another_optimizers_state(tmp_path):
+  """A process's inner states round-trip bit for bit, the newest ``KEEP`` stay, a step never
+  written restores as None, and a state of other shapes is refused, naming the file."""
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+  adam = optax.adamw(1e-3)
+  state = adam.update(params, adam.init(params), params)[1]
+  states = fault_tolerant.InnerStates(str(tmp_path))
+  for step in range(0, 25, 5):
+    states.save(step, state)
+  states.close()
+  assert states.steps() == [10, 15, 20]
+  restored = states.restore(20, adam.init(params))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+  assert states.restore(5, adam.init(params)) is None
+  with pytest.raises(ValueError, match="another inner optimizer's state"):
+    states.restore(20, optax.sgd(0.1, momentum=0.9).init(params))
