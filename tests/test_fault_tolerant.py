@@ -101,10 +101,11 @@ def assert_bit_identical(by_process, steps):
 
 @pytest.mark.slow
 def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path):
-  """Process 2 is killed during its inner steps and restarted; later, process 1 dies inside the
-  synchronization at step DIE_IN_SYNC_AT. The job reaches its step count, every synchronization
-  counts on the survivors, and every copy of θ and the outer state is the same bits."""
-  with Job(tmp_path, PROCESSES, STEPS) as job:
+  """MuLoCo (Muon inside, a 2-bit exchange with error feedback): process 2 is killed during its
+  inner steps and restarted; later, process 1 dies inside the synchronization at step
+  DIE_IN_SYNC_AT. The job reaches its step count, every synchronization counts on the survivors,
+  and every copy of θ and the outer state is the same bits."""
+  with Job(tmp_path, PROCESSES, STEPS, "--muloco") as job:
     first = [job.start(i, *(["--signal-in-sync", f"{DIE_IN_SYNC_AT}:SIGKILL"] if i == 1 else []))
              for i in range(PROCESSES)]
     # Kill process 2 right after a synchronization: during its inner steps.
@@ -233,32 +234,50 @@ def test_a_process_that_hangs_inside_a_synchronization_is_timed_out_and_left_beh
         f"process 0's round failed with: {failed[0][:200]}")
 
 
+def sync_program(compressor, like):
+  """One synchronization's program on 3 simulated devices and its compressor's initial state
+  stacked for them."""
+  config = jaxcomp.DiLoCoConfig(inner=optax.sgd(0.1), sync_every=2, compressor=compressor)
+  devices = tuple(jax.devices()[:3])
+  with jax.set_mesh(jax.sharding.Mesh(np.asarray(devices), ("replica",))):
+    state = optax.EmptyState() if compressor is None else compressor.init(like)
+  return config, fault_tolerant._sync_program(config, devices), jax.tree.map(
+      lambda x: np.stack([np.asarray(x)] * 3), state)
+
+
+def same_bits_on_every_device(tree):
+  for leaf in jax.tree.leaves(tree):
+    shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert all(s.view(np.int32).tolist() == shards[0].view(np.int32).tolist() for s in shards)
+
+
 @pytest.mark.numeric
-def test_a_synchronization_averages_over_the_members_that_trained_and_sends_theta_bit_for_bit():
+@pytest.mark.parametrize("compressor", [None, jaxcomp.allreduce(axis_name="replica")],
+                         ids=["exact", "through_a_compressor"])
+def test_a_synchronization_averages_over_the_members_that_trained_and_sends_theta_bit_for_bit(
+    compressor):
   """One synchronization's program on 3 simulated devices, one per member: member 0 is the source,
   member 2 joins with a stale θ and momentum (weight 0). θ is NumPy DiLoCo's outer step on the
-  mean of members 0 and 1, the same bits on every device; with nobody trained, every device gets
-  the source's θ and momentum bit for bit (a -0.0 included)."""
+  mean of members 0 and 1 (exactly, or through a compressor's mean over all three of the shares
+  scaled by 3 / 2), the same bits on every device; with nobody trained, every device gets the
+  source's θ and momentum bit for bit (a -0.0 included)."""
   rng = np.random.default_rng(0)
   theta = {"w": rng.normal(size=(3, 5)).astype(np.float32)}
   theta["w"][0, 0] = -0.0
   momentum = {"w": rng.normal(size=(3, 5)).astype(np.float32)}
   local = [{"w": theta["w"] + rng.normal(size=(3, 5)).astype(np.float32)} for _ in range(2)]
-  config = jaxcomp.DiLoCoConfig(inner=optax.sgd(0.1), sync_every=2)
+  config, program, compressor_state = sync_program(compressor, theta)
   outer_state = config.outer_optimizer().init(theta)
   outer_state = (outer_state[0]._replace(trace=momentum),) + tuple(outer_state[1:])
   stale_theta, stale_state = jax.tree.map(np.ones_like, (theta, outer_state))
-  program = fault_tolerant._sync_program(config, tuple(jax.devices()[:3]))
 
   def run(weights):
     rows = [(theta, outer_state, local[0], weights[0], True),
             (theta, outer_state, local[1], weights[1], False),
             (stale_theta, stale_state, stale_theta, weights[2], False)]
-    new_theta, new_state = program(*jax.tree.map(
-        lambda *xs: np.stack([np.asarray(x) for x in xs]), *rows))
-    for leaf in jax.tree.leaves((new_theta, new_state)):  # the same bits on every device
-      shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-      assert all(s.view(np.int32).tolist() == shards[0].view(np.int32).tolist() for s in shards)
+    new_theta, new_state, _ = program(*jax.tree.map(
+        lambda *xs: np.stack([np.asarray(x) for x in xs]), *rows), compressor_state)
+    same_bits_on_every_device((new_theta, new_state))
     return np.asarray(new_theta["w"]), np.asarray(new_state[0].trace["w"])
 
   new_theta, _ = run([1.0, 1.0, 0.0])
@@ -268,6 +287,29 @@ def test_a_synchronization_averages_over_the_members_that_trained_and_sends_thet
   kept_theta, kept_momentum = run([0.0, 0.0, 0.0])
   assert kept_theta.view(np.int32).tolist() == theta["w"].view(np.int32).tolist()
   assert kept_momentum.view(np.int32).tolist() == momentum["w"].view(np.int32).tolist()
+
+
+def test_a_2_bit_exchange_gives_every_member_the_same_theta_and_each_its_own_error():
+  """MuLoCo's exchange (2 bits, a decaying error): θ the same bits on every member, within the
+  codes' error of the exact step, and each member keeps its own error feedback."""
+  rng = np.random.default_rng(1)
+  theta = {"w": rng.normal(size=(4, 64)).astype(np.float32)}
+  local = [{"w": theta["w"] + rng.normal(size=(4, 64)).astype(np.float32)} for _ in range(3)]
+  config, program, compressor_state = sync_program(
+      jaxcomp.quantized(2, error_decay=0.9, axis_name="replica"), theta)
+  exact, exact_program, _ = sync_program(None, theta)
+  outer_state = config.outer_optimizer().init(theta)
+  rows = [(theta, outer_state, local[i], 1.0, i == 0) for i in range(3)]
+  stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *rows)
+  new_theta, _, new_state = program(*stacked, compressor_state)
+  same_bits_on_every_device(new_theta)
+  want, _, _ = exact_program(*stacked, optax.EmptyState())
+  # Ternary codes of a scale per 256 values (their largest): each value within half of it, and
+  # the outer step multiplies the mean's error by 0.7 × (1 + 0.9).
+  bound = 0.7 * 1.9 * 0.5 * max(np.abs(theta["w"] - x["w"]).max() for x in local) * 1.01
+  assert np.abs(np.asarray(new_theta["w"]) - np.asarray(want["w"])).max() <= bound
+  error = np.asarray(new_state.worker_error["w"])  # one per member: each its own
+  assert len({error[i].tobytes() for i in range(3)}) == 3 and np.abs(error).max() > 0
 
 
 def test_inner_states_keep_the_newest_files_and_refuse_another_optimizers_state(tmp_path):

@@ -1,4 +1,5 @@
-"""DiLoCo across processes that goes on when a process dies and takes it back when it restarts.
+"""DiLoCo (and MuLoCo: a Muon ``inner``, a 2-bit ``compressor``) across processes that goes on
+when a process dies and takes it back when it restarts.
 
 Each process is one DiLoCo replica: it runs its inner steps alone, on its own device, and meets the
 others only to synchronize, every ``sync_every`` steps, over the processes alive then
@@ -13,7 +14,10 @@ The steps, per process (the ``# n:`` comments below point here):
    bit, from process 0 (an integer sum of its copy and zeros), so a process that joins receives
    them;
 3. the pseudo-gradient θ − θᵢ is averaged over the members that trained this period (weight 1;
-   a joining one has weight 0), and DiLoCo's outer step moves θ (kept if no member trained);
+   a joining one has weight 0), exactly or through ``compressor`` (MuLoCo's 2-bit exchange: each
+   member sends its weighted share, scaled by members ÷ trained, so that the compressor's mean
+   over all members is the mean over those who trained), and DiLoCo's outer step moves θ (kept if
+   no member trained);
 4. the members vote and process 0 decides (``Membership.agree``): if any member failed (died,
    or its collective timed out), every member drops the round's result and tries again with the
    survivors, from the same θ and its own θᵢ;
@@ -119,22 +123,32 @@ def _broadcast(x, is_source):
 
 @functools.lru_cache(maxsize=None)
 def _sync_program(config: jaxcomp.DiLoCoConfig, devices: tuple) -> Callable:
-  """Steps 2–3 over ``devices``, one per member, as one jitted program."""
+  """Steps 2–3 over ``devices``, one per member, as one jitted program: ``(θ, outer state,
+  θᵢ, weight, is_source, compressor state) -> (θ, outer state, compressor state)``."""
   mesh = Mesh(np.asarray(devices), ("replica",))
 
-  def body(theta, outer_state, local, weight, is_source):
-    theta, outer_state, local = jax.tree.map(lambda x: x[0], (theta, outer_state, local))
+  def body(theta, outer_state, local, weight, is_source, compressor_state):
+    theta, outer_state, local, compressor_state = jax.tree.map(
+        lambda x: x[0], (theta, outer_state, local, compressor_state))
     weight, is_source = weight[0], is_source[0]
     # 2: θ and the outer state from the source, bit for bit.
     theta, outer_state = jax.tree.map(lambda x: _broadcast(x, is_source), (theta, outer_state))
-    # 3: the members' mean pseudo-gradient, then DiLoCo's outer step; kept if nobody trained.
+    # 3: the mean pseudo-gradient of those who trained, then DiLoCo's outer step; kept if nobody
+    # trained.
     trained = lax.psum(weight, "replica")
-    mean = jax.tree.map(lambda t, x: lax.psum(weight * (t - x), "replica")
-                        / jnp.maximum(trained, 1), theta, local)
+    if config.compressor is None:
+      mean = jax.tree.map(lambda t, x: lax.psum(weight * (t - x), "replica")
+                          / jnp.maximum(trained, 1), theta, local)
+    else:
+      share = weight * lax.axis_size("replica") / jnp.maximum(trained, 1)
+      mean, compressor_state = config.compressor.update(
+          jax.tree.map(lambda t, x: share * (t - x), theta, local), compressor_state)
     new = config.outer_step(theta, outer_state, mean)
-    return jax.tree.map(lambda n, o: jnp.where(trained > 0, n, o), new, (theta, outer_state))
+    kept = jax.tree.map(lambda n, o: jnp.where(trained > 0, n, o), new, (theta, outer_state))
+    return *kept, jax.tree.map(lambda x: x[None], compressor_state)
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("replica"), out_specs=P()))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("replica"),
+                               out_specs=(P(), P(), P("replica")), check_vma=False))
 
 
 def _on_mesh(tree, devices: tuple):
@@ -155,35 +169,62 @@ def _local(tree):
                                                jax.local_devices()[0]), tree)
 
 
+class Exchange(NamedTuple):
+  """This process's state of the compressor (``optax.EmptyState()`` without one) and the members
+  it was made for: a compressor's state (its error feedback, its rows) holds for one list of
+  members, so every member starts it afresh when the list changes."""
+  members: tuple
+  state: object
+
+
+def _exchange(config: jaxcomp.DiLoCoConfig, this_round, exchange: Exchange | None,
+              theta) -> Exchange:
+  """``exchange`` if it was made for this round's members, else a fresh one for them."""
+  if exchange is not None and exchange.members == this_round.members:
+    return exchange
+  if config.compressor is None:
+    return Exchange(this_round.members, optax.EmptyState())
+  with jax.set_mesh(Mesh(np.asarray(this_round.devices), ("replica",))):  # its axis's size
+    state = config.compressor.init(theta)
+  return Exchange(this_round.members, _local(state))
+
+
 def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: int, theta,
-                outer_state, local, on_round: Callable = lambda this_round: None) -> Synced:
+                outer_state, local, exchange: Exchange | None = None,
+                on_round: Callable = lambda this_round: None) -> tuple[Synced, Exchange]:
   """Steps 1–4: rounds until one counts. ``local`` is this period's θᵢ, or None if this process
-  has not trained since it (re)joined; ``on_round`` is called with each round before
-  its collectives. Returns the round's result."""
+  has not trained since it (re)joined; ``exchange``, the compressor's state of the last round
+  that counted (None: none yet); ``on_round`` is called with each round before its
+  collectives. Returns the round's result and the compressor's state after it."""
   while True:
     this_round = rounds.next_round(step)  # 1
     on_round(this_round)
     weight = np.float32(local is not None)
     try:
       program = _sync_program(config, this_round.devices)
-      theta_out, state_out = _local(program(*_on_mesh(
+      before = _exchange(config, this_round, exchange, theta)
+      theta_out, state_out, compressor_state = _local(program(*_on_mesh(
           (theta, outer_state, theta if local is None else local,
-           weight, np.bool_(jax.process_index() == SOURCE)), this_round.devices)))
-      jax.block_until_ready((theta_out, state_out))
+           weight, np.bool_(jax.process_index() == SOURCE), before.state),
+          this_round.devices)))
+      compressor_state = jax.tree.map(lambda x: x[0], compressor_state)  # this member's row
+      jax.block_until_ready((theta_out, state_out, compressor_state))
       ok = True
     except jax.errors.JaxRuntimeError as e:  # a member died: a closed connection, or the timeout
       log.warning("round %d over processes %s failed: %s", this_round.number,
                   this_round.members, str(e).splitlines()[0])
       ok = False
     if rounds.agree(this_round, ok):  # 4
-      return Synced(this_round.step, this_round.members, theta_out, state_out)
+      return (Synced(this_round.step, this_round.members, theta_out, state_out),
+              Exchange(this_round.members, compressor_state))
     log.warning("round %d over processes %s did not count; retrying over the live ones",
                 this_round.number, this_round.members)
 
 
 def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTransformation,
           sync_every: int, steps: int, outer_learning_rate: float = 0.7,
-          outer_momentum: float = 0.9, nesterov: bool = True, vote_timeout: float = 60.0,
+          outer_momentum: float = 0.9, nesterov: bool = True,
+          compressor: optax.GradientTransformation | None = None, vote_timeout: float = 60.0,
           checkpoint_dir: str | None = None, on_round: Callable = lambda this_round: None,
           on_sync: Callable = lambda synced: None) -> Synced:
   """Fault-tolerant DiLoCo of this process, until the job's step count reaches ``steps``.
@@ -197,6 +238,11 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
     batch: ``batch(step) -> tuple`` of this process's data for inner step ``step``.
     inner: the inner optimizer; sync_every: H; steps: the job's step count.
     outer_learning_rate, outer_momentum, nesterov: DiLoCo's outer SGD (``jaxcomp.diloco``).
+    compressor: a jaxcomp compressor over ``"replica"`` that averages the pseudo-gradient, e.g.
+      MuLoCo's ``jaxcomp.quantized(2, error_decay=0.9, axis_name="replica")`` (with a Muon
+      ``inner``); None: the exact mean. Its state (error feedback) is this process's, kept from
+      one synchronization to the next while the members stay the same, started afresh by every
+      member when they change, and not checkpointed.
     vote_timeout: seconds process 0 waits for a member's vote after a round's collective.
     checkpoint_dir: where process 0 writes θ, the outer state and the step after every round
       that counted, and resumes from the newest one at the start (the others receive it at the
@@ -210,14 +256,19 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
   Returns:
     The last round's result.
   """
+  if compressor is not None and getattr(compressor, "axis_name", None) != "replica":
+    raise ValueError(f"compressor: fault_tolerant.train synchronizes over 'replica'; got a "
+                     f"compressor over {getattr(compressor, 'axis_name', None)!r}: pass "
+                     "axis_name='replica' to it")
   config = jaxcomp.DiLoCoConfig(inner=inner, sync_every=sync_every,
                                 outer_learning_rate=outer_learning_rate,
-                                outer_momentum=outer_momentum, nesterov=nesterov)
+                                outer_momentum=outer_momentum, nesterov=nesterov,
+                                compressor=compressor)
   rounds = jaxcomp.Membership(vote_timeout=vote_timeout)
   grad_step = jax.jit(lambda p, s, *b: _inner_step(loss_fn, config.inner, p, s, *b))
   theta = jax.device_put(params, jax.local_devices()[0])
   outer_state = config.outer_optimizer().init(theta)
-  local, inner_state, step = None, None, 0
+  local, inner_state, exchange, step = None, None, None, 0
   outer_checkpoints = inner_states = None
   if checkpoint_dir is not None:
     inner_states = InnerStates(checkpoint_dir)
@@ -226,7 +277,8 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
       step, theta, outer_state = _resume(outer_checkpoints, step, theta, outer_state)
   saved = outer_checkpoints.latest_step() if outer_checkpoints else None  # the step resumed from
   while True:
-    synced = synchronize(rounds, config, step, theta, outer_state, local, on_round)  # 1-4
+    synced, exchange = synchronize(rounds, config, step, theta, outer_state, local, exchange,
+                                   on_round)  # 1-4
     on_sync(synced)
     theta, outer_state, step = synced.theta, synced.outer_state, synced.step
     if inner_state is None:  # 6 (first half): a process that joined, its inner state
