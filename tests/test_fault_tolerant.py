@@ -234,10 +234,10 @@ def test_a_process_that_hangs_inside_a_synchronization_is_timed_out_and_left_beh
         f"process 0's round failed with: {failed[0][:200]}")
 
 
-def sync_program(compressor, like):
-  """One synchronization's program on 3 simulated devices and its compressor's initial state
-  stacked for them."""
-  config = jaxcomp.DiLoCoConfig(inner=optax.sgd(0.1), sync_every=2, compressor=compressor)
+def sync_program(compressor, like, **outer):
+  """One synchronization's program on 3 simulated devices (``outer``: DiLoCo's outer settings)
+  and its compressor's initial state stacked for them."""
+  config = jaxcomp.DiLoCoConfig(inner=optax.sgd(0.1), sync_every=2, compressor=compressor, **outer)
   devices = tuple(jax.devices()[:3])
   with jax.set_mesh(jax.sharding.Mesh(np.asarray(devices), ("replica",))):
     state = optax.EmptyState() if compressor is None else compressor.init(like)
@@ -289,26 +289,38 @@ def test_a_synchronization_averages_over_the_members_that_trained_and_sends_thet
   assert kept_momentum.view(np.int32).tolist() == momentum["w"].view(np.int32).tolist()
 
 
-def test_a_2_bit_exchange_gives_every_member_the_same_theta_and_each_its_own_error():
-  """MuLoCo's exchange (2 bits, a decaying error): θ the same bits on every member, within the
-  codes' error of the exact step, and each member keeps its own error feedback."""
+@pytest.mark.parametrize("way", ["muloco", "sparseloco"])
+def test_a_compressed_exchange_gives_every_member_the_same_theta_and_each_its_own_error(way):
+  """MuLoCo's exchange (2 bits, a decaying error) and SparseLoCo's (the 2 largest of every 64
+  values, in 2 bits, no outer momentum): θ the same bits on every member, each member keeps its
+  own error feedback; MuLoCo's θ is within the codes' error of the exact step, SparseLoCo's moves
+  only where a member sent a value."""
   rng = np.random.default_rng(1)
   theta = {"w": rng.normal(size=(4, 64)).astype(np.float32)}
   local = [{"w": theta["w"] + rng.normal(size=(4, 64)).astype(np.float32)} for _ in range(3)]
-  config, program, compressor_state = sync_program(
-      jaxcomp.quantized(2, error_decay=0.9, axis_name="replica"), theta)
-  exact, exact_program, _ = sync_program(None, theta)
+  if way == "muloco":
+    compressor, outer = jaxcomp.quantized(2, error_decay=0.9, axis_name="replica"), {}
+  else:
+    compressor = jaxcomp.chunked_topk(2, chunk=64, error_decay=0.95, axis_name="replica")
+    outer = dict(outer_momentum=0.0, outer_learning_rate=1.0)
+  config, program, compressor_state = sync_program(compressor, theta, **outer)
+  _, exact_program, _ = sync_program(None, theta)
   outer_state = config.outer_optimizer().init(theta)
   rows = [(theta, outer_state, local[i], 1.0, i == 0) for i in range(3)]
   stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *rows)
   new_theta, _, new_state = program(*stacked, compressor_state)
   same_bits_on_every_device(new_theta)
-  want, _, _ = exact_program(*stacked, optax.EmptyState())
-  # Ternary codes of a scale per 256 values (their largest): each value within half of it, and
-  # the outer step multiplies the mean's error by 0.7 × (1 + 0.9).
-  bound = 0.7 * 1.9 * 0.5 * max(np.abs(theta["w"] - x["w"]).max() for x in local) * 1.01
-  assert np.abs(np.asarray(new_theta["w"]) - np.asarray(want["w"])).max() <= bound
-  error = np.asarray(new_state.worker_error["w"])  # one per member: each its own
+  moved = np.asarray(new_theta["w"]) != theta["w"]
+  if way == "muloco":
+    want, _, _ = exact_program(*stacked, optax.EmptyState())
+    # Ternary codes of a scale per 256 values (their largest): each value within half of it, and
+    # the outer step multiplies the mean's error by 0.7 × (1 + 0.9).
+    bound = 0.7 * 1.9 * 0.5 * max(np.abs(theta["w"] - x["w"]).max() for x in local) * 1.01
+    assert np.abs(np.asarray(new_theta["w"]) - np.asarray(want["w"])).max() <= bound
+    error = np.asarray(new_state.worker_error["w"])
+  else:  # 4 chunks of 64, 2 values each, from each of 3 members
+    assert 0 < moved.sum() <= 3 * 2 * 4
+    error = np.asarray(new_state.error["w"])
   assert len({error[i].tobytes() for i in range(3)}) == 3 and np.abs(error).max() > 0
 
 

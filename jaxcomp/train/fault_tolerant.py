@@ -1,4 +1,4 @@
-"""DiLoCo (and MuLoCo: a Muon ``inner``, a 2-bit ``compressor``) across processes that goes on
+"""DiLoCo (and MuLoCo, SparseLoCo: DiLoCo with a ``compressor``) across processes that goes on
 when a process dies and takes it back when it restarts.
 
 Each process is one DiLoCo replica: it runs its inner steps alone, on its own device, and meets the
@@ -240,7 +240,9 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
     outer_learning_rate, outer_momentum, nesterov: DiLoCo's outer SGD (``jaxcomp.diloco``).
     compressor: a jaxcomp compressor over ``"replica"`` that averages the pseudo-gradient, e.g.
       MuLoCo's ``jaxcomp.quantized(2, error_decay=0.9, axis_name="replica")`` (with a Muon
-      ``inner``); None: the exact mean. Its state (error feedback) is this process's, kept from
+      ``inner``), or SparseLoCo's ``jaxcomp.chunked_topk(64, bits=2, error_decay=0.95,
+      axis_name="replica")`` (with ``outer_momentum=0``, ``outer_learning_rate=1``); None: the
+      exact mean. Its state (error feedback) is this process's, kept from
       one synchronization to the next while the members stay the same, started afresh by every
       member when they change, and not checkpointed.
     vote_timeout: seconds process 0 waits for a member's vote after a round's collective.
