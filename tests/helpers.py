@@ -2,6 +2,7 @@
 devices (pmapped, compiled once, waited for every step)."""
 
 import functools
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +141,10 @@ def run_applied_updates(tx, grads_per_step, params, n_devices=8, state=None):
     outs.append(updates)
     states.append(state)
   return outs, states
+
+
+def free_port() -> int:
+  """A TCP port free on 127.0.0.1 now (for a job's coordinator)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

@@ -7,22 +7,17 @@ blocking."""
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from helpers import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 300  # seconds for a whole job; a hang in a collective would sit here instead of passing
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def run_two(command, logs):

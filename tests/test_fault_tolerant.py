@@ -10,7 +10,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import jaxcomp
 from jaxcomp.train import fault_tolerant
 import helpers
+from helpers import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_tolerant.py"
@@ -31,12 +31,6 @@ KILL_0_AFTER, RESUMED_STEPS = 20, 50  # process 0's death, and the step count of
 HANG_AT, HANG_STEPS = 15, 30  # a process hangs in the synchronization at HANG_AT of a shorter job
 COLLECTIVE_TIMEOUT, VOTE_TIMEOUT = 20, 60  # seconds: the worker's, and train's default
 DEADLINE = 240  # seconds for a whole job; it takes about a fifth of that
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Job:

@@ -4,7 +4,6 @@ time, and a restart from the last checkpoint reproduces the uninterrupted run ex
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,16 +11,12 @@ import time
 import numpy as np
 import pytest
 
+from helpers import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "multihost.py"
 HEARTBEAT = 5  # seconds; jax.distributed's default is 100
 STEPS = 30
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def start_job(tmp_path, name, *extra):
