@@ -7,10 +7,10 @@ The fast tier (``-m "not slow"``, README's test command) spends most of its time
 where XLA_FLAGS is not set it compiles with LLVM's optimisations off
 (``--xla_backend_optimization_level=0``): XLA's optimised HLO — its fusions, collectives and their
 order — is the same, only the machine code differs (rounding, which the numeric tests' tolerances
-absorb: CI's avx tier reruns them with the optimisations on). Each test process of that tier also
-keeps the programs it compiled in a folder of its own (JAX's persistent cache, removed at the end),
-so that a program compiled again — the same step in another test, or after ``jax.clear_caches`` —
-is read back, not compiled. The tier's 60 slowest tests took 260 s in two workers, 189 s with
+absorb: CI's avx tier reruns them with the optimisations on). Each test process of that tier (and
+of the avx tier) also keeps the programs it compiled in a folder of its own (JAX's persistent
+cache, removed at the end), so that a program compiled again — the same step in another test, or
+after ``jax.clear_caches`` — is read back, not compiled. The tier's 60 slowest tests took 260 s in two workers, 189 s with
 the first, 161 s with both. The slow tier trains for many steps, which such code runs 2–5× slower
 (``benchmarks/step_time.py --models chars``): it keeps XLA's defaults.
 """
@@ -41,7 +41,7 @@ def pytest_configure(config):
   if fast_tier and "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = FAST_TIER_XLA_FLAGS
   os.environ.setdefault("XLA_FLAGS", "")
-  if fast_tier:
+  if config.option.markexpr.endswith("not slow"):  # the fast tier, and CI's avx rerun of it
     programs = tempfile.mkdtemp(prefix="jaxcomp-test-programs-")
     config.add_cleanup(lambda: shutil.rmtree(programs, ignore_errors=True))
     jax.config.update("jax_compilation_cache_dir", programs)
