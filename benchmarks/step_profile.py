@@ -55,19 +55,28 @@ same-shape leaves together runs about as many kernels at 128 layers as at 16.
 
   PYTHONPATH=. python benchmarks/step_profile.py [--quick] [--compressors allreduce,quantized_int8]
       [--devices 8] [--repeats 4] [--layers 2,16,128]
+
+``STEP_PROFILE_TREE=/tmp/before`` profiles the steps of another checkout (``TREE``) with this
+script's counting: the passes and kernels before and after a change, side by side.
 """
 
 from __future__ import annotations
 
 import collections
 import glob
+import importlib.util
 import os
 import re
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TREE = os.path.abspath(os.environ.get("STEP_PROFILE_TREE", ROOT))
+"""The checkout whose ``jaxcomp`` and ``benchmarks`` helpers build the profiled steps: this one, or
+another commit's (``git worktree add /tmp/before <commit>``, then ``STEP_PROFILE_TREE=/tmp/before``)
+so that the tree before a change is counted by this script's own counting."""
+sys.path.insert(0, TREE)
 
 from benchmarks import step_time  # noqa: E402  (configures the simulated devices first)
 
@@ -77,7 +86,12 @@ import optax  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from jaxcomp.train.hlo_cost import bytes_moved, parse  # noqa: E402  (the planner's, shared)
+# The planner's count of bytes, shared; from this checkout, whichever TREE is profiled.
+_spec = importlib.util.spec_from_file_location(
+    "step_profile_hlo_cost", os.path.join(ROOT, "jaxcomp", "train", "hlo_cost.py"))
+hlo_cost = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hlo_cost)
+bytes_moved, parse = hlo_cost.bytes_moved, hlo_cost.parse
 
 OPTIMIZER_SCOPE = "profile.optimizer"
 # The parts the jaxcomp plumbing names (``jax.named_scope("jaxcomp.<part>")``), as the table calls

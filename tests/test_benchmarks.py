@@ -308,6 +308,24 @@ def test_step_profile_counts_the_bytes_each_instruction_moves():
   assert [b for op, b in updates.values()] == [2 * 4096 * 4 + 4]  # y read, its row written, i
 
 
+@pytest.mark.slow  # a process of its own that imports JAX (3-8 s): no place in the fast tier
+def test_step_profile_builds_the_steps_of_another_tree(tmp_path):
+  # STEP_PROFILE_TREE: that checkout's jaxcomp and benchmarks helpers build the steps (here a tree
+  # of links to this one), this script's own counting (hlo_cost) counts them.
+  for name in ("jaxcomp", "benchmarks"):
+    os.symlink(os.path.join(ROOT, name), tmp_path / name)
+  code = ("import jaxcomp, step_profile as s; "
+          "print(jaxcomp.__file__, s.step_time.__file__, s.hlo_cost.__file__)")
+  env = dict(os.environ, STEP_PROFILE_TREE=str(tmp_path),
+             PYTHONPATH=os.path.join(ROOT, "benchmarks"))
+  result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  library, step_time, counting = result.stdout.split()
+  assert library.startswith(str(tmp_path)) and step_time.startswith(str(tmp_path)), result.stdout
+  assert counting == os.path.join(ROOT, "jaxcomp", "train", "hlo_cost.py"), result.stdout
+
+
 @pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_step_profile():
   out = run_script("step_profile.py", "--compressors", "quantized_int8")
