@@ -55,19 +55,28 @@ same-shape leaves together runs about as many kernels at 128 layers as at 16.
 
   PYTHONPATH=. python benchmarks/step_profile.py [--quick] [--compressors allreduce,quantized_int8]
       [--devices 8] [--repeats 4] [--layers 2,16,128]
+
+``STEP_PROFILE_TREE=/tmp/before`` profiles the steps of another checkout (``TREE``) with this
+script's counting: the passes and kernels before and after a change, side by side.
 """
 
 from __future__ import annotations
 
 import collections
 import glob
+import importlib.util
 import os
 import re
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TREE = os.path.abspath(os.environ.get("STEP_PROFILE_TREE", ROOT))
+"""The checkout whose ``jaxcomp`` and ``benchmarks`` helpers build the profiled steps: this one, or
+another commit's (``git worktree add /tmp/before <commit>``, then ``STEP_PROFILE_TREE=/tmp/before``)
+so that the tree before a change is counted by this script's own counting."""
+sys.path.insert(0, TREE)
 
 from benchmarks import step_time  # noqa: E402  (configures the simulated devices first)
 
@@ -77,7 +86,12 @@ import optax  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from jaxcomp.train.hlo_cost import bytes_moved, parse  # noqa: E402  (the planner's, shared)
+# The planner's count of bytes, shared; from this checkout, whichever TREE is profiled.
+_spec = importlib.util.spec_from_file_location(
+    "step_profile_hlo_cost", os.path.join(ROOT, "jaxcomp", "train", "hlo_cost.py"))
+hlo_cost = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hlo_cost)
+bytes_moved, parse = hlo_cost.bytes_moved, hlo_cost.parse
 
 OPTIMIZER_SCOPE = "profile.optimizer"
 # The parts the jaxcomp plumbing names (``jax.named_scope("jaxcomp.<part>")``), as the table calls
@@ -222,7 +236,7 @@ class Traced:
         start = time.perf_counter()
         self.run()
         wall = time.perf_counter() - start
-      trace = list(events(trace_dir, self.module))
+      trace = self.trace = list(events(trace_dir, self.module))
     moved, kernels = collections.Counter(), collections.Counter()
     for hlo_op, *_ in trace:
       phase = phase_of(*self.ops.get(hlo_op, ("", "")))
@@ -262,7 +276,9 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=None,
                  help="traced steps per entry, round-robin (default 4)")
   p.add_argument("--top", type=int, default=0,
-                 help="also list each entry's N costliest instructions, with their op_name")
+                 help="also list each entry's N costliest instructions, with their op_name, and "
+                      "the N op_names moving most of its own passes (with --layers: the N with "
+                      "most of its own kernels at the last L)")
   p.add_argument("--devices", type=int, default=step_time.MAX_DEVICES,
                  help=f"data-parallel devices, 1 to {step_time.MAX_DEVICES}")
   p.add_argument("--layers", default=None,
@@ -318,6 +334,12 @@ def main(argv=None) -> int:
   if tops:
     body += "\n\n" + common.markdown_table(["entry", "phase", "instruction", "ms", "op_name"],
                                             tops, "lllrl")
+    tops = [[name, f"{b / args.devices / gradient:.2f}", _short(op_name)]
+            for name, t in traced.items()
+            for op_name, b in _own_op_names(t, bytes_=True).most_common(args.top)]
+    body += ("\n\nThe op_names that move most of each entry's own passes (the compressor's "
+             "phases, collectives included):\n\n"
+             + common.markdown_table(["entry", "passes", "op_name"], tops, "lrl"))
   common.emit(args, "profile", "Where the step's time goes", "step_profile.py", body)
   return 0
 
@@ -344,6 +366,10 @@ def sweep(args, compressor_list, layers: list) -> int:
     _, _, kernels, _, _ = profile(traced, 1)
     for name, counts in kernels.items():
       own[name][n], whole[name][n] = _own(counts), sum(counts.values())
+    if n == layers[-1]:
+      tops = [[name, f"{k / args.devices:.0f}", _short(op_name)]
+              for name, t in traced.items()
+              for op_name, k in _own_op_names(t).most_common(args.top)]
     del traced
     jax.clear_caches()
   header = (["entry"] + [f"L = {n}: own (step)" for n in layers]
@@ -354,9 +380,24 @@ def sweep(args, compressor_list, layers: list) -> int:
   body = (f"MLP of L same-shape hidden layers ({SWEEP_WIDTH} wide), W = {args.devices}, one traced "
           "step per entry: kernels per device and step, the compressor's own phases and, in "
           "parentheses, the whole step's.\n\n" + common.markdown_table(header, rows))
+  if tops:
+    body += (f"\n\nThe op_names with most of each entry's own kernels at L = {layers[-1]}:\n\n"
+             + common.markdown_table(["entry", "kernels", "op_name"], tops, "lrl"))
   common.emit(args, "profile_sweep", "Kernels against the number of leaves", "step_profile.py",
               body)
   return 0
+
+
+def _own_op_names(traced: Traced, bytes_: bool = False) -> collections.Counter:
+  """``{op_name: kernels (or bytes, with bytes_) on all devices}`` of the compressor's own phases
+  in ``traced``'s last traced step: an op_name run once per leaf shows up with as many kernels as
+  leaves."""
+  out = collections.Counter()
+  for hlo_op, *_ in traced.trace:
+    opcode, op_name = traced.ops.get(hlo_op, ("", ""))
+    if phase_of(opcode, op_name) in OWN:
+      out[op_name] += traced.moved.get(hlo_op, 0) if bytes_ else 1
+  return out
 
 
 def _short(op_name: str) -> str:

@@ -308,9 +308,26 @@ def test_step_profile_counts_the_bytes_each_instruction_moves():
   assert [b for op, b in updates.values()] == [2 * 4096 * 4 + 4]  # y read, its row written, i
 
 
+@pytest.mark.slow  # a process of its own that imports JAX (3-8 s): no place in the fast tier
+def test_step_profile_builds_the_steps_of_another_tree(tmp_path):
+  # STEP_PROFILE_TREE (here links to this tree) builds the steps; this script's hlo_cost counts.
+  for name in ("jaxcomp", "benchmarks"):
+    os.symlink(os.path.join(ROOT, name), tmp_path / name)
+  code = "import jaxcomp, step_profile as s; print(jaxcomp.__file__, s.step_time.__file__, " \
+         "s.hlo_cost.__file__)"
+  env = dict(os.environ, STEP_PROFILE_TREE=str(tmp_path), PYTHONPATH=f"{ROOT}/benchmarks")
+  result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  library, step_time, counting = result.stdout.split()
+  assert (library.startswith(str(tmp_path)) and step_time.startswith(str(tmp_path))
+          and counting == os.path.join(ROOT, "jaxcomp", "train", "hlo_cost.py")), result.stdout
+
+
 @pytest.mark.slow  # an end-to-end run of a script or of several processes
 def test_step_profile():
-  out = run_script("step_profile.py", "--compressors", "quantized_int8")
+  out = run_script("step_profile.py", "--compressors", "quantized_int8", "--top", "3")
+  assert "jaxcomp.error_feedback/" in out.split("move most of each entry's own passes")[1], out
   rows = {r[0]: r[1:] for r in table_rows(out)}
   assert out.splitlines()[next(i for i, l in enumerate(out.splitlines()) if l.startswith("|"))] \
       .split("|")[2:4] == [" allreduce ", " quantized_int8 "]
@@ -345,7 +362,9 @@ def test_step_profile():
 
 @pytest.mark.slow  # an end-to-end run of a script
 def test_step_profile_leaf_sweep():
-  out = run_script("step_profile.py", "--compressors", "powersgd_r4", "--layers", "2,4")
+  out, top = run_script("step_profile.py", "--compressors", "powersgd_r4", "--layers", "2,4",
+                        "--top", "2").split("The op_names with most")
+  assert {r[0] for r in table_rows(top)} == {"allreduce", "powersgd_r4"}, top
   rows = {r[0]: r[1:] for r in table_rows(out)}
   assert list(rows) == ["allreduce", "powersgd_r4"]
   own = {name: [int(cell.split()[0]) for cell in cells[:2]] for name, cells in rows.items()}
