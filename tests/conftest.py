@@ -10,9 +10,9 @@ order — is the same, only the machine code differs (rounding, which the numeri
 absorb: CI's avx tier reruns them with the optimisations on). Each test process of that tier (and
 of the avx tier) also keeps the programs it compiled in a folder of its own (JAX's persistent
 cache, removed at the end), so that a program compiled again — the same step in another test, or
-after ``jax.clear_caches`` — is read back, not compiled. The tier's 60 slowest tests took 260 s in two workers, 189 s with
-the first, 161 s with both. The slow tier trains for many steps, which such code runs 2–5× slower
-(``benchmarks/step_time.py --models chars``): it keeps XLA's defaults.
+after ``jax.clear_caches`` — is read back, not compiled. The tier's 60 slowest tests took 260 s
+in two workers, 189 s with the first, 161 s with both. The slow tier trains for many steps, which
+such code runs 2–5× slower (``benchmarks/step_time.py --models chars``): it keeps XLA's defaults.
 """
 
 import gc
