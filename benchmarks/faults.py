@@ -327,9 +327,10 @@ def main(argv=None) -> int:
       print(json.dumps(results[-1]), file=sys.stderr, flush=True)
   body = (f"{PROCESSES} nodes (one process each) over links of {args.rate} each way (a network "
           f"namespace per node, tc tbf), the chars transformer, {args.steps} inner steps per run "
-          f"(H = {SYNC_EVERY}, 16 rows per process and step); with failures: every {args.period:.0f}"
-          f" s after the first synchronization of trained steps, SIGKILL of process 1 or 2 (drawn from seed "
-          f"{args.seed}, the same for both systems), restarted {args.down:.0f} s later. "
+          f"(H = {SYNC_EVERY}, 16 rows per process and step); with failures: every "
+          f"{args.period:.0f} s after the first synchronization of trained steps, SIGKILL of "
+          f"process 1 or 2 (drawn from seed {args.seed}, the same for both systems), restarted "
+          f"{args.down:.0f} s later. "
           f"Timeouts: heartbeat {HEARTBEAT} s, collectives {TIMEOUT} s, both systems. "
           f"{time.perf_counter() - started:.0f} s in all, every run niced, while other jobs "
           "shared the machine's 2 cores: when a process is down, the others get its share of the "
