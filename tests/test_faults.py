@@ -50,7 +50,7 @@ def test_jaxcomps_side_survives_a_kill_takes_the_process_back_and_stays_bit_iden
   of θ and the outer state hash the same on every process, the killed one came back, and the
   goodput is the useful steps measured over the seconds measured, at most every step of every
   process. Nothing is left behind."""
-  args = argparse.Namespace(rate="100mbit", quick=True, steps=600, timeout=150, logs=None)
+  args = argparse.Namespace(rate="100mbit", quick=True, steps=360, timeout=150, logs=None)
   plan = faults.schedule(0, period=2, down=1.5, until=3, processes=faults.PROCESSES)
   assert len(plan) == 1
   before = set(subprocess.run(["ip", "netns", "list"], capture_output=True,
