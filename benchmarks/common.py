@@ -275,7 +275,7 @@ def markdown_table(header: list, rows: list, align: Optional[str] = None) -> str
 
 SECTIONS = ("bytes", "compute_vs_torch", "step_time", "memory", "kernels", "scaling",
             "network_model", "slow_link", "several_nodes", "quality", "plan_check",
-            "scaling_quality")
+            "scaling_quality", "faults")
 
 _HEADER = """# jaxcomp benchmarks
 

@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import resource
+import socket
 import sys
 import time
 from typing import Optional
@@ -167,6 +168,9 @@ class TorchJob:
   processes: int = 2
   rate: str = "100mbit"
   evaluations: int = 20
+  timeout_seconds: int = 600
+  heartbeat_timeout_ms: Optional[int] = None  # None: torchft's Lighthouse's default
+  join_timeout_ms: Optional[int] = None
   addresses: list = dataclasses.field(default_factory=list)
   namespaces: list = dataclasses.field(default_factory=list)
 
@@ -201,20 +205,35 @@ def _setup(job: dict, rank: int, model):
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
     sgd = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     return ddp, sgd, clip, contextlib.nullcontext()
+  from torchft.checkpointing.http_transport import HTTPTransport
   from torchft.coordination import LighthouseServer
   from torchft.local_sgd import DiLoCo
   from torchft.manager import Manager
   from torchft.process_group import ProcessGroupGloo
   from torch.distributed import TCPStore
   if rank == 0:
-    job["lighthouse"] = LighthouseServer(bind=f"[::]:{PORTS['lighthouse']}", min_replicas=2)
+    job["lighthouse"] = LighthouseServer(bind=f"[::]:{PORTS['lighthouse']}", min_replicas=2,
+                                         heartbeat_timeout_ms=job["heartbeat_timeout_ms"],
+                                         join_timeout_ms=job["join_timeout_ms"])
   job["store"] = TCPStore(me, PORTS["store"], is_master=True, wait_for_workers=False)
   adamw = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
-  manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=600)), min_replica_size=2,
+  timeout = timedelta(seconds=job["timeout_seconds"])
+
+  class NodeTransport(HTTPTransport):
+    """torchft's checkpoint transport (a healing replica fetches the state from a live peer over
+    HTTP) at the node's address: the nodes share this machine's host name, which each node's
+    hosts file resolves to its own address."""
+
+    def address(self) -> str:
+      return super().address().replace(f"//{socket.gethostname()}:", f"//{me}:", 1)
+
+  job["manager"] = manager = Manager(
+                    pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2,
                     use_async_quorum=False, load_state_dict=None, state_dict=None,
                     replica_id=f"node{rank}", store_addr=me, store_port=PORTS["store"], rank=0,
                     world_size=1, lighthouse_addr=f"http://{first}:{PORTS['lighthouse']}",
-                    port=PORTS["manager"], hostname=me, timeout=timedelta(seconds=600),
+                    port=PORTS["manager"], hostname=me, timeout=timeout, quorum_timeout=timeout,
+                    checkpoint_transport=NodeTransport(timeout=timeout, num_chunks=0),
                     init_sync=False)  # every replica starts from the same parameters
   count = FRAGMENTS if job["system"] == "streaming" else 1
   fragments = model.fragments(count)
@@ -226,15 +245,13 @@ def _setup(job: dict, rank: int, model):
   return model, adamw, clip, diloco
 
 
-def process_main(argv) -> int:
-  """``SPEC RANK OUT``: one torch process of the job in SPEC; process 0 writes its results."""
+def build(job: dict) -> tuple:
+  """``(task, model, loss_of, batch)`` of a torch process of ``job``: the task, its model in torch
+  with the task's initial parameters, the loss of logits against targets, and ``batch(rank,
+  step)``: process ``rank``'s rows of the global batch of ``step`` (numpy inputs, targets)."""
   import torch
 
   from jaxcomp.train import tasks
-  spec, rank, out = argv
-  rank = int(rank)
-  with open(spec) as f:
-    job = json.load(f)
   # The machine's cores shared out: more threads than cores make torch's OpenMP spin (a step of
   # the quick model took 5-13 ms on one thread, 120-190 ms on two of a busy 2-core machine).
   torch.set_num_threads(max(1, (os.cpu_count() or 1) // job["processes"]))
@@ -243,12 +260,28 @@ def process_main(argv) -> int:
   if job["quick"]:
     shape.update(context=32, width=32, depth=1, heads=4)
   model = char_transformer(task.init(job["seed"]), shape)
-  forward, optimizer, clip, context = _setup(job, rank, model)
-  rows = job["batch_size"] // job["processes"]
-  test = torch.from_numpy(task.test_inputs.astype(np.int64))
-  test_targets = torch.from_numpy(task.test_targets.astype(np.int64))
   loss_of = lambda logits, y: torch.nn.functional.cross_entropy(  # noqa: E731
       logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+  rows = job["batch_size"] // job["processes"]
+
+  def batch(rank: int, step: int) -> tuple:
+    inputs, targets = task.batch(job["seed"], step, job["batch_size"])
+    return (inputs[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows])
+  return task, model, loss_of, batch
+
+
+def process_main(argv) -> int:
+  """``SPEC RANK OUT``: one torch process of the job in SPEC; process 0 writes its results."""
+  import torch
+
+  spec, rank, out = argv
+  rank = int(rank)
+  with open(spec) as f:
+    job = json.load(f)
+  task, model, loss_of, batch = build(job)
+  forward, optimizer, clip, context = _setup(job, rank, model)
+  test = torch.from_numpy(task.test_inputs.astype(np.int64))
+  test_targets = torch.from_numpy(task.test_targets.astype(np.int64))
   every = max(job["steps"] // job["evaluations"], 1)
   seconds, evals, t, going = [], [], 0, True
   with torch.no_grad():
@@ -256,9 +289,7 @@ def process_main(argv) -> int:
   sent = sum(namespaces.nodes_sent(job["namespaces"])) if rank == 0 else 0
   with context:
     while going:
-      inputs, targets = task.batch(job["seed"], t, job["batch_size"])
-      x = torch.from_numpy(inputs[rank * rows:(rank + 1) * rows].astype(np.int64))
-      y = torch.from_numpy(targets[rank * rows:(rank + 1) * rows].astype(np.int64))
+      x, y = (torch.from_numpy(a.astype(np.int64)) for a in batch(rank, t))
       began = time.perf_counter()
       optimizer.zero_grad()
       loss_of(forward(x), y).backward()

@@ -89,19 +89,27 @@ PROCESS = (sys.executable, "-m", "jaxcomp.train.node_process")
 """The command of a process of the job; it gets ``SPEC RANK OUT`` appended."""
 
 
-def start_processes(nodes: namespaces.Nodes, spec: str, out: str, folder: str,
-                    command: Sequence[str] = PROCESS) -> tuple:
-  """``(processes, logs)``: process r of the job in ``spec`` started in node r's namespace
-  (``command SPEC r OUT``), its output in ``folder/process<r>.log``."""
+def start_process(nodes: namespaces.Nodes, rank: int, spec: str, out: str, folder: str,
+                  command: Sequence[str] = PROCESS, **popen) -> subprocess.Popen:
+  """Process ``rank`` of the job in ``spec`` started in node ``rank``'s namespace (``command SPEC
+  rank OUT``), its output appended to ``folder/process<rank>.log`` (a restarted process's after
+  its first life's); ``popen``: more of ``subprocess.Popen``'s arguments."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1",
              PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
   env.pop("JAX_NUM_CPU_DEVICES", None)
   env.pop("XLA_FLAGS", None)
-  logs = [os.path.join(folder, f"process{r}.log") for r in range(nodes.count)]
-  procs = [nodes.popen(r, [*command, spec, str(r), out], env=env, stdout=open(logs[r], "w"),
-                       stderr=subprocess.STDOUT) for r in range(nodes.count)]
-  return procs, logs
+  return nodes.popen(rank, [*command, spec, str(rank), out], env=env,
+                     stdout=open(os.path.join(folder, f"process{rank}.log"), "a"),
+                     stderr=subprocess.STDOUT, **popen)
+
+
+def start_processes(nodes: namespaces.Nodes, spec: str, out: str, folder: str,
+                    command: Sequence[str] = PROCESS) -> tuple:
+  """``(processes, logs)``: process r of the job in ``spec`` started in node r's namespace
+  (``start_process``), its output in ``folder/process<r>.log``."""
+  procs = [start_process(nodes, r, spec, out, folder, command) for r in range(nodes.count)]
+  return procs, [os.path.join(folder, f"process{r}.log") for r in range(nodes.count)]
 
 
 def watch(procs: Sequence[subprocess.Popen], logs: Sequence[str], timeout: float,
