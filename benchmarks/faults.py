@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,8 +110,6 @@ def jaxcomp_main(job: dict, rank: int) -> None:
   import jax
   jax.config.update("jax_num_cpu_devices", DEVICES)
   jax.config.update("jax_platforms", "cpu")
-  # A restarted process reads its programs from the run's compilation cache.
-  jax.config.update("jax_compilation_cache_dir", os.path.join(job["folder"], "jax_cache"))
   import optax
 
   from jaxcomp.train import fault_tolerant, tasks
@@ -118,11 +117,9 @@ def jaxcomp_main(job: dict, rank: int) -> None:
                             heartbeat_timeout_seconds=HEARTBEAT,
                             collective_timeout_seconds=TIMEOUT)
   task, write, joined = tasks.get("chars", quick=job["quick"]), _recorder(job, rank), []
-  rows = BATCH // PROCESSES
 
   def batch(step):
-    inputs, targets = task.batch(job["seed"], step, BATCH)
-    return inputs[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]
+    return torchft_diloco.rows(task, job["seed"], step, BATCH, PROCESSES, rank)
 
   def on_sync(synced):
     now, last = time.time(), rank == 0 and synced.step >= job["steps"]
@@ -133,7 +130,9 @@ def jaxcomp_main(job: dict, rank: int) -> None:
 
   inner = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.adamw(task.adamw_learning_rate, b2=0.99, weight_decay=0.1))
-  fault_tolerant.train(task.loss, task.init(job["seed"]), batch, inner=inner,
+  # Process 0 sends θ: the others need its shapes only (a restart then skips the initializer).
+  params = task.init(job["seed"]) if rank == 0 else jax.eval_shape(task.init, job["seed"])
+  fault_tolerant.train(task.loss, params, batch, inner=inner,
                        sync_every=SYNC_EVERY, steps=job["steps"], on_sync=on_sync)
 
 
@@ -240,7 +239,7 @@ def run(system: str, args, plan: list, log=lambda line: None) -> dict:
       for p in procs[1:]:  # they end with process 0's last synchronization
         try:
           p.wait(timeout=15)
-        except Exception:
+        except subprocess.TimeoutExpired:  # killed below
           pass
       return dict(report([records(r) for r in range(PROCESSES)], kills, SYNC_EVERY),
                   planned=len(plan))

@@ -262,12 +262,17 @@ def build(job: dict) -> tuple:
   model = char_transformer(task.init(job["seed"]), shape)
   loss_of = lambda logits, y: torch.nn.functional.cross_entropy(  # noqa: E731
       logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-  rows = job["batch_size"] // job["processes"]
 
   def batch(rank: int, step: int) -> tuple:
-    inputs, targets = task.batch(job["seed"], step, job["batch_size"])
-    return (inputs[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows])
+    return rows(task, job["seed"], step, job["batch_size"], job["processes"], rank)
   return task, model, loss_of, batch
+
+
+def rows(task, seed: int, step: int, batch_size: int, processes: int, rank: int) -> tuple:
+  """Process ``rank``'s rows of ``task``'s global batch of ``step`` (numpy inputs, targets)."""
+  inputs, targets = task.batch(seed, step, batch_size)
+  share = batch_size // processes
+  return inputs[rank * share:(rank + 1) * share], targets[rank * share:(rank + 1) * share]
 
 
 def process_main(argv) -> int:

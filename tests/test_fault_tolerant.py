@@ -98,7 +98,8 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
   """MuLoCo (Muon inside, a 2-bit exchange with error feedback): process 2 is killed during its
   inner steps and restarted; later, process 1 dies inside the synchronization at step
   DIE_IN_SYNC_AT. The job reaches its step count, every synchronization counts on the survivors,
-  and every copy of θ and the outer state is the same bits."""
+  and every copy of θ and the outer state is the same bits. Every change of the members runs on
+  the devices the round before it named ahead, whose program the members compiled meanwhile."""
   with Job(tmp_path, PROCESSES, STEPS, "--muloco") as job:
     first = [job.start(i, *(["--signal-in-sync", f"{DIE_IN_SYNC_AT}:SIGKILL"] if i == 1 else []))
              for i in range(PROCESSES)]
@@ -119,13 +120,14 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
         1, "log")
     retried = "did not count; retrying" in job.text(0, "err")
     afresh = "process 2: its inner optimizer's state starts afresh" in job.text(2, "err")
+    loaded = "process 2: its inner step loaded from its earlier life's binary" in job.text(2, "err")
 
   expected_steps = list(range(0, STEPS + 1, SYNC_EVERY))
   # Every synchronization counted on process 0, to the job's step count; process 1's last one was
   # the one before it died in.
   assert [r["step"] for r in by_process[0]] == expected_steps
   assert [r["step"] for r in by_process[1]] == list(range(0, DIE_IN_SYNC_AT, SYNC_EVERY))
-  assert died_in_sync and retried and afresh, job.logs()
+  assert died_in_sync and retried and afresh and loaded, job.logs()
   # The survivors went on without process 2, took it back, then went on without process 1 from
   # the synchronization it died in.
   members = [tuple(r["members"]) for r in by_process[0]]
@@ -140,6 +142,13 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
   # process's first one included.
   assert_bit_identical(by_process, expected_steps)
   assert len({r["theta"] for r in by_process[0]}) == len(expected_steps)  # θ moved every time
+  rounds = [json.loads(line) for line in (tmp_path / "process0.jsonl.rounds").read_text()
+            .splitlines()]
+  changes = [(before, after) for before, after in zip(rounds, rounds[1:])
+             if after["members"] != before["members"]]
+  assert len(changes) >= 3, rounds
+  for before, after in changes:
+    assert [after["members"], after["devices"]] in before["ahead"], (before, after)
   went_on = next(r["time"] for r in by_process[0] if r["members"] == [0, 1]) - killed
   back = second_life[0]["time"] - killed
   died = by_process[1][-1]["time"]
@@ -226,6 +235,12 @@ def test_a_process_that_hangs_inside_a_synchronization_is_timed_out_and_left_beh
   assert COLLECTIVE_TIMEOUT <= waited < VOTE_TIMEOUT, waited
   print(f"the synchronization process 1 hung in counted {waited:.1f} s after the one before it; "
         f"process 0's round failed with: {failed[0][:200]}")
+
+
+def test_process_0_is_refused_shapes_for_the_initial_parameters():
+  """Process 0 sends θ, so it needs values; the others may pass shapes (the slow tests' do)."""
+  with pytest.raises(TypeError, match=r"params: process 0 sends θ .* got a shape"):
+    fault_tolerant._value(jax.ShapeDtypeStruct((2, 3), np.float32))
 
 
 def sync_program(compressor, like, **outer):

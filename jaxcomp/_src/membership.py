@@ -29,7 +29,9 @@ The steps of a round, per process (the ``# n:`` comments point here):
 1. the barrier: ``get_live_nodes`` over every process returns when each live one has called it
    (a dead one is dropped after the heartbeat timeout);
 2. process 0 plans the round: the members are the live processes; the devices are the current
-   epoch's, or a list never used if the membership changed or the last round failed;
+   epoch's, or a list never used if the membership changed or the last round failed; and, for
+   each membership one death or one return away and for this one, the list it would get next
+   (``Round.ahead``);
 3. each member reads its plan (its key carries its incarnation and its count of rounds);
 4. after its collectives each member votes; process 0 waits for the votes (up to ``vote_timeout``)
    and writes the decision: the round counts if every member voted yes.
@@ -63,11 +65,15 @@ class Round(NamedTuple):
     step: the job's step count, process 0's.
     members: the process ids taking part, sorted.
     devices: one device per member, in the members' order.
+    ahead: ``(members, devices)`` of each membership one death or one return away from this
+      one, and of this one again, on the devices process 0 would give it next: what a member can
+      compile before it is needed.
   """
   number: int
   step: int
   members: tuple
   devices: tuple
+  ahead: tuple = ()
 
 
 class Membership:
@@ -123,10 +129,9 @@ class Membership:
     key = f"membership/plan/{self.me}/{live[self.me]}/{self.rounds_read}"
     plan = json.loads(self.client.blocking_key_value_get(key, self.plan_timeout_ms))
     self.rounds_read += 1
-    by_id = {(d.process_index, d.id): d for d in jax.devices()}
-    ids = {p: sorted(i for q, i in by_id if q == p) for p in plan["members"]}
-    devices = tuple(by_id[p, ids[p][k]] for p, k in zip(plan["members"], plan["devices"]))
-    return Round(plan["number"], plan["step"], tuple(plan["members"]), devices)
+    return Round(plan["number"], plan["step"], tuple(plan["members"]),
+                 _devices(plan["members"], plan["devices"]),
+                 tuple((tuple(m), _devices(m, d)) for m, d in plan["ahead"]))
 
   def agree(self, this_round: Round, ok: bool) -> bool:
     """Step 4: votes and waits for process 0's decision.
@@ -208,22 +213,41 @@ class Membership:
     except jax.errors.JaxRuntimeError:  # no vote in time: the member died or hangs
       return False
 
+  def _fresh(self, members: tuple):
+    """The first list of device indices (one per member) not yet used by ``members``; None if
+    none is left."""
+    return next((c for c in itertools.product(range(len(jax.local_devices())),
+                                              repeat=len(members))
+                 if (members, c) not in self.used), None)
+
   def _plan(self, live: dict, step: int) -> None:
     members = tuple(sorted(live))
     if not (self.accepted and self.epoch and self.epoch[0] == sorted(live.items())):
-      devices_per_process = len(jax.local_devices())
-      fresh = next((c for c in itertools.product(range(devices_per_process), repeat=len(members))
-                    if (members, c) not in self.used), None)
+      fresh = self._fresh(members)
       if fresh is None:
         raise RuntimeError(
             f"Membership: every list of devices of processes {members} has been used; start "
             f"the processes with more CPU devices (jax_num_cpu_devices, now "
-            f"{devices_per_process}) to survive more membership changes")
+            f"{len(jax.local_devices())}) to survive more membership changes")
       self.used.add((members, fresh))
       self.epoch = (sorted(live.items()), fresh)
-    plan = {"number": self.number, "step": step, "members": members, "devices": self.epoch[1]}
+    # The memberships one death (of a process other than 0) or one return away, and this one
+    # again (after a failed round, or a member's death and return).
+    nearby = ([tuple(p for p in members if p != gone) for gone in members if gone != 0] +
+              [tuple(sorted(members + (back,))) for back in range(self.processes)
+               if back not in members] + [members])
+    ahead = [(m, self._fresh(m)) for m in nearby]
+    plan = {"number": self.number, "step": step, "members": members, "devices": self.epoch[1],
+            "ahead": [(m, c) for m, c in ahead if c is not None]}
     for p, incarnation in live.items():
       count = self.sent.get((p, incarnation), 0)
       self.client.key_value_set(f"membership/plan/{p}/{incarnation}/{count}", json.dumps(plan))
       self.sent[p, incarnation] = count + 1
     self.number += 1
+
+
+def _devices(members, indices) -> tuple:
+  """The devices of a plan: for each member, its ``index``-th device (by id)."""
+  by_id = {(d.process_index, d.id): d for d in jax.devices()}
+  ids = {p: sorted(i for q, i in by_id if q == p) for p in members}
+  return tuple(by_id[p, ids[p][k]] for p, k in zip(members, indices))

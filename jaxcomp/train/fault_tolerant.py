@@ -27,6 +27,12 @@ The steps, per process (the ``# n:`` comments below point here):
    process that joined takes its inner optimizer's state from its own checkpoint of this step, or
    starts it afresh with a warning naming it where there is none.
 
+After each round that counted, every member compiles in the background the programs of the
+memberships one death or one return away (``Programs``), so that the survivors of a death, and the
+members taking a process back, wait for no compilation: a restarted process loads the binaries its
+earlier life compiled (its inner step, and the programs of the memberships it was one death away
+from), kept in the coordination service's store.
+
 A process that dies loses its current period's inner steps; the survivors lose nothing. Process 0
 hosts the coordination service: when it dies, every process ends with one line on stderr, and a
 restart of the job (on any number of processes) resumes from the last synchronization's
@@ -177,32 +183,71 @@ class Exchange(NamedTuple):
   state: object
 
 
-def _exchange(config: jaxcomp.DiLoCoConfig, this_round, exchange: Exchange | None,
-              theta) -> Exchange:
-  """``exchange`` if it was made for this round's members, else a fresh one for them."""
-  if exchange is not None and exchange.members == this_round.members:
+def _exchange(config: jaxcomp.DiLoCoConfig, members: tuple, devices: tuple,
+              exchange: Exchange | None, theta) -> Exchange:
+  """``exchange`` if it was made for ``members``, else a fresh one for them (on ``devices``)."""
+  if exchange is not None and exchange.members == members:
     return exchange
   if config.compressor is None:
-    return Exchange(this_round.members, optax.EmptyState())
-  with jax.set_mesh(Mesh(np.asarray(this_round.devices), ("replica",))):  # its axis's size
+    return Exchange(members, optax.EmptyState())
+  with jax.set_mesh(Mesh(np.asarray(devices), ("replica",))):  # its axis's size
     state = config.compressor.init(theta)
-  return Exchange(this_round.members, _local(state))
+  return Exchange(members, _local(state))
 
 
-def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: int, theta,
+class Programs:
+  """This process's compiled synchronization programs (steps 2–3), one per list of devices.
+
+  After a round that counted, the programs of the memberships one death or one return away
+  (``Round.ahead``) that take this process are compiled in the background, one at a time, so that
+  a membership change waits for no compilation; a restarted process loads the binaries of its
+  earlier life (``_compiled``). Each process compiles its own: XLA:CPU's binaries, and JAX's
+  cache keys, are per process.
+  """
+
+  def __init__(self, config: jaxcomp.DiLoCoConfig, client):
+    self.config, self.client = config, client
+    self._compiler = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._compiled = {}
+
+  def _compile(self, members: tuple, devices: tuple, theta, outer_state):
+    state = _exchange(self.config, members, devices, None, theta).state
+    return _compiled(self.client, _sync_program(self.config, devices).lower(*_on_mesh(
+        (theta, outer_state, theta, np.float32(1), np.bool_(False), state), devices)), devices,
+        f"the synchronization of processes {members}")
+
+  def prepare(self, members: tuple, devices: tuple, theta, outer_state) -> None:
+    """Starts compiling the program over ``devices`` for θ and the outer state's shapes."""
+    if devices not in self._compiled:
+      self._compiled[devices] = self._compiler.submit(self._compile, members, devices, theta,
+                                                      outer_state)
+
+  def get(self, members: tuple, devices: tuple, theta, outer_state):
+    """The program over ``devices``, compiled now if it was not prepared."""
+    self.prepare(members, devices, theta, outer_state)
+    return self._compiled[devices].result()
+
+  def close(self) -> None:
+    """Drops the compilations not started."""
+    self._compiler.shutdown(wait=False, cancel_futures=True)
+
+
+def synchronize(rounds: jaxcomp.Membership, programs: Programs, step: int, theta,
                 outer_state, local, exchange: Exchange | None = None,
                 on_round: Callable = lambda this_round: None) -> tuple[Synced, Exchange]:
   """Steps 1–4: rounds until one counts. ``local`` is this period's θᵢ, or None if this process
   has not trained since it (re)joined; ``exchange``, the compressor's state of the last round
   that counted (None: none yet); ``on_round`` is called with each round before its
-  collectives. Returns the round's result and the compressor's state after it."""
+  collectives. Returns the round's result and the compressor's state after it, and has the
+  programs of the rounds likely next compiled in the background."""
+  config = programs.config
   while True:
     this_round = rounds.next_round(step)  # 1
     on_round(this_round)
     weight = np.float32(local is not None)
     try:
-      program = _sync_program(config, this_round.devices)
-      before = _exchange(config, this_round, exchange, theta)
+      program = programs.get(this_round.members, this_round.devices, theta, outer_state)
+      before = _exchange(config, this_round.members, this_round.devices, exchange, theta)
       theta_out, state_out, compressor_state = _local(program(*_on_mesh(
           (theta, outer_state, theta if local is None else local,
            weight, np.bool_(jax.process_index() == SOURCE), before.state),
@@ -215,6 +260,9 @@ def synchronize(rounds: jaxcomp.Membership, config: jaxcomp.DiLoCoConfig, step: 
                   this_round.members, str(e).splitlines()[0])
       ok = False
     if rounds.agree(this_round, ok):  # 4
+      for members, devices in this_round.ahead:
+        if jax.process_index() in members:
+          programs.prepare(members, devices, theta_out, state_out)
       return (Synced(this_round.step, this_round.members, theta_out, state_out),
               Exchange(this_round.members, compressor_state))
     log.warning("round %d over processes %s did not count; retrying over the live ones",
@@ -234,7 +282,9 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
 
   Args:
     loss_fn: ``loss_fn(params, *batch) -> scalar``.
-    params: the initial parameters, the same in every process (process 0's are the ones used).
+    params: the initial parameters, the same in every process. Process 0's are the ones used:
+      the others may pass their shapes (``jax.eval_shape`` of the initializer), which spares a
+      restarted process, and the members waiting for it, the initializer's time.
     batch: ``batch(step) -> tuple`` of this process's data for inner step ``step``.
     inner: the inner optimizer; sync_every: H; steps: the job's step count.
     outer_learning_rate, outer_momentum, nesterov: DiLoCo's outer SGD (``jaxcomp.diloco``).
@@ -267,10 +317,11 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
                                 outer_momentum=outer_momentum, nesterov=nesterov,
                                 compressor=compressor)
   rounds = jaxcomp.Membership(vote_timeout=vote_timeout)
+  programs = Programs(config, rounds.client)
   grad_step = jax.jit(lambda p, s, *b: _inner_step(loss_fn, config.inner, p, s, *b))
-  theta = jax.device_put(params, jax.local_devices()[0])
+  theta = jax.device_put(jax.tree.map(_value, params), jax.local_devices()[0])
   outer_state = config.outer_optimizer().init(theta)
-  local, inner_state, exchange, step = None, None, None, 0
+  local, inner_state, inner_step, exchange, step = None, None, None, None, 0
   outer_checkpoints = inner_states = None
   if checkpoint_dir is not None:
     inner_states = InnerStates(checkpoint_dir)
@@ -279,7 +330,7 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
       step, theta, outer_state = _resume(outer_checkpoints, step, theta, outer_state)
   saved = outer_checkpoints.latest_step() if outer_checkpoints else None  # the step resumed from
   while True:
-    synced, exchange = synchronize(rounds, config, step, theta, outer_state, local, exchange,
+    synced, exchange = synchronize(rounds, programs, step, theta, outer_state, local, exchange,
                                    on_round)  # 1-4
     on_sync(synced)
     theta, outer_state, step = synced.theta, synced.outer_state, synced.step
@@ -297,14 +348,60 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
         outer_checkpoints.close()
       if inner_states:
         inner_states.close()
+      programs.close()
       rounds.finish()
       return synced
     # 6: a period of inner steps from θ.
     local = theta
     for _ in range(sync_every):
-      local, inner_state, loss = grad_step(local, inner_state, *batch(step))
+      data = batch(step)
+      if inner_step is None:
+        inner_step = _inner_program(rounds.client, grad_step, local, inner_state, *data)
+      local, inner_state, loss = inner_step(local, inner_state, *data)
       jax.block_until_ready(loss)
       step += 1
+
+
+def _value(leaf):
+  """``leaf``, or zeros where it is a ``jax.ShapeDtypeStruct`` (process 0 sends θ)."""
+  if not isinstance(leaf, jax.ShapeDtypeStruct):
+    return leaf
+  if jax.process_index() == SOURCE:
+    raise TypeError(f"params: process {SOURCE} sends θ to the others, so it needs the values of "
+                    f"the initial parameters, got a shape ({leaf}): pass the initializer's "
+                    "result there")
+  return np.zeros(leaf.shape, leaf.dtype)
+
+
+def _inner_program(client, grad_step, *args) -> Callable:
+  """``grad_step`` compiled for ``args`` (``_compiled``); arguments of other shapes than the
+  first's are left to ``grad_step`` itself."""
+  compiled = _compiled(client, grad_step.lower(*args), jax.local_devices()[:1], "its inner step")
+
+  def run(*args):
+    try:
+      return compiled(*args)
+    except TypeError:  # other shapes or dtypes than the first step's
+      return grad_step(*args)
+  return run
+
+
+def _compiled(client, lowered, devices: list, name: str):
+  """``lowered`` compiled for ``devices``; its binary is kept in the coordination service's store
+  under this process's id and the program's hash, so that a restarted process loads what its
+  earlier life compiled (the others would wait for its compilation)."""
+  from jax.experimental import serialize_executable
+  key = (f"fault_tolerant/binary/{jax.process_index()}/"
+         f"{hashlib.sha256(lowered.as_text().encode()).hexdigest()}/{[d.id for d in devices]}")
+  try:
+    stored = client.key_value_try_get_bytes(key)
+  except jax.errors.JaxRuntimeError:  # not compiled yet in this job
+    compiled = lowered.compile()
+    client.key_value_set_bytes(key, serialize_executable.serialize(compiled)[0])
+    return compiled
+  log.warning("process %d: %s loaded from its earlier life's binary", jax.process_index(), name)
+  return serialize_executable.deserialize_and_load(stored, lowered.in_tree, lowered.out_tree,
+                                                   execution_devices=devices)
 
 
 def _inner_step(loss_fn, inner, params, state, *batch):

@@ -1,7 +1,8 @@
 """One process of a fault-tolerant DiLoCo job (``jaxcomp.train.fault_tolerant``): 2 CPU devices,
 ``jax.distributed`` with recoverability on 127.0.0.1, a small MLP on this process's own data, and a
 line of JSON per synchronization (the step, the members, the digests of θ and the outer state, the
-loss of θ on held-out data). ``--signal-in-sync STEP:SIGNAL`` makes it send itself SIGNAL (SIGKILL:
+loss of θ on held-out data), and one per round (its members, its devices and those it names ahead)
+in the same file's ``.rounds``. ``--signal-in-sync STEP:SIGNAL`` makes it send itself SIGNAL (SIGKILL:
 it dies; SIGSTOP: it hangs) as its round of the synchronization at STEP begins, once it has its
 plan: the others are then in the round's collectives without it. ``--muloco`` trains MuLoCo's way:
 Muon inside, the pseudo-gradient sent in 2 bits with a decaying error."""
@@ -43,7 +44,7 @@ def main():
   fault_tolerant.initialize(args.coordinator, args.processes, args.process_id,
                             heartbeat_timeout_seconds=HEARTBEAT,
                             collective_timeout_seconds=args.collective_timeout)
-  out = open(args.out, "a")
+  out, rounds = open(args.out, "a"), open(args.out + ".rounds", "a")
   held_out = nodes_harness.batch(-1)
 
   def batch(step):
@@ -55,6 +56,10 @@ def main():
   step, name = (args.signal_in_sync or "-1:SIGKILL").split(":")
 
   def on_round(this_round):
+    ids = lambda devices: [d.id for d in devices]  # noqa: E731
+    rounds.write(json.dumps({"members": this_round.members, "devices": ids(this_round.devices),
+                             "ahead": [(m, ids(d)) for m, d in this_round.ahead]}) + "\n")
+    rounds.flush()
     if this_round.step == int(step):
       print(f"{name} inside the synchronization at step {this_round.step}", flush=True)
       os.kill(os.getpid(), signal.Signals[name])
@@ -72,7 +77,10 @@ def main():
                      compressor=jaxcomp.quantized(2, error_decay=0.9, axis_name="replica"))
   else:
     algorithm = dict(inner=nodes_harness.inner())
-  fault_tolerant.train(nodes_harness.loss_fn, nodes_harness.init_params(), batch, **algorithm,
+  # Process 0 sends θ: the others pass its shapes.
+  params = (nodes_harness.init_params() if args.process_id == 0 else
+            jax.eval_shape(nodes_harness.init_params))
+  fault_tolerant.train(nodes_harness.loss_fn, params, batch, **algorithm,
                        sync_every=args.sync_every, steps=args.steps,
                        checkpoint_dir=args.checkpoint_dir, on_round=on_round, on_sync=on_sync)
   print("done", flush=True)
