@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp.train import fault_tolerant
+from jaxcomp.train import fault_tolerant, fault_tolerant_checkpoints
 import helpers
 from helpers import free_port
 
@@ -339,7 +339,7 @@ def test_inner_states_keep_the_newest_files_and_refuse_another_optimizers_state(
   params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
   adam = optax.adamw(1e-3)
   state = adam.update(params, adam.init(params), params)[1]
-  states = fault_tolerant.InnerStates(str(tmp_path))
+  states = fault_tolerant_checkpoints.InnerStates(str(tmp_path))
   for step in range(0, 25, 5):
     states.save(step, state)
   states.close()

@@ -21,8 +21,9 @@ The steps, per process (the ``# n:`` comments below point here):
 4. the members vote and process 0 decides (``Membership.agree``): if any member failed (died,
    or its collective timed out), every member drops the round's result and tries again with the
    survivors, from the same θ and its own θᵢ;
-5. every member writes its own inner optimizer's state to ``checkpoint_dir`` (``InnerStates``),
-   and process 0 θ, the outer state and the step (orbax), each in the background and alone;
+5. every member writes its own inner optimizer's state to ``checkpoint_dir``, and process 0 θ,
+   the outer state and the step (orbax), each in the background and alone
+   (``jaxcomp.train.fault_tolerant_checkpoints``);
 6. every member sets its parameters to θ and trains ``sync_every`` inner steps on its own data; a
    process that joined takes its inner optimizer's state from its own checkpoint of this step, or
    starts it afresh with a warning naming it where there is none.
@@ -57,6 +58,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxcomp
+from jaxcomp.train import fault_tolerant_checkpoints as checkpoints
 
 log = logging.getLogger(__name__)
 SOURCE = 0  # the process θ is sent from: it hosts the coordination service, so it never rejoins
@@ -324,10 +326,10 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
   local, inner_state, inner_step, exchange, step = None, None, None, None, 0
   outer_checkpoints = inner_states = None
   if checkpoint_dir is not None:
-    inner_states = InnerStates(checkpoint_dir)
+    inner_states = checkpoints.InnerStates(checkpoint_dir)
     if jax.process_index() == SOURCE:
-      outer_checkpoints = _checkpoints(checkpoint_dir)
-      step, theta, outer_state = _resume(outer_checkpoints, step, theta, outer_state)
+      outer_checkpoints = checkpoints.outer(checkpoint_dir, SOURCE)
+      step, theta, outer_state = checkpoints.resume(outer_checkpoints, step, theta, outer_state)
   saved = outer_checkpoints.latest_step() if outer_checkpoints else None  # the step resumed from
   while True:
     synced, exchange = synchronize(rounds, programs, step, theta, outer_state, local, exchange,
@@ -335,11 +337,11 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
     on_sync(synced)
     theta, outer_state, step = synced.theta, synced.outer_state, synced.step
     if inner_state is None:  # 6 (first half): a process that joined, its inner state
-      inner_state = _inner_state(inner_states, step, config.inner.init(theta))
+      inner_state = checkpoints.inner_state(inner_states, step, config.inner.init(theta))
     if inner_states:  # 5: the inner state first: a step with θ's checkpoint has them too
       inner_states.save(step, inner_state)
     if outer_checkpoints and step != saved:
-      outer_checkpoints.save(step, args=_orbax().args.StandardSave(
+      outer_checkpoints.save(step, args=checkpoints.orbax().args.StandardSave(
           jax.tree.map(np.asarray, {"theta": theta, "outer_state": outer_state})))
       saved = step
     if step >= steps:
@@ -408,115 +410,3 @@ def _inner_step(loss_fn, inner, params, state, *batch):
   loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
   updates, state = inner.update(grads, state, params)
   return optax.apply_updates(params, updates), state, loss
-
-
-def _orbax():
-  try:
-    import orbax.checkpoint
-  except ImportError as e:
-    raise ImportError("fault_tolerant.train(checkpoint_dir=...) needs orbax: pip install "
-                      "orbax-checkpoint, or pass checkpoint_dir=None") from e
-  return orbax.checkpoint
-
-
-def _checkpoints(directory: str):
-  """Process 0's orbax ``CheckpointManager`` over ``directory``: it saves in the background, and
-  process 0 alone takes part (a dead process must not hold up a barrier)."""
-  ocp = _orbax()
-  directory = os.path.abspath(directory)
-  os.makedirs(directory, exist_ok=True)  # orbax does not create it for a subset of processes
-  return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-      max_to_keep=3, enable_async_checkpointing=True, create=False,
-      multiprocessing_options=ocp.options.MultiprocessingOptions(
-          primary_host=SOURCE, active_processes={SOURCE})))
-
-
-class InnerStates:
-  """This process's inner optimizer states, one NumPy file per synchronization
-  (``checkpoint_dir/inner/process_<id>/<step>.npz``, the newest ``KEEP``), written in the
-  background.
-
-  Not orbax: orbax 0.12's background saves agree on their progress through the coordination
-  service's key-value store under keys that do not name the process, so two processes saving
-  each its own checkpoint wait for each other's signals for ever (seen with 3 processes).
-  """
-  KEEP = 3
-
-  def __init__(self, checkpoint_dir: str):
-    self.directory = os.path.join(os.path.abspath(checkpoint_dir), "inner",
-                                  f"process_{jax.process_index()}")
-    os.makedirs(self.directory, exist_ok=True)
-    self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-
-  def _path(self, step: int) -> str:
-    return os.path.join(self.directory, f"{step}.npz")
-
-  def steps(self) -> list:
-    """The steps written, oldest first."""
-    return sorted(int(name[:-4]) for name in os.listdir(self.directory)
-                  if name.endswith(".npz"))
-
-  def save(self, step: int, tree) -> None:
-    """Writes ``tree``'s leaves as ``step``'s file in the background (complete, or absent)."""
-    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-    def write():
-      temporary = self._path(step) + ".tmp"
-      with open(temporary, "wb") as f:
-        np.savez(f, *leaves)
-      os.replace(temporary, self._path(step))
-      for old in self.steps()[:-self.KEEP]:
-        os.remove(self._path(old))
-    self._writer.submit(write)
-
-  def restore(self, step: int, like):
-    """``step``'s state in ``like``'s structure; None if there is no file of ``step``.
-
-    Raises:
-      ValueError: the file's leaves are not ``like``'s shapes and dtypes (another optimizer).
-    """
-    if step not in self.steps():
-      return None
-    leaves, structure = jax.tree.flatten(like)
-    with np.load(self._path(step)) as f:
-      stored = [f[f"arr_{i}"] for i in range(len(f.files))]
-    expected = [(np.shape(x), np.dtype(x.dtype)) for x in leaves]
-    if [(x.shape, x.dtype) for x in stored] != expected:
-      raise ValueError(f"fault_tolerant: {self._path(step)} holds another inner optimizer's "
-                       f"state (leaves {[(x.shape, str(x.dtype)) for x in stored]}, expected "
-                       f"{[(s, str(d)) for s, d in expected]}): use the same inner optimizer, or "
-                       "another checkpoint_dir")
-    return jax.tree.unflatten(structure, [jnp.asarray(x) for x in stored])
-
-  def close(self) -> None:
-    """Waits for the writes in flight."""
-    self._writer.shutdown(wait=True)
-
-
-def _inner_state(inner_states, step: int, fresh):
-  """This process's inner optimizer state of ``step`` from its files; ``fresh`` where there is
-  none, with a warning naming it once the job is past its start."""
-  restored = inner_states.restore(step, fresh) if inner_states else None
-  if restored is not None:
-    log.warning("process %d: its inner optimizer's state restored from step %d's checkpoint",
-                jax.process_index(), step)
-    return jax.device_put(restored, jax.local_devices()[0])
-  if step > 0:
-    log.warning("process %d: its inner optimizer's state starts afresh at step %d (%s)",
-                jax.process_index(), step, f"none of this step in {inner_states.directory}"
-                if inner_states else "checkpoint_dir=None")
-  return fresh
-
-
-def _resume(checkpoints, step: int, theta, outer_state):
-  """The newest checkpoint's step, θ and outer state; the given ones where there is none."""
-  newest = checkpoints.latest_step()
-  if newest is None:
-    return step, theta, outer_state
-  restored = checkpoints.restore(newest, args=_orbax().args.StandardRestore(
-      jax.tree.map(np.asarray, {"theta": theta, "outer_state": outer_state})))
-  log.warning("resuming from the checkpoint of step %d in %s: θ and the outer optimizer's state "
-              "restored; each process takes back its own inner optimizer's state where it has "
-              "one", newest, checkpoints.directory)
-  return newest, *jax.device_put((restored["theta"], restored["outer_state"]),
-                                 jax.local_devices()[0])

@@ -1,11 +1,11 @@
 """One process of a fault-tolerant DiLoCo job (``jaxcomp.train.fault_tolerant``): 2 CPU devices,
 ``jax.distributed`` with recoverability on 127.0.0.1, a small MLP on this process's own data, and a
-line of JSON per synchronization (the step, the members, the digests of θ and the outer state, the
-loss of θ on held-out data), and one per round (its members, its devices and those it names ahead)
-in the same file's ``.rounds``. ``--signal-in-sync STEP:SIGNAL`` makes it send itself SIGNAL (SIGKILL:
-it dies; SIGSTOP: it hangs) as its round of the synchronization at STEP begins, once it has its
-plan: the others are then in the round's collectives without it. ``--muloco`` trains MuLoCo's way:
-Muon inside, the pseudo-gradient sent in 2 bits with a decaying error."""
+line of JSON per synchronization (the step, the members, the digests of θ and the outer state,
+the loss of θ on held-out data), and one per round (its members, its devices and those it names
+ahead) in the same file's ``.rounds``. ``--signal-in-sync STEP:SIGNAL`` makes it send itself
+SIGNAL (SIGKILL: it dies; SIGSTOP: it hangs) as its round of the synchronization at STEP begins,
+once it has its plan: the others are then in the round's collectives without it. ``--muloco``
+trains MuLoCo's way: Muon inside, the pseudo-gradient sent in 2 bits with a decaying error."""
 
 import argparse
 import json
