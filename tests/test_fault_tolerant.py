@@ -28,6 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fault_tolerant.py"
 PROCESSES, SYNC_EVERY, STEPS, KILL_AFTER, DIE_IN_SYNC_AT = 3, 5, 100, 10, 75
 KILL_0_AFTER, RESUMED_STEPS = 20, 50  # process 0's death, and the step count of the job it ends
+STREAMING_STEPS = 60
 HANG_AT, HANG_STEPS = 15, 30  # a process hangs in the synchronization at HANG_AT of a shorter job
 COLLECTIVE_TIMEOUT, VOTE_TIMEOUT = 20, 60  # seconds: the worker's, and train's default
 DEADLINE = 240  # seconds for a whole job; it takes about a fifth of that
@@ -156,6 +157,49 @@ def test_a_killed_process_rejoins_and_every_process_stays_bit_identical(tmp_path
   print(f"members by synchronization: {members}; the survivors synchronized without process 2 "
         f"{went_on:.1f} s after the kill, and with it again {back:.1f} s after; the "
         f"synchronization process 1 died in counted {after:.1f} s after its previous one")
+
+
+@pytest.mark.slow
+def test_streaming_diloco_survives_a_kill_and_the_restarted_process_receives_every_fragment(
+    tmp_path):
+  """Streaming DiLoCo, 2 fragments (a synchronization every 5 steps, each fragment's every 10):
+  process 2 is killed during its inner steps and restarted. Every copy of θ and the outer states
+  is the same bits after every synchronization, the rejoined process's first one included; a
+  synchronization without a process joining moves only its own fragment of θ, each in turn."""
+  with Job(tmp_path, PROCESSES, STREAMING_STEPS, "--fragments", "2", "--sync-every", "10") as job:
+    first = [job.start(i) for i in range(PROCESSES)]
+    job.wait_for(lambda: any(r["step"] >= KILL_AFTER for r in job.records(2)), first)
+    os.killpg(first[2].pid, signal.SIGKILL)
+    first[2].wait()
+    killed_at = len(job.records(2))
+    job.wait_for(lambda: any(r["members"] == [0, 1] for r in job.records(0)), first[:2])
+    rejoined = job.start(2)
+    for p in (first[0], first[1], rejoined):
+      assert job.wait(p) == 0, job.logs()
+    by_process = [job.records(i) for i in range(PROCESSES)]
+    rounds = [json.loads(line) for line in (tmp_path / "process0.jsonl.rounds").read_text()
+              .splitlines()]
+
+  expected_steps = list(range(0, STREAMING_STEPS + 1, 5))
+  assert [r["step"] for r in by_process[0]] == expected_steps
+  assert_bit_identical(by_process, expected_steps)
+  second_life = by_process[2][killed_at:]
+  assert second_life and second_life[0]["pid"] != by_process[2][0]["pid"]
+  assert second_life[0]["pieces"] == next(r for r in by_process[0]
+                                          if r["step"] == second_life[0]["step"])["pieces"]
+  assert [r["fragment"] for r in by_process[0][1:]] == [(s // 5 - 1) % 2
+                                                        for s in expected_steps[1:]]
+  joined_at = {r["step"] for r, plan in zip(by_process[0], counted(rounds)) if plan["joining"]}
+  assert len(joined_at) == 2, joined_at  # the job's start and process 2's return
+  for before, after in zip(by_process[0], by_process[0][1:]):
+    moved = [a != b for a, b in zip(before["pieces"], after["pieces"])]
+    if after["step"] not in joined_at:
+      assert moved == [q == after["fragment"] for q in range(2)], (before, after)
+
+
+def counted(rounds):
+  """Process 0's rounds that counted: the last of each step's (a failed one is retried)."""
+  return list({r["step"]: r for r in rounds}.values())
 
 
 @pytest.mark.slow
@@ -351,3 +395,20 @@ def test_inner_states_keep_the_newest_files_and_refuse_another_optimizers_state(
   assert states.restore(5, adam.init(params)) is None
   with pytest.raises(ValueError, match="another inner optimizer's state"):
     states.restore(20, optax.sgd(0.1, momentum=0.9).init(params))
+
+
+def test_fragments_split_the_parameters_in_turn_and_refuse_a_count_that_does_not_fit():
+  """Streaming DiLoCo's fragments: whole leaves (each bias with its kernel), pieces and whole
+  inverse of each other, each fragment due in turn; a count that does not divide the period or
+  leaves a fragment empty is refused, naming ``fragments``."""
+  params = {"a": {"b": np.zeros(3, np.float32), "w": np.ones((2, 3), np.float32)},
+            "z": {"b": np.zeros(4, np.float32), "w": np.ones((3, 4), np.float32)}}
+  parts = fault_tolerant.Fragments.of(params, 2, sync_every=10)
+  assert parts.layout == ((0, 1), (2, 3))
+  pieces = parts.pieces(params)
+  assert [[x.shape for x in piece] for piece in pieces] == [[(3,), (2, 3)], [(4,), (3, 4)]]
+  jax.tree.map(np.testing.assert_array_equal, parts.whole(pieces), params)
+  assert [parts.due(step, 5) for step in (5, 10, 15, 20)] == [0, 1, 0, 1]
+  for count, sync_every in ((3, 10), (3, 9), (0, 10)):
+    with pytest.raises(ValueError, match="fragments"):
+      fault_tolerant.Fragments.of(params, count, sync_every=sync_every)

@@ -68,12 +68,15 @@ class Round(NamedTuple):
     ahead: ``(members, devices)`` of each membership one death or one return away from this
       one, and of this one again, on the devices process 0 would give it next: what a member can
       compile before it is needed.
+    joining: the members that were not in the last round that counted (a restarted process is
+      another incarnation): every member at the job's first round.
   """
   number: int
   step: int
   members: tuple
   devices: tuple
   ahead: tuple = ()
+  joining: tuple = ()
 
 
 class Membership:
@@ -106,8 +109,10 @@ class Membership:
     self.me, self.processes = jax.process_index(), jax.process_count()
     self.vote_timeout_ms, self.plan_timeout_ms = int(vote_timeout * 1000), int(plan_timeout * 1000)
     self.rounds_read = 0
-    # Process 0's: the next round's number, the lists used, the epoch, each incarnation's count.
+    # Process 0's: the next round's number, the lists used, the epoch, each incarnation's count,
+    # the incarnations of the round planned and of the last one that counted.
     self.number, self.used, self.epoch, self.accepted, self.sent = 0, set(), None, False, {}
+    self.planned, self.counted = set(), set()
 
   def next_round(self, step: int) -> Round:
     """Steps 1–3: blocks until the live processes meet.
@@ -131,7 +136,8 @@ class Membership:
     self.rounds_read += 1
     return Round(plan["number"], plan["step"], tuple(plan["members"]),
                  _devices(plan["members"], plan["devices"]),
-                 tuple((tuple(m), _devices(m, d)) for m, d in plan["ahead"]))
+                 tuple((tuple(m), _devices(m, d)) for m, d in plan["ahead"]),
+                 tuple(plan["joining"]))
 
   def agree(self, this_round: Round, ok: bool) -> bool:
     """Step 4: votes and waits for process 0's decision.
@@ -147,6 +153,8 @@ class Membership:
     decision = f"membership/decision/{this_round.number}"
     if self.me == 0:
       self.accepted = all(self._vote(this_round.number, p) for p in this_round.members)
+      if self.accepted:
+        self.counted = self.planned
       self.client.key_value_set(decision, "1" if self.accepted else "0")
     return self.client.blocking_key_value_get(decision, self.plan_timeout_ms) == "1"
 
@@ -237,8 +245,11 @@ class Membership:
               [tuple(sorted(members + (back,))) for back in range(self.processes)
                if back not in members] + [members])
     ahead = [(m, self._fresh(m)) for m in nearby]
+    self.planned = set(live.items())
     plan = {"number": self.number, "step": step, "members": members, "devices": self.epoch[1],
-            "ahead": [(m, c) for m, c in ahead if c is not None]}
+            "ahead": [(m, c) for m, c in ahead if c is not None],
+            "joining": sorted(p for p, incarnation in live.items()
+                              if (p, incarnation) not in self.counted)}
     for p, incarnation in live.items():
       count = self.sent.get((p, incarnation), 0)
       self.client.key_value_set(f"membership/plan/{p}/{incarnation}/{count}", json.dumps(plan))

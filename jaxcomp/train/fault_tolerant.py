@@ -1,5 +1,6 @@
-"""DiLoCo (and MuLoCo, SparseLoCo: DiLoCo with a ``compressor``) across processes that goes on
-when a process dies and takes it back when it restarts.
+"""DiLoCo (and MuLoCo, SparseLoCo: DiLoCo with a ``compressor``; Streaming DiLoCo: with
+``fragments``) across processes that goes on when a process dies and takes it back when it
+restarts.
 
 Each process is one DiLoCo replica: it runs its inner steps alone, on its own device, and meets the
 others only to synchronize, every ``sync_every`` steps, over the processes alive then
@@ -27,6 +28,13 @@ The steps, per process (the ``# n:`` comments below point here):
 6. every member sets its parameters to θ and trains ``sync_every`` inner steps on its own data; a
    process that joined takes its inner optimizer's state from its own checkpoint of this step, or
    starts it afresh with a warning naming it where there is none.
+
+With P ``fragments`` (Streaming DiLoCo's, ``jaxcomp.fragment_layout``; without overlap, mixing 1)
+a round every ``sync_every // P`` inner steps runs steps 1–6 on one fragment of the parameters,
+each fragment in turn with its own outer state and compressor state, so it sends 1/P of θ; in
+step 6 a member sets that fragment of its parameters to θ and keeps the rest. A round that a
+process joins (``Round.joining``) also sends it the other fragments (their programs with every
+weight 0: θ and the outer state, unchanged), and it sets all of its parameters to θ.
 
 After each round that counted, every member compiles in the background the programs of the
 memberships one death or one return away (``Programs``), so that the survivors of a death, and the
@@ -103,13 +111,15 @@ class Synced(NamedTuple):
   Attributes:
     step: the job's step count.
     members: the process ids that took part.
-    theta: θ, the parameters of the last outer step.
-    outer_state: the outer optimizer's state.
+    fragment: the fragment of the parameters whose outer step the round took (0 with one).
+    theta: θ, the parameters after the last outer step of each fragment.
+    outer_state: the outer optimizer's state of each fragment, a list.
   """
   step: int
   members: tuple
+  fragment: int
   theta: object
-  outer_state: object
+  outer_state: list
 
 
 def digest(tree) -> str:
@@ -212,50 +222,110 @@ class Programs:
     self._compiler = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._compiled = {}
 
-  def _compile(self, members: tuple, devices: tuple, theta, outer_state):
+  def _compile(self, members: tuple, devices: tuple, fragment: int, theta, outer_state):
     state = _exchange(self.config, members, devices, None, theta).state
     return _compiled(self.client, _sync_program(self.config, devices).lower(*_on_mesh(
         (theta, outer_state, theta, np.float32(1), np.bool_(False), state), devices)), devices,
-        f"the synchronization of processes {members}")
+        f"the synchronization of fragment {fragment} over processes {members}")
 
-  def prepare(self, members: tuple, devices: tuple, theta, outer_state) -> None:
-    """Starts compiling the program over ``devices`` for θ and the outer state's shapes."""
-    if devices not in self._compiled:
-      self._compiled[devices] = self._compiler.submit(self._compile, members, devices, theta,
-                                                      outer_state)
+  def prepare(self, members: tuple, devices: tuple, fragment: int, theta, outer_state) -> None:
+    """Starts compiling the program of ``fragment`` over ``devices`` for its θ and outer
+    state's shapes."""
+    if (devices, fragment) not in self._compiled:
+      self._compiled[devices, fragment] = self._compiler.submit(
+          self._compile, members, devices, fragment, theta, outer_state)
 
-  def get(self, members: tuple, devices: tuple, theta, outer_state):
-    """The program over ``devices``, compiled now if it was not prepared."""
-    self.prepare(members, devices, theta, outer_state)
-    return self._compiled[devices].result()
+  def get(self, members: tuple, devices: tuple, fragment: int, theta, outer_state):
+    """The program of ``fragment`` over ``devices``, compiled now if it was not prepared."""
+    self.prepare(members, devices, fragment, theta, outer_state)
+    return self._compiled[devices, fragment].result()
 
   def close(self) -> None:
     """Drops the compilations not started."""
     self._compiler.shutdown(wait=False, cancel_futures=True)
 
 
-def synchronize(rounds: jaxcomp.Membership, programs: Programs, step: int, theta,
-                outer_state, local, exchange: Exchange | None = None,
-                on_round: Callable = lambda this_round: None) -> tuple[Synced, Exchange]:
-  """Steps 1–4: rounds until one counts. ``local`` is this period's θᵢ, or None if this process
-  has not trained since it (re)joined; ``exchange``, the compressor's state of the last round
-  that counted (None: none yet); ``on_round`` is called with each round before its
-  collectives. Returns the round's result and the compressor's state after it, and has the
-  programs of the rounds likely next compiled in the background."""
-  config = programs.config
+class Fragments(NamedTuple):
+  """The parameters' fragments (Streaming DiLoCo's, ``jaxcomp.fragment_layout``): each fragment's
+  leaf indices, and the parameters' tree structure."""
+  layout: tuple
+  structure: object
+
+  @classmethod
+  def of(cls, params, fragments: int, sync_every: int | None = None) -> "Fragments":
+    """``fragments`` fragments of ``params``; one holds them all.
+
+    Raises:
+      ValueError: ``fragments`` does not divide ``sync_every`` (each fragment synchronizes once
+        per period), or a fragment would hold no leaf.
+    """
+    if not isinstance(fragments, int) or fragments < 1 or (
+        sync_every is not None and sync_every % fragments):
+      raise ValueError(f"fragments must be a positive integer that divides sync_every "
+                       f"({sync_every}), so that every fragment synchronizes once per period; "
+                       f"got {fragments!r}")
+    layout = jaxcomp.fragment_layout(jaxcomp.TreeSignature.of(params), fragments)
+    leaves = jax.tree.leaves(params)
+    if any(not f for f in layout) or sorted(i for f in layout for i in f) != list(
+        range(len(leaves))):
+      raise ValueError(f"fragments: {fragments} fragments of these parameters would leave one "
+                       f"empty, or a leaf in none (layout {layout} of {len(leaves)} leaves): "
+                       "use fewer fragments")
+    return cls(layout, jax.tree.structure(params))
+
+  def pieces(self, tree) -> list:
+    """``tree``'s leaves, a list per fragment."""
+    leaves = jax.tree.leaves(tree)
+    return [[leaves[i] for i in fragment] for fragment in self.layout]
+
+  def whole(self, pieces) -> object:
+    """The tree of ``pieces`` (``pieces``'s inverse)."""
+    leaves = [None] * self.structure.num_leaves
+    for fragment, values in zip(self.layout, pieces):
+      for i, value in zip(fragment, values):
+        leaves[i] = value
+    return jax.tree.unflatten(self.structure, leaves)
+
+  def due(self, step: int, period: int) -> int:
+    """The fragment whose outer step the synchronization after inner step ``step`` takes: each
+    in turn, every ``period`` steps."""
+    return max(step // period - 1, 0) % len(self.layout)
+
+
+def synchronize(rounds: jaxcomp.Membership, programs: Programs, fragments: Fragments,
+                fragment: int, step: int, theta, outer_states: list, local,
+                exchanges: list | None = None,
+                on_round: Callable = lambda this_round: None) -> tuple[Synced, list]:
+  """Steps 1–4 for ``fragment``: rounds until one counts. ``local`` is this process's θᵢ, or
+  None if it has not trained since it (re)joined; ``exchanges``, each fragment's compressor state
+  of the last round that counted (None: none yet); ``on_round`` is called with each round before
+  its collectives. A round with a process joining also sends it the other fragments' θ and outer
+  state (their programs with every weight 0). Returns the round's result and the compressor
+  states after it, and has the programs of the rounds likely next compiled in the background."""
+  config, count = programs.config, len(fragments.layout)
+  exchanges = exchanges or [None] * count
+  thetas, locals_ = fragments.pieces(theta), fragments.pieces(theta if local is None else local)
   while True:
     this_round = rounds.next_round(step)  # 1
     on_round(this_round)
-    weight = np.float32(local is not None)
+    run = range(count) if this_round.joining else [fragment]
+    new_thetas, new_states, new_exchanges = list(thetas), list(outer_states), list(exchanges)
     try:
-      program = programs.get(this_round.members, this_round.devices, theta, outer_state)
-      before = _exchange(config, this_round.members, this_round.devices, exchange, theta)
-      theta_out, state_out, compressor_state = _local(program(*_on_mesh(
-          (theta, outer_state, theta if local is None else local,
-           weight, np.bool_(jax.process_index() == SOURCE), before.state),
-          this_round.devices)))
-      compressor_state = jax.tree.map(lambda x: x[0], compressor_state)  # this member's row
-      jax.block_until_ready((theta_out, state_out, compressor_state))
+      for q in run:
+        program = programs.get(this_round.members, this_round.devices, q, thetas[q],
+                               outer_states[q])
+        before = _exchange(config, this_round.members, this_round.devices, exchanges[q],
+                           thetas[q])
+        weight = np.float32(local is not None and q == fragment)
+        theta_out, state_out, compressor_state = _local(program(*_on_mesh(
+            (thetas[q], outer_states[q], locals_[q], weight,
+             np.bool_(jax.process_index() == SOURCE), before.state), this_round.devices)))
+        compressor_state = jax.tree.map(lambda x: x[0], compressor_state)  # this member's row
+        jax.block_until_ready((theta_out, state_out, compressor_state))
+        new_thetas[q], new_states[q] = theta_out, state_out
+        # Another fragment's round only sent θ: its exchange state stays as it was.
+        new_exchanges[q] = (Exchange(this_round.members, compressor_state) if q == fragment
+                            else before)
       ok = True
     except jax.errors.JaxRuntimeError as e:  # a member died: a closed connection, or the timeout
       log.warning("round %d over processes %s failed: %s", this_round.number,
@@ -264,9 +334,10 @@ def synchronize(rounds: jaxcomp.Membership, programs: Programs, step: int, theta
     if rounds.agree(this_round, ok):  # 4
       for members, devices in this_round.ahead:
         if jax.process_index() in members:
-          programs.prepare(members, devices, theta_out, state_out)
-      return (Synced(this_round.step, this_round.members, theta_out, state_out),
-              Exchange(this_round.members, compressor_state))
+          for q in range(count):
+            programs.prepare(members, devices, q, new_thetas[q], new_states[q])
+      return (Synced(this_round.step, this_round.members, fragment,
+                     fragments.whole(new_thetas), new_states), new_exchanges)
     log.warning("round %d over processes %s did not count; retrying over the live ones",
                 this_round.number, this_round.members)
 
@@ -274,7 +345,8 @@ def synchronize(rounds: jaxcomp.Membership, programs: Programs, step: int, theta
 def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTransformation,
           sync_every: int, steps: int, outer_learning_rate: float = 0.7,
           outer_momentum: float = 0.9, nesterov: bool = True,
-          compressor: optax.GradientTransformation | None = None, vote_timeout: float = 60.0,
+          compressor: optax.GradientTransformation | None = None, fragments: int = 1,
+          vote_timeout: float = 60.0,
           checkpoint_dir: str | None = None, on_round: Callable = lambda this_round: None,
           on_sync: Callable = lambda synced: None) -> Synced:
   """Fault-tolerant DiLoCo of this process, until the job's step count reaches ``steps``.
@@ -297,6 +369,11 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
       exact mean. Its state (error feedback) is this process's, kept from
       one synchronization to the next while the members stay the same, started afresh by every
       member when they change, and not checkpointed.
+    fragments: P, Streaming DiLoCo's fragments (``jaxcomp.fragment_layout``): a synchronization
+      every ``sync_every // fragments`` inner steps takes the outer step of one fragment, in
+      turn, so it sends 1/P of the parameters; each fragment keeps its own outer state and
+      compressor state. A process that joins receives every fragment; the others take the
+      synchronized fragment's θ and keep what they learned of the others. 1: DiLoCo.
     vote_timeout: seconds process 0 waits for a member's vote after a round's collective.
     checkpoint_dir: where process 0 writes θ, the outer state and the step after every round
       that counted, and resumes from the newest one at the start (the others receive it at the
@@ -322,7 +399,8 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
   programs = Programs(config, rounds.client)
   grad_step = jax.jit(lambda p, s, *b: _inner_step(loss_fn, config.inner, p, s, *b))
   theta = jax.device_put(jax.tree.map(_value, params), jax.local_devices()[0])
-  outer_state = config.outer_optimizer().init(theta)
+  parts, period = Fragments.of(theta, fragments, sync_every), sync_every // fragments
+  outer_state = [config.outer_optimizer().init(piece) for piece in parts.pieces(theta)]
   local, inner_state, inner_step, exchange, step = None, None, None, None, 0
   outer_checkpoints = inner_states = None
   if checkpoint_dir is not None:
@@ -332,8 +410,8 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
       step, theta, outer_state = checkpoints.resume(outer_checkpoints, step, theta, outer_state)
   saved = outer_checkpoints.latest_step() if outer_checkpoints else None  # the step resumed from
   while True:
-    synced, exchange = synchronize(rounds, programs, step, theta, outer_state, local, exchange,
-                                   on_round)  # 1-4
+    synced, exchange = synchronize(rounds, programs, parts, parts.due(step, period), step, theta,
+                                   outer_state, local, exchange, on_round)  # 1-4
     on_sync(synced)
     theta, outer_state, step = synced.theta, synced.outer_state, synced.step
     if inner_state is None:  # 6 (first half): a process that joined, its inner state
@@ -353,9 +431,15 @@ def train(loss_fn: Callable, params, batch: Callable, *, inner: optax.GradientTr
       programs.close()
       rounds.finish()
       return synced
-    # 6: a period of inner steps from θ.
-    local = theta
-    for _ in range(sync_every):
+    # 6: a period of inner steps from θ (of the fragment synchronized; of all of them for a
+    # process that joined).
+    if local is None:
+      local = theta
+    else:
+      pieces = parts.pieces(local)
+      pieces[synced.fragment] = parts.pieces(theta)[synced.fragment]
+      local = parts.whole(pieces)
+    for _ in range(period):
       data = batch(step)
       if inner_step is None:
         inner_step = _inner_program(rounds.client, grad_step, local, inner_state, *data)

@@ -5,7 +5,8 @@ the loss of θ on held-out data), and one per round (its members, its devices an
 ahead) in the same file's ``.rounds``. ``--signal-in-sync STEP:SIGNAL`` makes it send itself
 SIGNAL (SIGKILL: it dies; SIGSTOP: it hangs) as its round of the synchronization at STEP begins,
 once it has its plan: the others are then in the round's collectives without it. ``--muloco``
-trains MuLoCo's way: Muon inside, the pseudo-gradient sent in 2 bits with a decaying error."""
+trains MuLoCo's way: Muon inside, the pseudo-gradient sent in 2 bits with a decaying error;
+``--fragments P`` Streaming DiLoCo's way, one fragment of P per synchronization."""
 
 import argparse
 import json
@@ -38,6 +39,7 @@ def main():
   parser.add_argument("--checkpoint-dir", default=None)
   parser.add_argument("--signal-in-sync", default=None, help="STEP:SIGNAL, e.g. 75:SIGKILL")
   parser.add_argument("--muloco", action="store_true")
+  parser.add_argument("--fragments", type=int, default=1)
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", 2)
   jax.config.update("jax_platforms", "cpu")
@@ -57,18 +59,24 @@ def main():
 
   def on_round(this_round):
     ids = lambda devices: [d.id for d in devices]  # noqa: E731
-    rounds.write(json.dumps({"members": this_round.members, "devices": ids(this_round.devices),
-                             "ahead": [(m, ids(d)) for m, d in this_round.ahead]}) + "\n")
+    rounds.write(json.dumps({"step": this_round.step, "members": this_round.members,
+                             "devices": ids(this_round.devices),
+                             "ahead": [(m, ids(d)) for m, d in this_round.ahead],
+                             "joining": this_round.joining}) + "\n")
     rounds.flush()
     if this_round.step == int(step):
       print(f"{name} inside the synchronization at step {this_round.step}", flush=True)
       os.kill(os.getpid(), signal.Signals[name])
+
+  pieces = fault_tolerant.Fragments.of(nodes_harness.init_params(), args.fragments).pieces
 
   def on_sync(synced):
     out.write(json.dumps({"pid": os.getpid(), "time": time.time(), "step": synced.step,
                           "members": synced.members,
                           "theta": fault_tolerant.digest(synced.theta),
                           "outer": fault_tolerant.digest(synced.outer_state),
+                          "fragment": synced.fragment,
+                          "pieces": [fault_tolerant.digest(p) for p in pieces(synced.theta)],
                           "loss": float(nodes_harness.loss_fn(synced.theta, *held_out))}) + "\n")
     out.flush()
 
@@ -80,7 +88,7 @@ def main():
   # Process 0 sends θ: the others pass its shapes.
   params = (nodes_harness.init_params() if args.process_id == 0 else
             jax.eval_shape(nodes_harness.init_params))
-  fault_tolerant.train(nodes_harness.loss_fn, params, batch, **algorithm,
+  fault_tolerant.train(nodes_harness.loss_fn, params, batch, **algorithm, fragments=args.fragments,
                        sync_every=args.sync_every, steps=args.steps,
                        checkpoint_dir=args.checkpoint_dir, on_round=on_round, on_sync=on_sync)
   print("done", flush=True)
