@@ -110,9 +110,9 @@ class Membership:
     self.vote_timeout_ms, self.plan_timeout_ms = int(vote_timeout * 1000), int(plan_timeout * 1000)
     self.rounds_read = 0
     # Process 0's: the next round's number, the lists used, the epoch, each incarnation's count,
-    # the incarnations of the round planned and of the last one that counted.
+    # the incarnations of the last round that counted.
     self.number, self.used, self.epoch, self.accepted, self.sent = 0, set(), None, False, {}
-    self.planned, self.counted = set(), set()
+    self.counted = set()
 
   def next_round(self, step: int) -> Round:
     """Steps 1–3: blocks until the live processes meet.
@@ -153,8 +153,8 @@ class Membership:
     decision = f"membership/decision/{this_round.number}"
     if self.me == 0:
       self.accepted = all(self._vote(this_round.number, p) for p in this_round.members)
-      if self.accepted:
-        self.counted = self.planned
+      if self.accepted:  # the epoch's incarnations are the round's
+        self.counted = set(self.epoch[0])
       self.client.key_value_set(decision, "1" if self.accepted else "0")
     return self.client.blocking_key_value_get(decision, self.plan_timeout_ms) == "1"
 
@@ -245,7 +245,6 @@ class Membership:
               [tuple(sorted(members + (back,))) for back in range(self.processes)
                if back not in members] + [members])
     ahead = [(m, self._fresh(m)) for m in nearby]
-    self.planned = set(live.items())
     plan = {"number": self.number, "step": step, "members": members, "devices": self.epoch[1],
             "ahead": [(m, c) for m, c in ahead if c is not None],
             "joining": sorted(p for p, incarnation in live.items()

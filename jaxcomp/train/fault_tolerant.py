@@ -208,7 +208,8 @@ def _exchange(config: jaxcomp.DiLoCoConfig, members: tuple, devices: tuple,
 
 
 class Programs:
-  """This process's compiled synchronization programs (steps 2–3), one per list of devices.
+  """This process's compiled synchronization programs (steps 2–3), one per list of devices and
+  fragment.
 
   After a round that counted, the programs of the memberships one death or one return away
   (``Round.ahead``) that take this process are compiled in the background, one at a time, so that
